@@ -1,0 +1,35 @@
+"""compiled_attn: paged attention that survives torch.compile(fullgraph=True) and CUDA graphs.
+
+The public contract is pinned in DESIGN.md; everything here is part of it.
+"""
+
+from compiled_attn import ops  # noqa: F401  (registers the torch.ops.compiled_attn cache ops)
+from compiled_attn.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionSpec,
+    AttentionState,
+    AttentionType,
+    kv_cache_torch_dtype,
+)
+from compiled_attn.forward_context import get_forward_context, set_forward_context
+from compiled_attn.layer import Attention
+from compiled_attn.registry import BackendUnavailableError, get_attn_backend
+
+__all__ = [
+    "Attention",
+    "AttentionBackend",
+    "AttentionImpl",
+    "AttentionMetadata",
+    "AttentionMetadataBuilder",
+    "AttentionSpec",
+    "AttentionState",
+    "AttentionType",
+    "BackendUnavailableError",
+    "get_attn_backend",
+    "get_forward_context",
+    "kv_cache_torch_dtype",
+    "set_forward_context",
+]

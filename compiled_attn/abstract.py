@@ -1,0 +1,322 @@
+"""The contract every backend implements: attention types, the layer-group spec and five classes.
+
+A backend is a set of five classes behind one static factory (`AttentionBackend`):
+
+- `AttentionMetadata`: what one step needs on the device (slot mapping, block tables, lengths),
+  with prefill / decode views; built on the host by
+- `AttentionMetadataBuilder`, from python lists of lengths and block tables;
+- `AttentionImpl`: the forward, which launches this backend's custom ops;
+- `AttentionState`: static buffers and per-batch-size planning for CUDA-graph capture and replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import torch
+
+
+class AttentionType(str, enum.Enum):
+    """Which tokens attend to which: causal self-attention, bidirectional, or cross attention."""
+
+    DECODER = "decoder"  # causal self-attention over the request's cached + new keys
+    ENCODER = "encoder"  # bidirectional over the encoder tokens of an encoder-decoder model
+    ENCODER_ONLY = "encoder_only"  # bidirectional over the request's tokens (BERT-style), no cache
+    ENCODER_DECODER = "encoder_decoder"  # decoder queries attend to the request's encoder K/V
+
+
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The element type to allocate KV caches with.
+
+    >>> kv_cache_torch_dtype("fp8", torch.bfloat16)
+    torch.float8_e4m3fn
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not one of {sorted(KV_CACHE_DTYPES)}"
+        )
+    return KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class AttentionSpec:
+    """What a group of layers that share one cache layout and one planning has in common.
+
+    One spec per group (e.g. all decoder layers of a model). The builder, the state and the
+    impls of the group are made from it; per-step planning (FlashInfer) bakes in scale, window,
+    soft-cap, ALiBi and causality, so an impl whose values differ is rejected.
+
+    Example::
+
+        spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+                             num_blocks=4096, dtype=torch.bfloat16, device="cuda")
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    num_blocks: int
+    dtype: torch.dtype = torch.bfloat16
+    device: str | torch.device = "cuda"
+    kv_cache_dtype: str = "auto"  # "auto" (= dtype) | "fp8" (= "fp8_e4m3") | "fp8_e4m3" | "fp8_e5m2"
+    scale: float | None = None  # None means head_size ** -0.5
+    sliding_window: int | None = None  # W: a query sees the W most recent keys, itself included
+    logits_soft_cap: float | None = None  # c: scores become c * tanh(scores / c)
+    alibi_slopes: torch.Tensor | None = None  # float [num_heads]
+    attn_type: AttentionType = AttentionType.DECODER
+    max_seq_len_to_capture: int = 8192  # the longest sequence a captured decode graph serves
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_size", "block_size", "num_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AttentionSpec.{name} must be >= 1, got {getattr(self, name)}")
+        check_head_counts(self.num_heads, self.num_kv_heads)
+        kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
+        check_impl_options(self.num_heads, self.sliding_window, self.logits_soft_cap, self.alibi_slopes)
+        object.__setattr__(self, "attn_type", AttentionType(self.attn_type))
+        object.__setattr__(self, "device", torch.device(self.device))
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_size**-0.5 if self.scale is None else float(self.scale)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
+
+
+def check_head_counts(num_heads: int, num_kv_heads: int) -> None:
+    """Queries are grouped over KV heads (GQA / MQA): the counts must divide."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA/MQA)"
+        )
+
+
+def check_impl_options(
+    num_heads: int,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    alibi_slopes: torch.Tensor | None,
+) -> None:
+    """The per-layer options shared by the spec and every impl, validated in one place."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be None or > 0, got {logits_soft_cap}")
+    if alibi_slopes is not None and tuple(alibi_slopes.shape) != (num_heads,):
+        raise ValueError(
+            f"alibi_slopes must have shape [num_heads]=[{num_heads}], got {tuple(alibi_slopes.shape)}"
+        )
+
+
+class AttentionBackend(ABC):
+    """Static factory of one backend: its classes, its KV-cache shape and block copies.
+
+    Capabilities are small class attributes / classmethods so that `registry` can explain why a
+    backend cannot serve a spec.
+    """
+
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]]
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]]
+    supported_attn_types: ClassVar[tuple[AttentionType, ...]]
+    supports_alibi: ClassVar[bool]
+    supports_sliding_window: ClassVar[bool]
+    supports_logits_soft_cap: ClassVar[bool]
+    requires_cuda: ClassVar[bool]
+
+    @staticmethod
+    @abstractmethod
+    def get_name() -> str:
+        """The registry name, e.g. "TORCH_SDPA"."""
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        """The class whose `forward` runs attention."""
+
+    @staticmethod
+    @abstractmethod
+    def get_metadata_cls() -> type[AttentionMetadata]:
+        """The per-step metadata class."""
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        """The class that builds metadata from host lists."""
+
+    @staticmethod
+    @abstractmethod
+    def get_state_cls() -> type[AttentionState]:
+        """The CUDA-graph state class."""
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache."""
+
+    @staticmethod
+    def swap_blocks(
+        src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: torch.Tensor
+    ) -> None:
+        """Copy blocks src -> dst from one cache to another, across devices (CPU <-> CUDA) too."""
+        torch.ops.compiled_attn.swap_blocks(src_kv_cache, dst_kv_cache, src_to_dst)
+
+    @staticmethod
+    def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor) -> None:
+        """Copy blocks src -> dst within each cache of `kv_caches` (copy-on-write for forks)."""
+        torch.ops.compiled_attn.copy_blocks(kv_caches, src_to_dists)
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run on this machine at all (package, device), or None."""
+        return None
+
+    @classmethod
+    def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
+        """Why this backend cannot serve `spec` (dtype, head size, feature), or None."""
+        from compiled_attn.registry import spec_unsupported_reason
+
+        return spec_unsupported_reason(cls, spec)
+
+    @classmethod
+    def supported_head_sizes(cls) -> tuple[int, ...] | None:
+        """Head sizes the kernels take; None means any."""
+        return None
+
+    @classmethod
+    def supports_block_size(cls, block_size: int) -> bool:
+        return True
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Device-side description of one step: prefills first, then decodes.
+
+    Tensors (all on the spec's device):
+        slot_mapping: int64 [num_tokens], cache slot of each new token; -1 is a pad (no write).
+    """
+
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    slot_mapping: torch.Tensor
+
+    @property
+    @abstractmethod
+    def prefill_metadata(self) -> AttentionMetadata | None:
+        """The same step restricted to its prefills, or None when there are none."""
+
+    @property
+    @abstractmethod
+    def decode_metadata(self) -> AttentionMetadata | None:
+        """The same step restricted to its decodes, or None when there are none."""
+
+    def asdict_zerocopy(self, skip_fields: set[str] | None = None) -> dict[str, Any]:
+        """Fields as a dict without copying tensors (to rebuild a variant of this metadata)."""
+        skip = skip_fields or set()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+
+
+class AttentionMetadataBuilder(ABC):
+    """Builds one step's metadata on the host from python lists (no device syncs)."""
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+
+    @abstractmethod
+    def build(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        block_tables: list[list[int]],
+        encoder_seq_lens: list[int] | None = None,
+        cross_block_tables: list[list[int]] | None = None,
+    ) -> AttentionMetadata:
+        """Request i has seq_lens[i] tokens of which the last query_lens[i] are new this step."""
+
+
+class AttentionState(ABC):
+    """Static buffers and per-batch-size planning so that decode steps replay as CUDA graphs.
+
+    Call order: `graph_capture(max_batch_size)`; per size `graph_capture_get_metadata_for_batch`,
+    `get_graph_input_buffers`, `graph_clone`; per step `prepare_graph_input_buffers`,
+    `begin_forward`, replay. See DESIGN.md.
+    """
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+
+    @contextmanager
+    @abstractmethod
+    def graph_capture(self, max_batch_size: int) -> Iterator[None]:
+        """Allocate the static buffers for up to `max_batch_size` decodes, once."""
+
+    @abstractmethod
+    def graph_capture_get_metadata_for_batch(self, batch_size: int) -> AttentionMetadata:
+        """All-pad decode metadata of `batch_size` rows over the static buffers."""
+
+    @abstractmethod
+    def graph_clone(self, batch_size: int) -> AttentionState:
+        """A state that owns what the metadata for `batch_size` made; keeps its buffers alive."""
+
+    @abstractmethod
+    def get_graph_input_buffers(self, attn_metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
+        """The static tensors a captured graph reads, by name."""
+
+    @abstractmethod
+    def prepare_graph_input_buffers(
+        self, input_buffers: dict[str, torch.Tensor], attn_metadata: AttentionMetadata
+    ) -> None:
+        """Copy a decode-only step's metadata into the static buffers; pad the remaining rows."""
+
+    @abstractmethod
+    def begin_forward(self, attn_metadata: AttentionMetadata) -> None:
+        """Host-side planning for the next replay (outside any graph)."""
+
+
+class AttentionImpl(ABC):
+    """The forward of one attention layer: writes new K/V into the cache and attends."""
+
+    @abstractmethod
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+    ) -> None: ...
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        attn_type: AttentionType = AttentionType.DECODER,
+    ) -> torch.Tensor:
+        """query [num_tokens, num_heads * head_size] -> out of the same shape."""

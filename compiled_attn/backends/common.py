@@ -1,0 +1,206 @@
+"""What every backend's Impl shares: option validation, the eager forward, the traced `run`.
+
+`run` is the sequence of custom-op calls a layer makes; Dynamo traces it (so it only reshapes
+and calls ops) and the ops read the metadata from the forward context. `forward` is the eager
+entry point of the contract: it sets the context to the metadata it was given and calls `run`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from compiled_attn.abstract import (
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionType,
+    check_head_counts,
+    check_impl_options,
+    kv_cache_torch_dtype,
+)
+from compiled_attn.forward_context import set_forward_context
+
+CACHE_WRITING_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
+
+
+def backends_supporting(feature: str) -> str:
+    """Names of the backends that support `feature` (a capability attribute), for error messages."""
+    from compiled_attn.registry import BACKEND_CLASSES
+
+    names = [name for name, cls in BACKEND_CLASSES().items() if _has(cls, feature)]
+    return " or ".join(names) if names else "no backend"
+
+
+def _has(cls: type, feature: str) -> bool:
+    kind, _, value = feature.partition(":")
+    if kind == "kv_cache_dtype":
+        return value in cls.supported_kv_cache_dtypes
+    if kind == "attn_type":
+        return AttentionType(value) in cls.supported_attn_types
+    return bool(getattr(cls, feature))
+
+
+class CommonImpl(AttentionImpl):
+    """Shared constructor and forward; a backend sets `backend_cls` and implements `run`."""
+
+    backend_cls: ClassVar[type]
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        check_head_counts(num_heads, num_kv_heads)
+        if alibi_slopes is not None:
+            alibi_slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32)
+        check_impl_options(num_heads, sliding_window, logits_soft_cap, alibi_slopes)
+        kv_cache_torch_dtype(kv_cache_dtype, torch.float32)  # validates the name
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.alibi_slopes = alibi_slopes
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = logits_soft_cap
+        self.check_supported()
+
+    def check_supported(self) -> None:
+        """NotImplementedError for options this backend lacks, naming backends that have them."""
+        cls = self.backend_cls
+        name = cls.get_name()
+        wants = [
+            (self.alibi_slopes is not None, "supports_alibi", "ALiBi"),
+            (self.sliding_window is not None, "supports_sliding_window", "sliding_window"),
+            (self.logits_soft_cap is not None, "supports_logits_soft_cap", "logits_soft_cap"),
+            (True, f"kv_cache_dtype:{self.kv_cache_dtype}", f"kv_cache_dtype={self.kv_cache_dtype!r}"),
+        ]
+        for wanted, feature, label in wants:
+            if wanted and not _has(cls, feature):
+                raise NotImplementedError(
+                    f"{name} does not support {label}; use {backends_supporting(feature)}"
+                )
+        heads = cls.supported_head_sizes()
+        if heads is not None and self.head_size not in heads:
+            raise NotImplementedError(
+                f"{name} supports head sizes {heads}, not {self.head_size}"
+            )
+
+    def check_attn_type(self, attn_type: AttentionType) -> AttentionType:
+        attn_type = AttentionType(attn_type)
+        if attn_type not in self.backend_cls.supported_attn_types:
+            feature = f"attn_type:{attn_type.value}"
+            raise NotImplementedError(
+                f"{self.backend_cls.get_name()} does not support {attn_type.name} attention; "
+                f"use {backends_supporting(feature)}"
+            )
+        return attn_type
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        attn_type: AttentionType = AttentionType.DECODER,
+    ) -> torch.Tensor:
+        """Eager attention for one layer.
+
+        query: [num_tokens, num_heads * head_size]; key/value: [num_tokens, num_kv_heads *
+        head_size] or None (cross attention after the encoder step); kv_cache: [2, num_blocks,
+        block_size, num_kv_heads, head_size] or None (encoder types). Returns [num_tokens,
+        num_heads * head_size] in query's dtype.
+        """
+        alibi = None if self.alibi_slopes is None else self.alibi_slopes.to(query.device)
+        with set_forward_context(attn_metadata):
+            return self.run(query, key, value, kv_cache, k_scale, v_scale, attn_type, alibi)
+
+    def run(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,
+        k_scale: float,
+        v_scale: float,
+        attn_type: AttentionType,
+        alibi_slopes: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The traced path: reshape, write the cache, call this backend's attention op."""
+        attn_type = self.check_attn_type(attn_type)
+        self.check_inputs(query, key, value, kv_cache, attn_type)
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_size)
+        k = None if key is None else key.view(-1, self.num_kv_heads, self.head_size)
+        v = None if value is None else value.view(-1, self.num_kv_heads, self.head_size)
+        if k is not None and kv_cache is not None and attn_type in CACHE_WRITING_TYPES:
+            torch.ops.compiled_attn.kv_cache_update(
+                k, v, kv_cache, attn_type == AttentionType.ENCODER_DECODER, k_scale, v_scale
+            )
+        output = torch.empty_like(q)
+        self.attention(q, k, v, kv_cache, output, k_scale, v_scale, attn_type, alibi_slopes)
+        return output.view(num_tokens, self.num_heads * self.head_size)
+
+    def check_inputs(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,
+        attn_type: AttentionType,
+    ) -> None:
+        """Shape checks that need no metadata (so they run at trace time too)."""
+        q_width = self.num_heads * self.head_size
+        kv_width = self.num_kv_heads * self.head_size
+        if query.dim() != 2 or query.shape[1] != q_width:
+            raise ValueError(
+                f"query must be [num_tokens, num_heads * head_size = {q_width}], got {tuple(query.shape)}"
+            )
+        if (key is None) != (value is None):
+            raise ValueError("key and value must both be tensors or both be None")
+        if key is None:
+            if attn_type != AttentionType.ENCODER_DECODER:
+                raise ValueError(f"key/value may be None only for cross attention, not {attn_type.name}")
+        else:
+            for name, t in (("key", key), ("value", value)):
+                if t.dim() != 2 or t.shape[1] != kv_width:
+                    raise ValueError(
+                        f"{name} must be [num_tokens, num_kv_heads * head_size = {kv_width}], "
+                        f"got {tuple(t.shape)}"
+                    )
+                if t.dtype != query.dtype:
+                    raise ValueError(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
+        if attn_type in CACHE_WRITING_TYPES:
+            if kv_cache is None:
+                raise ValueError(f"{attn_type.name} attention needs a kv_cache")
+            if kv_cache.dim() != 5 or tuple(kv_cache.shape[3:]) != (self.num_kv_heads, self.head_size):
+                raise ValueError(
+                    f"kv_cache must be [2, num_blocks, block_size, {self.num_kv_heads}, "
+                    f"{self.head_size}], got {tuple(kv_cache.shape)}"
+                )
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,
+        output: torch.Tensor,
+        k_scale: float,
+        v_scale: float,
+        attn_type: AttentionType,
+        alibi_slopes: torch.Tensor | None,
+    ) -> None:
+        """Call this backend's attention op (writes `output` [num_tokens, num_heads, head_size])."""
+        raise NotImplementedError

@@ -1,0 +1,159 @@
+"""TORCH_SDPA: paged attention from plain torch ops, on CPU and CUDA (the reference backend).
+
+Its op (`ops/torch_sdpa.py`) gathers requests into padded batches; the builder precomputes the
+padded layout on the host so the op needs no `.tolist()` or device syncs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from compiled_attn.abstract import (
+    AttentionBackend,
+    AttentionSpec,
+    AttentionState,
+    AttentionType,
+)
+from compiled_attn.backends.common import CommonImpl
+from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder
+from compiled_attn.ops import torch_sdpa as _ops  # noqa: F401  (registers the op)
+
+NAME = "TORCH_SDPA"
+
+
+class TorchSDPABackend(AttentionBackend):
+    supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    supported_kv_cache_dtypes = ("auto",)
+    supported_attn_types = tuple(AttentionType)
+    supports_alibi = True
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+    requires_cuda = False
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[TorchSDPAImpl]:
+        return TorchSDPAImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[TorchSDPAMetadata]:
+        return TorchSDPAMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[TorchSDPAMetadataBuilder]:
+        return TorchSDPAMetadataBuilder
+
+    @staticmethod
+    def get_state_cls() -> type[TorchSDPAState]:
+        return TorchSDPAState
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+@dataclasses.dataclass
+class TorchSDPAMetadata(CommonMetadata):
+    """Common metadata plus the padded layout of the prefill (and encoder) tokens.
+
+    prefill_token_index: int64 [num_prefills, max_prefill_query_len], row of each padded query
+        (pads repeat the request's first token, so every gathered row is a real one)
+    prefill_q_pos:       int64 [num_prefills, max_prefill_query_len], position in the sequence
+        (pads get 0: they see one valid key, which keeps their discarded outputs finite)
+    prefill_flat_index:  int64 [num_prefill_tokens], where each token sits in the padded batch
+    encoder_*:           the same for the encoder tokens (ENCODER attention)
+    """
+
+    prefill_token_index: torch.Tensor | None = None
+    prefill_q_pos: torch.Tensor | None = None
+    prefill_flat_index: torch.Tensor | None = None
+    encoder_token_index: torch.Tensor | None = None
+    encoder_q_pos: torch.Tensor | None = None
+    encoder_flat_index: torch.Tensor | None = None
+
+
+def padded_layout(lens: list[int], firsts: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token index [B, L], query position [B, L] and flat index for requests of `lens` new
+    tokens starting at sequence positions `firsts`."""
+    width = max(lens)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    col = np.arange(width, dtype=np.int64)
+    lens_a = np.asarray(lens, dtype=np.int64)[:, None]
+    real = col[None, :] < lens_a
+    token_index = np.where(real, starts[:, None] + col[None, :], starts[:, None])
+    q_pos = np.where(real, np.asarray(firsts, dtype=np.int64)[:, None] + col[None, :], 0)
+    flat_index = (np.arange(len(lens))[:, None] * width + col[None, :])[real]
+    return token_index, q_pos, flat_index
+
+
+class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
+    metadata_cls = TorchSDPAMetadata
+    backend_name = NAME
+
+    def add_backend_fields(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        num_prefills: int,
+        encoder_seq_lens: list[int] | None,
+    ) -> dict[str, Any]:
+        groups = {}
+        if num_prefills:
+            firsts = [s - q for s, q in zip(seq_lens[:num_prefills], query_lens[:num_prefills], strict=True)]
+            groups["prefill"] = padded_layout(query_lens[:num_prefills], firsts)
+        if encoder_seq_lens is not None:
+            groups["encoder"] = padded_layout(encoder_seq_lens, [0] * len(encoder_seq_lens))
+        out = {}
+        for group, arrays in groups.items():
+            names = (f"{group}_token_index", f"{group}_q_pos", f"{group}_flat_index")
+            for name, a in zip(names, arrays, strict=True):
+                out[name] = torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+        return out
+
+
+class TorchSDPAImpl(CommonImpl):
+    backend_cls = TorchSDPABackend
+
+    def attention(self, query, key, value, kv_cache, output, k_scale, v_scale, attn_type, alibi_slopes):
+        torch.ops.compiled_attn.torch_sdpa_attention(
+            query, key, value, kv_cache, output, self.scale,
+            self.sliding_window or 0, self.logits_soft_cap or 0.0, alibi_slopes, attn_type.value,
+        )
+
+
+class TorchSDPAState(AttentionState):
+    """CUDA-graph state: not yet implemented for TORCH_SDPA (see the graph-runner issue)."""
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__(spec)
+
+    @contextmanager
+    def graph_capture(self, max_batch_size: int) -> Iterator[None]:
+        raise NotImplementedError(f"{NAME} has no CUDA-graph state yet")
+        yield
+
+    def graph_capture_get_metadata_for_batch(self, batch_size: int):
+        raise NotImplementedError(f"{NAME} has no CUDA-graph state yet")
+
+    def graph_clone(self, batch_size: int):
+        raise NotImplementedError(f"{NAME} has no CUDA-graph state yet")
+
+    def get_graph_input_buffers(self, attn_metadata):
+        raise NotImplementedError(f"{NAME} has no CUDA-graph state yet")
+
+    def prepare_graph_input_buffers(self, input_buffers, attn_metadata):
+        raise NotImplementedError(f"{NAME} has no CUDA-graph state yet")
+
+    def begin_forward(self, attn_metadata):
+        raise NotImplementedError(f"{NAME} has no CUDA-graph state yet")

@@ -1,0 +1,75 @@
+"""`Attention`: the nn.Module a model holds; it picks its backend's impl and owns no cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from compiled_attn.abstract import AttentionType
+from compiled_attn.registry import get_attn_backend
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer, traceable with `torch.compile(fullgraph=True)`.
+
+    The model passes tensors only; the step's metadata comes from `set_forward_context`.
+
+    Args: as `AttentionImpl`, plus `attn_type`, `backend` (name or None for auto) and the fp8
+    cache scales `k_scale` / `v_scale` (K/V are divided by them when stored).
+
+    Shapes: query [num_tokens, num_heads * head_size]; key/value [num_tokens, num_kv_heads *
+    head_size] (or None for cross attention after the encoder step); kv_cache [2, num_blocks,
+    block_size, num_kv_heads, head_size]. Returns [num_tokens, num_heads * head_size].
+
+    Example::
+
+        layer = ca.Attention(32, 128, 128**-0.5, num_kv_heads=8, backend="TORCH_SDPA")
+        with ca.set_forward_context(md):
+            out = layer(q, k, v, kv_cache)
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: AttentionType = AttentionType.DECODER,
+        backend: str | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.backend = get_attn_backend(backend)
+        self.impl = self.backend.get_impl_cls()(
+            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+            kv_cache_dtype, logits_soft_cap,
+        )
+        self.attn_type = AttentionType(attn_type)
+        self.impl.check_attn_type(self.attn_type)
+        self.k_scale = float(k_scale)
+        self.v_scale = float(v_scale)
+        # a buffer so that .to(device) moves it; the op reads it as a tensor input
+        self.register_buffer("alibi_slopes", self.impl.alibi_slopes, persistent=False)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return self.impl.run(
+            query, key, value, kv_cache, self.k_scale, self.v_scale, self.attn_type, self.alibi_slopes
+        )
+
+    def extra_repr(self) -> str:
+        impl = self.impl
+        return (
+            f"backend={self.backend.get_name()}, num_heads={impl.num_heads}, "
+            f"num_kv_heads={impl.num_kv_heads}, head_size={impl.head_size}, attn_type={self.attn_type.name}"
+        )
