@@ -1,0 +1,1 @@
+"""Benchmark suites behind `python -m compiled_attn bench`."""

@@ -1,0 +1,64 @@
+"""Timing helpers every suite shares: CUDA-graph replay timing, nominal bandwidths, the card."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+# Nominal HBM bandwidth by card name fragment (bytes/s); fractions in reports are of these.
+NOMINAL_HBM_BW = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.04e12}
+
+
+def card_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def nominal_bandwidth() -> float | None:
+    name = card_name()
+    return next((bw for key, bw in NOMINAL_HBM_BW.items() if key in name), None)
+
+
+def graph_time_us(fn: Callable[[], object], *, replays: int = 50, graph_iters: int = 10) -> float:
+    """Median time of one `fn()` in microseconds, captured in a CUDA graph (launch gaps gone).
+
+    The graph holds `graph_iters` back-to-back calls; each replay is timed with events.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm-up outside capture (JIT, autotune, allocator)
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(graph_iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / graph_iters)
+    return statistics.median(times)
+
+
+def eager_time_us(fn: Callable[[], object], *, iters: int = 50) -> float:
+    """Median wall time of one eager `fn()` in microseconds (synchronizing on CUDA)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(3):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
