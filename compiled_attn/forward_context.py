@@ -1,16 +1,22 @@
-"""How metadata reaches the ops: a process-wide context set around each model step.
+"""How metadata and per-layer constants reach the ops without passing through Dynamo.
 
 Metadata holds python ints that change every step; passed through Dynamo they would cause
-recompiles. Our ops read it from here at run time instead, and Dynamo never sees it.
+recompiles. Our ops read it from a process-wide context set around each model step.
+
+Per-layer constants (scale, window, soft-cap, ALiBi slopes, k/v scales) reach the ops through a
+layer registry: the op gets the layer's name, a string Dynamo treats as a constant. (Floats
+passed as op arguments become symbolic inputs under `dynamic=True` and cost a `.item()` each.)
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from compiled_attn.abstract import AttentionMetadata
+from compiled_attn.abstract import AttentionImpl, AttentionMetadata, AttentionType
 
 
 @dataclass
@@ -50,3 +56,35 @@ def get_forward_context() -> ForwardContext:
             "`with compiled_attn.set_forward_context(attn_metadata):`"
         )
     return _forward_context
+
+
+@dataclass(frozen=True, eq=False)
+class LayerCall:
+    """What an op needs to know about the layer calling it, besides tensors and metadata."""
+
+    impl: AttentionImpl
+    k_scale: float
+    v_scale: float
+    attn_type: AttentionType
+
+
+_layers: weakref.WeakValueDictionary[str, LayerCall] = weakref.WeakValueDictionary()
+_layer_ids = itertools.count()
+
+
+def register_layer(call: LayerCall) -> str:
+    """Register `call` under a new unique name; the caller keeps `call` alive (weakly held here)."""
+    name = f"{type(call.impl).__name__}.{call.attn_type.value}.{next(_layer_ids)}"
+    _layers[name] = call
+    return name
+
+
+def get_layer(name: str) -> LayerCall:
+    """The registered layer `name`; RuntimeError if it was garbage-collected or never made."""
+    call = _layers.get(name)
+    if call is None:
+        raise RuntimeError(
+            f"no attention layer named {name!r} is alive: ops take the name of a live "
+            "compiled_attn.Attention (or AttentionImpl) layer"
+        )
+    return call

@@ -50,11 +50,9 @@ class Attention(nn.Module):
             kv_cache_dtype, logits_soft_cap,
         )
         self.attn_type = AttentionType(attn_type)
-        self.impl.check_attn_type(self.attn_type)
-        self.k_scale = float(k_scale)
-        self.v_scale = float(v_scale)
-        # a buffer so that .to(device) moves it; the op reads it as a tensor input
-        self.register_buffer("alibi_slopes", self.impl.alibi_slopes, persistent=False)
+        # the ops find k/v scales, scale, window, soft-cap and ALiBi through this name (a string
+        # is a constant to Dynamo; floats would become symbolic graph inputs under dynamic=True)
+        self.layer_name, self._call = self.impl.register(k_scale, v_scale, self.attn_type)
 
     def forward(
         self,
@@ -63,9 +61,7 @@ class Attention(nn.Module):
         value: torch.Tensor | None,
         kv_cache: torch.Tensor | None,
     ) -> torch.Tensor:
-        return self.impl.run(
-            query, key, value, kv_cache, self.k_scale, self.v_scale, self.attn_type, self.alibi_slopes
-        )
+        return self.impl.run(query, key, value, kv_cache, self.attn_type, self.layer_name)
 
     def extra_repr(self) -> str:
         impl = self.impl

@@ -19,7 +19,7 @@ from compiled_attn.abstract import (
     check_impl_options,
     kv_cache_torch_dtype,
 )
-from compiled_attn.forward_context import set_forward_context
+from compiled_attn.forward_context import LayerCall, register_layer, set_forward_context
 
 CACHE_WRITING_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
 
@@ -72,6 +72,21 @@ class CommonImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.logits_soft_cap = logits_soft_cap
         self.check_supported()
+        self._alibi_by_device: dict[torch.device, torch.Tensor] = {}
+        self._eager_calls: dict[tuple[float, float, AttentionType], tuple[str, LayerCall]] = {}
+
+    def alibi_on(self, device: torch.device) -> torch.Tensor | None:
+        """The ALiBi slopes on `device`, copied once (at the first, eager call: never in a graph)."""
+        if self.alibi_slopes is None:
+            return None
+        if device not in self._alibi_by_device:
+            self._alibi_by_device[device] = self.alibi_slopes.to(device)
+        return self._alibi_by_device[device]
+
+    def register(self, k_scale: float, v_scale: float, attn_type: AttentionType) -> tuple[str, LayerCall]:
+        """A layer name for the ops, and the record to keep alive as long as the name is used."""
+        call = LayerCall(self, float(k_scale), float(v_scale), self.check_attn_type(attn_type))
+        return register_layer(call), call
 
     def check_supported(self) -> None:
         """NotImplementedError for options this backend lacks, naming backends that have them."""
@@ -122,9 +137,12 @@ class CommonImpl(AttentionImpl):
         block_size, num_kv_heads, head_size] or None (encoder types). Returns [num_tokens,
         num_heads * head_size] in query's dtype.
         """
-        alibi = None if self.alibi_slopes is None else self.alibi_slopes.to(query.device)
+        key_ = (float(k_scale), float(v_scale), AttentionType(attn_type))
+        if key_ not in self._eager_calls:
+            self._eager_calls[key_] = self.register(*key_)
+        layer_name = self._eager_calls[key_][0]
         with set_forward_context(attn_metadata):
-            return self.run(query, key, value, kv_cache, k_scale, v_scale, attn_type, alibi)
+            return self.run(query, key, value, kv_cache, key_[2], layer_name)
 
     def run(
         self,
@@ -132,24 +150,19 @@ class CommonImpl(AttentionImpl):
         key: torch.Tensor | None,
         value: torch.Tensor | None,
         kv_cache: torch.Tensor | None,
-        k_scale: float,
-        v_scale: float,
         attn_type: AttentionType,
-        alibi_slopes: torch.Tensor | None,
+        layer_name: str,
     ) -> torch.Tensor:
         """The traced path: reshape, write the cache, call this backend's attention op."""
-        attn_type = self.check_attn_type(attn_type)
         self.check_inputs(query, key, value, kv_cache, attn_type)
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = None if key is None else key.view(-1, self.num_kv_heads, self.head_size)
         v = None if value is None else value.view(-1, self.num_kv_heads, self.head_size)
         if k is not None and kv_cache is not None and attn_type in CACHE_WRITING_TYPES:
-            torch.ops.compiled_attn.kv_cache_update(
-                k, v, kv_cache, attn_type == AttentionType.ENCODER_DECODER, k_scale, v_scale
-            )
+            torch.ops.compiled_attn.kv_cache_update(k, v, kv_cache, layer_name)
         output = torch.empty_like(q)
-        self.attention(q, k, v, kv_cache, output, k_scale, v_scale, attn_type, alibi_slopes)
+        self.attention(q, k, v, kv_cache, output, layer_name)
         return output.view(num_tokens, self.num_heads * self.head_size)
 
     def check_inputs(
@@ -197,10 +210,7 @@ class CommonImpl(AttentionImpl):
         value: torch.Tensor | None,
         kv_cache: torch.Tensor | None,
         output: torch.Tensor,
-        k_scale: float,
-        v_scale: float,
-        attn_type: AttentionType,
-        alibi_slopes: torch.Tensor | None,
+        layer_name: str,
     ) -> None:
         """Call this backend's attention op (writes `output` [num_tokens, num_heads, head_size])."""
         raise NotImplementedError

@@ -125,11 +125,8 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
 class TorchSDPAImpl(CommonImpl):
     backend_cls = TorchSDPABackend
 
-    def attention(self, query, key, value, kv_cache, output, k_scale, v_scale, attn_type, alibi_slopes):
-        torch.ops.compiled_attn.torch_sdpa_attention(
-            query, key, value, kv_cache, output, self.scale,
-            self.sliding_window or 0, self.logits_soft_cap or 0.0, alibi_slopes, attn_type.value,
-        )
+    def attention(self, query, key, value, kv_cache, output, layer_name):
+        torch.ops.compiled_attn.torch_sdpa_attention(query, key, value, kv_cache, output, layer_name)
 
 
 class TorchSDPAState(AttentionState):

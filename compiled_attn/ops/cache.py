@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from compiled_attn.forward_context import get_forward_context
+from compiled_attn.abstract import AttentionType
+from compiled_attn.forward_context import get_forward_context, get_layer
 
 KV_CACHE_DIMS = ("kv", "num_blocks", "block_size", "num_kv_heads", "head_size")
 BLOCK_DIM = 1  # blocks are indexed along dim 1 of every cache
@@ -84,30 +85,25 @@ def write_kv_cache(
 
 
 @torch.library.custom_op("compiled_attn::kv_cache_update", mutates_args=("kv_cache",))
-def kv_cache_update(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    cross: bool,
-    k_scale: float,
-    v_scale: float,
-) -> None:
+def kv_cache_update(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer_name: str) -> None:
     """Write this step's new K/V into `kv_cache` at the forward context's slots.
 
     key/value: [num_tokens, num_kv_heads, head_size]; kv_cache: [2, num_blocks, block_size,
-    num_kv_heads, head_size]. `cross` selects the encoder tokens' cross slots instead of the
-    decoder tokens' slots. Capturable: reads metadata tensors, launches one kernel.
+    num_kv_heads, head_size]. A cross-attention layer (ENCODER_DECODER) writes the encoder
+    tokens at the cross slots. k/v scales come from the layer. Capturable: one kernel, no sync.
     """
+    call = get_layer(layer_name)
     md = get_forward_context().attn_metadata
+    cross = call.attn_type == AttentionType.ENCODER_DECODER
     slot_mapping = md.cross_slot_mapping if cross else md.slot_mapping
     if slot_mapping is None:
         raise ValueError("cross-attention K/V given but the metadata has no cross_block_tables")
     check_cache_write(key, value, kv_cache, slot_mapping, md.num_blocks, md.block_size)
-    write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    write_kv_cache(key, value, kv_cache, slot_mapping, call.k_scale, call.v_scale)
 
 
 @kv_cache_update.register_fake
-def _(key, value, kv_cache, cross, k_scale, v_scale) -> None:
+def _(key, value, kv_cache, layer_name) -> None:
     return None
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from compiled_attn.abstract import AttentionType
+from compiled_attn.forward_context import get_layer
 from compiled_attn.ops.common import current_metadata
 
 NAME = "TORCH_SDPA"
@@ -84,23 +85,20 @@ def torch_sdpa_attention(
     value: torch.Tensor | None,
     kv_cache: torch.Tensor | None,
     output: torch.Tensor,
-    scale: float,
-    sliding_window: int,
-    logits_soft_cap: float,
-    alibi_slopes: torch.Tensor | None,
-    attn_type: str,
+    layer_name: str,
 ) -> None:
     """Attention for the forward context's batch, written into `output`.
 
     query/output: [num_tokens, num_heads, head_size]; key/value: [num_tokens (encoder tokens
     for cross attention), num_kv_heads, head_size] or None; kv_cache: [2, num_blocks,
     block_size, num_kv_heads, head_size] (already holding this step's K/V) or None.
-    sliding_window <= 0 and logits_soft_cap <= 0 mean off.
+    Scale, window, soft-cap and ALiBi come from the layer `layer_name`.
     """
     md = current_metadata(NAME)
-    kind = AttentionType(attn_type)
-    opts = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                alibi_slopes=alibi_slopes)
+    call = get_layer(layer_name)
+    impl, kind = call.impl, call.attn_type
+    opts = dict(scale=impl.scale, sliding_window=impl.sliding_window or 0,
+                logits_soft_cap=impl.logits_soft_cap or 0.0, alibi_slopes=impl.alibi_on(query.device))
     if kind in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
         encoder = kind == AttentionType.ENCODER
         lens = md.encoder_seq_lens_tensor if encoder else md.seq_lens_tensor
@@ -139,7 +137,7 @@ def torch_sdpa_attention(
 
 
 @torch_sdpa_attention.register_fake
-def _(query, key, value, kv_cache, output, scale, sliding_window, logits_soft_cap, alibi_slopes, attn_type):
+def _(query, key, value, kv_cache, output, layer_name):
     return None
 
 

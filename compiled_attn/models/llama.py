@@ -1,0 +1,155 @@
+"""A small Llama-style decoder on `ca.Attention`: the reference user of the compiled path.
+
+RMSNorm, rotary embeddings, SwiGLU and GQA, random weights from a seed. The model is plain eager
+PyTorch; `torch.compile` is applied by the caller at one call site. It takes a flat batch of
+tokens (prefills first, then decodes) and never sees attention metadata as an argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+import compiled_attn as ca
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_layers: int = 2
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    rope_theta: float = 500000.0
+    max_position: int = 8192
+    norm_eps: float = 1e-5
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def llama3_8b(cls) -> LlamaConfig:
+        """Llama-3-8B's shapes (random weights): the end-to-end benchmark model."""
+        return cls(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                   num_heads=32, num_kv_heads=8)
+
+    def attention_spec(self, *, block_size: int, num_blocks: int, dtype: torch.dtype,
+                       device: str | torch.device, **kw: object) -> ca.AttentionSpec:
+        """The spec all decoder layers of this model share."""
+        return ca.AttentionSpec(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                head_size=self.head_size, block_size=block_size, num_blocks=num_blocks,
+                                dtype=dtype, device=device, **kw)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32: bf16 sums of squares lose the small components
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotary_tables(head_size: int, max_position: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [max_position, head_size // 2] in fp32."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float64), freqs)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, heads, head_size] rotated by per-token cos/sin [num_tokens, head_size // 2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, backend: str | None) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_size
+        self.q_size, self.kv_size = config.num_heads * d, config.num_kv_heads * d
+        self.attn_norm = RMSNorm(h, config.norm_eps)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=False)  # one matmul for q, k, v
+        self.attn = ca.Attention(config.num_heads, d, d**-0.5, num_kv_heads=config.num_kv_heads, backend=backend)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.mlp_norm = RMSNorm(h, config.norm_eps)
+        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+        self.num_heads, self.num_kv_heads, self.head_size = config.num_heads, config.num_kv_heads, d
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(self.attn_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_size), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_size), cos, sin)
+        attn = self.attn(q.view(num_tokens, self.q_size), k.view(num_tokens, self.kv_size), v, kv_cache)
+        x = x + self.o_proj(attn)
+        gate, up = self.gate_up_proj(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(nn.functional.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    """input_ids, positions: int64 [num_tokens]; kv_caches: one [2, num_blocks, block_size,
+    num_kv_heads, head_size] per layer. Returns logits [num_tokens, vocab_size] (fp32)."""
+
+    def __init__(self, config: LlamaConfig, backend: str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        cos, sin = rotary_tables(config.head_size, config.max_position, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        x = self.embed(input_ids)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache)
+        return self.lm_head(self.norm(x)).float()
+
+
+def build_model(
+    config: LlamaConfig,
+    *,
+    seed: int = 0,
+    backend: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Llama:
+    """A model with random weights drawn from `seed` (std 1/sqrt(fan_in), so logits spread and
+    greedy tokens are not ties)."""
+    with torch.device("meta"):
+        model = Llama(config, backend)
+    model = model.to_empty(device=device)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                fan_in = p.shape[1] if p.dim() == 2 and "embed" not in name else 1
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in**0.5)
+    model = model.to(dtype).requires_grad_(False)
+    # rotary tables stay fp32 whatever the model dtype: positions up to 8k need the mantissa
+    cos, sin = rotary_tables(config.head_size, config.max_position, config.rope_theta)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    return model
+
+
+def allocate_kv_caches(
+    config: LlamaConfig, backend: type[ca.AttentionBackend], spec: ca.AttentionSpec
+) -> list[torch.Tensor]:
+    """One cache per layer, from torch.empty like a real server (unused slots hold garbage)."""
+    shape = backend.get_kv_cache_shape(spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    return [torch.empty(shape, dtype=spec.cache_dtype, device=spec.device) for _ in range(config.num_layers)]

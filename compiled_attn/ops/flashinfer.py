@@ -1,0 +1,79 @@
+"""The FLASHINFER attention op: one mixed batch through planned FlashInfer wrappers, fake beside it.
+
+FlashInfer splits work into `plan` (host: scheduling, pinned-buffer staging, JIT module lookup)
+and `run` (launches only). Planning happens once per step outside this op (the metadata's
+`step_plan`, see backends/flashinfer.py); the op only runs. Prefill tokens go through the paged
+prefill wrapper, decode tokens through the decode wrapper, ENCODER_ONLY batches through the
+ragged wrapper over this step's fresh K/V. FlashInfer's own op registration is a no-op, so
+Dynamo must never trace into it: every FlashInfer call happens inside this op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compiled_attn.abstract import AttentionType
+from compiled_attn.ops.common import current_metadata
+
+NAME = "FLASHINFER"
+
+
+@torch.library.custom_op("compiled_attn::flashinfer_attention", mutates_args=("output",))
+def flashinfer_attention(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    kv_cache: torch.Tensor | None,
+    output: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    logits_soft_cap: float,
+    use_alibi: bool,
+    k_scale: float,
+    v_scale: float,
+    attn_type: str,
+) -> None:
+    """Attention for the forward context's batch, written into `output`.
+
+    query/output: [num_tokens, num_heads, head_size] (spec dtype); key/value: [num_tokens,
+    num_kv_heads, head_size] (read only by ENCODER_ONLY; DECODER reads the cache, which
+    `kv_cache_update` has already written); kv_cache: [2, num_blocks, block_size, num_kv_heads,
+    head_size] of the spec's cache dtype, or None for ENCODER_ONLY. scale / sliding_window (<= 0:
+    off) / logits_soft_cap (<= 0: off) / use_alibi are the calling layer's values; they must
+    equal the spec's, which the step was planned with. k_scale / v_scale: fp8 cache scales.
+
+    Capturable when the metadata comes from `FlashInferState.graph_capture_get_metadata_for_batch`
+    (decode-only, `use_cuda_graph=True` wrapper): then it launches kernels only.
+    """
+    md = current_metadata(NAME)
+    step = md.step_plan
+    kind = AttentionType(attn_type)
+    step.check_call(query, kv_cache, scale, sliding_window, logits_soft_cap, use_alibi, kind)
+    if query.shape[0] != md.num_tokens:
+        raise ValueError(
+            f"{kind.name} attention got {query.shape[0]} query tokens but the metadata describes "
+            f"{md.num_tokens}: build the metadata for this batch"
+        )
+    if torch.cuda.is_current_stream_capturing() and not step.graph_safe:
+        raise RuntimeError(
+            "FLASHINFER: capturing a CUDA graph with metadata from the builder, whose wrappers were "
+            "not made for graphs (use_cuda_graph=False); capture decode steps with metadata from "
+            "backend.get_state_cls()(spec).graph_capture_get_metadata_for_batch(batch_size)"
+        )
+    step.ensure_planned()
+    if kind == AttentionType.ENCODER_ONLY:
+        step.wrapper("ragged").run(query, key, value, out=output)
+        return
+    scales = dict(k_scale=k_scale, v_scale=v_scale) if kv_cache.dtype.itemsize == 1 else {}
+    cache = (kv_cache[0], kv_cache[1])  # [num_blocks, block_size, num_kv_heads, head_size] each
+    n_pre = md.num_prefill_tokens
+    if md.num_prefills:
+        step.wrapper("prefill").run(query[:n_pre], cache, out=output[:n_pre], **scales)
+    if md.num_decode_tokens:
+        step.wrapper("decode").run(query[n_pre:], cache, out=output[n_pre:], **scales)
+
+
+@flashinfer_attention.register_fake
+def _(query, key, value, kv_cache, output, scale, sliding_window, logits_soft_cap, use_alibi,
+      k_scale, v_scale, attn_type) -> None:
+    return None

@@ -1,0 +1,232 @@
+"""The XFORMERS attention op: xFormers kernels over the paged cache, fake kernel beside it.
+
+One op serves a mixed batch. The bias objects it uses (python ints inside) are built on the
+host by the builder or the graph State and reach the op through the forward context:
+
+- decode: triton split-K over the paged cache, `kv_cache[0].view(1, num_blocks * block_size,
+  Hkv, 1, D)` expanded over the query heads of each group (GQA without copies). The op is
+  named explicitly: xFormers' dispatcher never picks split-K above 32 query tokens.
+- prefill: flash (PyTorch's FA2) or cutlass over packed K/V — this step's fresh K/V when no
+  prefill has cached context, else K/V gathered from the cache (chunked prefill, prefix hits).
+- ALiBi: cutlass with a per-request tensor bias (eager only; no xFormers kernel takes ALiBi
+  together with a block-diagonal or paged bias).
+
+xFormers is imported lazily so that this module (and the fake kernel) load on CPU-only machines.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from compiled_attn.abstract import AttentionType
+from compiled_attn.ops.common import current_metadata
+
+NAME = "XFORMERS"
+# The one not_supported_reason we override: an xFormers wheel whose C++ extension does not load
+# against this torch flags every CUDA op, yet flash / cutlass (PyTorch's own kernels) and
+# triton split-K (Triton) do not need that extension.
+_CPP_EXTENSION_REASON = "wasn't build with CUDA support"
+
+
+@functools.cache
+def fmha() -> Any:
+    """`xformers.ops.fmha`, imported on first use (it is an optional dependency)."""
+    import xformers.ops.fmha as fmha_module
+
+    return fmha_module
+
+
+def _not_supported(op: Any, inp: Any) -> list[str]:
+    return [r for r in op.not_supported_reasons(inp) if _CPP_EXTENSION_REASON not in r]
+
+
+def run_xformers(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: Any,
+    scale: float,
+    ops: tuple[str, ...],
+) -> torch.Tensor:
+    """One xFormers forward with the first of `ops` ("flash", "cutlass", "splitk") that takes it.
+
+    query: [1, Mq, G, Hpg, D]; key/value: [1, Mk, G, Hpg, D] (usually expanded over Hpg).
+    Returns [1, Mq, G, Hpg, D] in query's dtype. Raises NotImplementedError naming every
+    op's reasons when none fits (the caller's configuration is then unsupported).
+    """
+    f = fmha()
+    inp = f.Inputs(query=query, key=key, value=value, attn_bias=bias, p=0.0, scale=scale)
+    inp.validate_inputs()
+    shape = inp.normalize_bmhk()
+    classes = {"flash": f.flash.FwOp, "cutlass": f.cutlass.FwOp, "splitk": f.triton_splitk.FwOp}
+    reasons = {}
+    for name in ops:
+        op = classes[name]
+        why = _not_supported(op, inp)
+        if not why:
+            out, _ = op.apply(inp, needs_gradient=False)
+            return out.reshape(shape)
+        reasons[op.NAME] = why
+    raise NotImplementedError(f"{NAME}: no xFormers kernel takes this input ({type(bias).__name__}): {reasons}")
+
+
+def grouped(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[T, Hq, D] -> [1, T, G, Hq // G, D] as a view (queries: contiguous groups)."""
+    t, h, d = x.shape
+    return x.view(1, t, num_kv_heads, h // num_kv_heads, d)
+
+
+def expanded(x: torch.Tensor, heads_per_group: int) -> torch.Tensor:
+    """[T, G, D] keys/values -> [1, T, G, heads_per_group, D], stride 0 over the group's heads."""
+    t, g, d = x.shape
+    return x[None, :, :, None, :].expand(1, t, g, heads_per_group, d)
+
+
+def gather_cache(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of cache `slots` (int64 [T]) as [T, Hkv, D] each (packed, in the cache dtype)."""
+    _, nb, bs, hkv, d = kv_cache.shape
+    flat = kv_cache.view(2, nb * bs, hkv, d)
+    return flat[0, slots], flat[1, slots]
+
+
+def paged_kv(kv_cache: torch.Tensor, heads_per_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache halves as xFormers' paged K/V: [1, num_blocks * block_size, Hkv, Hpg, D] views."""
+    _, nb, bs, hkv, d = kv_cache.shape
+    k = kv_cache[0].view(nb * bs, hkv, d)
+    v = kv_cache[1].view(nb * bs, hkv, d)
+    return expanded(k, heads_per_group), expanded(v, heads_per_group)
+
+
+@torch.library.custom_op("compiled_attn::xformers_attention", mutates_args=("output",))
+def xformers_attention(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    kv_cache: torch.Tensor | None,
+    output: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    alibi_slopes: torch.Tensor | None,
+    attn_type: str,
+) -> None:
+    """Attention for the forward context's batch, written into `output`.
+
+    query/output: [num_tokens, num_heads, head_size]; key/value: [num_tokens (encoder tokens for
+    cross attention), num_kv_heads, head_size] or None; kv_cache: [2, num_blocks, block_size,
+    num_kv_heads, head_size], already holding this step's K/V, or None (encoder types).
+    sliding_window <= 0 means off. Capturable for decode batches: the decode branch only reads
+    device tensors of the metadata's prebuilt bias and launches Triton kernels.
+    """
+    md = current_metadata(NAME)
+    kind = AttentionType(attn_type)
+    md.check_options(sliding_window, alibi_slopes is not None, kind)
+    g = md.spec.num_kv_heads
+    if alibi_slopes is not None:
+        alibi_attention(md, query, key, value, kv_cache, output, scale, sliding_window, alibi_slopes, kind)
+        return
+    if kind in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+        role = "encoder" if kind == AttentionType.ENCODER else "encoder_only"
+        _check_rows(query, md.num_encoder_tokens if role == "encoder" else md.num_tokens, kind)
+        hpg = query.shape[1] // g
+        out = run_xformers(grouped(query, g), expanded(key, hpg), expanded(value, hpg),
+                           md.bias(role), scale, ("flash", "cutlass"))
+        output.copy_(out.view_as(output))
+        return
+    _check_rows(query, md.num_tokens, kind)
+    cross = kind == AttentionType.ENCODER_DECODER
+    hpg = query.shape[1] // g
+    n_pre = md.num_prefill_tokens
+    if md.num_prefills:
+        if cross and key is not None:
+            k, v = key, value  # the prefills' encoder tokens, fresh this step
+        elif not cross and md.prefill_fresh:
+            k, v = key[:n_pre], value[:n_pre]
+        else:
+            k, v = gather_cache(kv_cache, md.cross_slot_mapping if cross else md.prefill_kv_slots)
+        bias = md.bias("cross_prefill" if cross else "prefill")
+        out = run_xformers(grouped(query[:n_pre], g), expanded(k, hpg), expanded(v, hpg), bias, scale,
+                           ("flash", "cutlass"))
+        output[:n_pre].copy_(out.view(n_pre, *output.shape[1:]))
+    if md.num_decode_tokens:
+        k, v = paged_kv(kv_cache, hpg)
+        bias = md.bias("cross_decode" if cross else "decode")
+        out = run_xformers(grouped(query[n_pre:], g), k, v, bias, scale, ("splitk",))
+        output[n_pre:].copy_(out.view(md.num_decode_tokens, *output.shape[1:]))
+
+
+@xformers_attention.register_fake
+def _(query, key, value, kv_cache, output, scale, sliding_window, alibi_slopes, attn_type) -> None:
+    return None
+
+
+def alibi_attention(
+    md: Any,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    kv_cache: torch.Tensor | None,
+    output: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    alibi_slopes: torch.Tensor,
+    kind: AttentionType,
+) -> None:
+    """ALiBi: one cutlass call per request with a [1, G, Hpg, Lq, Lk] tensor bias.
+
+    xFormers takes ALiBi only as a dense tensor bias (no block-diagonal or paged variant), so
+    this path loops over requests on the host: eager only (the State refuses ALiBi graphs).
+    """
+    g = md.spec.num_kv_heads
+    hpg = query.shape[1] // g
+    slopes = alibi_slopes.to(torch.float32).view(g, hpg)[None, :, :, None, None]
+    for q_lo, q_hi, first_pos, causal, k, v in _alibi_requests(md, key, value, kv_cache, kind):
+        lq, lk = q_hi - q_lo, k.shape[0]
+        # cross attention places every query at position 0 (first_pos None): ALiBi there grows
+        # with the encoder position only
+        step = 0 if first_pos is None else 1
+        qpos = (first_pos or 0) + step * torch.arange(lq, device=query.device, dtype=torch.float32)
+        kpos = torch.arange(lk, device=query.device, dtype=torch.float32)
+        rel = kpos[None, :] - qpos[:, None]  # [Lq, Lk] key pos - query pos
+        allowed = torch.ones_like(rel, dtype=torch.bool)
+        if causal:
+            allowed &= rel <= 0
+        if sliding_window > 0:
+            allowed &= rel > -sliding_window
+        # cutlass wants the bias rows 8-aligned (16-byte loads): allocate padded, use a slice
+        bias = torch.empty(1, g, hpg, lq, -(-lk // 8) * 8, device=query.device, dtype=query.dtype)[..., :lk]
+        bias.copy_((slopes * rel).masked_fill(~allowed, float("-inf")))
+        out = run_xformers(grouped(query[q_lo:q_hi], g), expanded(k, hpg), expanded(v, hpg), bias, scale,
+                           ("cutlass",))
+        output[q_lo:q_hi].copy_(out.view(lq, *output.shape[1:]))
+
+
+def _alibi_requests(md: Any, key, value, kv_cache, kind: AttentionType):
+    """Per request: query rows, first query position (None: all at 0), causality, K/V [Lk, Hkv, D]."""
+    q_lo = k_lo = c_lo = 0
+    for i, (seq_len, query_len) in enumerate(zip(md.seq_lens, md.query_lens, strict=True)):
+        enc_len = md.encoder_seq_lens[i] if md.encoder_seq_lens is not None else 0
+        if kind == AttentionType.ENCODER:
+            yield k_lo, k_lo + enc_len, 0, False, key[k_lo : k_lo + enc_len], value[k_lo : k_lo + enc_len]
+            k_lo += enc_len
+            continue
+        q_hi = q_lo + query_len
+        if kind == AttentionType.ENCODER_ONLY:
+            yield q_lo, q_hi, 0, False, key[q_lo:q_hi], value[q_lo:q_hi]
+        elif kind == AttentionType.ENCODER_DECODER:
+            k, v = gather_cache(kv_cache, md.alibi_cross_slots[c_lo : c_lo + enc_len])
+            yield q_lo, q_hi, None, False, k, v
+        else:
+            k, v = gather_cache(kv_cache, md.alibi_kv_slots[k_lo : k_lo + seq_len])
+            yield q_lo, q_hi, seq_len - query_len, True, k, v
+        q_lo, k_lo, c_lo = q_hi, k_lo + seq_len, c_lo + enc_len
+
+
+def _check_rows(query: torch.Tensor, expect: int, kind: AttentionType) -> None:
+    if query.shape[0] != expect:
+        raise ValueError(
+            f"{kind.name} attention got {query.shape[0]} query tokens but the metadata describes "
+            f"{expect}: build the metadata for this batch"
+        )

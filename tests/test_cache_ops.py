@@ -1,0 +1,252 @@
+"""Cache ops: kv_cache_update writes exactly the metadata's slots; copy_blocks / swap_blocks copy
+exactly the named blocks. Caches start NaN-filled and are compared bit for bit, so a stray write
+of any value (even another NaN pattern) shows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compiled_attn as ca
+
+BACKEND = ca.get_attn_backend("TORCH_SDPA")
+HKV, D, BS, NB = 2, 8, 4, 16
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a.cpu()), bits(b.cpu()))
+
+
+def make_spec(kv_cache_dtype: str = "auto", device: str = "cpu", **kw) -> ca.AttentionSpec:
+    return ca.AttentionSpec(num_heads=4, num_kv_heads=HKV, head_size=D, block_size=BS, num_blocks=NB,
+                            dtype=torch.float32, device=device, kv_cache_dtype=kv_cache_dtype, **kw)
+
+
+def nan_cache(spec: ca.AttentionSpec, num_blocks: int = NB, device: str = "cpu") -> torch.Tensor:
+    shape = BACKEND.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    return torch.full(shape, float("nan")).to(spec.cache_dtype).to(device)
+
+
+def random_cache(num_blocks: int = NB, seed: int = 0, dtype=torch.float32, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, num_blocks, BS, HKV, D, generator=g).to(dtype).to(device)
+
+
+def new_kv(num_tokens: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, HKV, D, generator=g), torch.randn(num_tokens, HKV, D, generator=g) * 3
+
+
+def flat(cache: torch.Tensor, half: int) -> torch.Tensor:
+    """One half of the cache as [num_blocks * block_size, num_kv_heads, head_size] rows, by slot."""
+    return cache[half].reshape(-1, *cache.shape[3:])
+
+
+def write(md, key, value, cache, cross=False, k_scale=1.0, v_scale=1.0) -> None:
+    with ca.set_forward_context(md):
+        torch.ops.compiled_attn.kv_cache_update(key, value, cache, cross, k_scale, v_scale)
+
+
+def check_written(cache, before, slots, key, value) -> None:
+    """Rows `slots` hold key/value (cast to the cache dtype); every other slot kept its bits."""
+    slots = torch.as_tensor(slots, dtype=torch.int64)
+    for half, x in ((0, key), (1, value)):
+        assert same_bits(flat(cache, half)[slots], x.to(cache.dtype))
+        others = torch.ones(NB * BS, dtype=torch.bool)
+        others[slots] = False
+        assert same_bits(flat(cache, half)[others], flat(before, half)[others])
+
+
+def test_update_writes_exactly_the_slots():
+    spec = make_spec()
+    md = BACKEND.get_builder_cls()(spec).build([7, 9, 6], [7, 2, 1], [[3, 0], [5, 11, 2], [15, 8]])
+    key, value = new_kv(10)
+    cache = nan_cache(spec)
+    before = cache.clone()
+    write(md, key, value, cache)
+    # request 0: block 3 then 0; request 1: positions 7, 8 -> block 11 slot 3, block 2 slot 0; request 2: pos 5
+    expected = [12, 13, 14, 15, 0, 1, 2, 47, 8, 33]
+    assert md.slot_mapping.tolist() == expected
+    check_written(cache, before, expected, key, value)
+
+
+def test_update_skips_pad_slots():
+    spec = make_spec()
+    md = BACKEND.get_builder_cls()(spec).build([5, 3], [5, 1], [[6, 9], [4]])
+    slots = md.slot_mapping.tolist()
+    md.slot_mapping[[1, 4, 5]] = -1  # pads: rows 1, 4 (request 0) and 5 (the decode) write nothing
+    key, value = new_kv(6)
+    cache = nan_cache(spec)
+    before = cache.clone()
+    write(md, key, value, cache)
+    kept = [0, 2, 3]
+    check_written(cache, before, [slots[i] for i in kept], key[kept], value[kept])
+
+
+def test_update_all_pads_writes_nothing():
+    spec = make_spec()
+    md = BACKEND.get_builder_cls()(spec).build([1, 1], [1, 1], [[0], [1]])
+    md.slot_mapping.fill_(-1)
+    cache = random_cache()
+    before = cache.clone()
+    write(md, *new_kv(2), cache)
+    assert same_bits(cache, before)
+
+
+def test_update_cross_writes_the_prefills_encoder_tokens():
+    spec = make_spec(attn_type=ca.AttentionType.ENCODER_DECODER)
+    md = BACKEND.get_builder_cls()(spec).build(
+        [2, 7], [2, 1], [[0], [1, 2]], encoder_seq_lens=[6, 3], cross_block_tables=[[9, 4], [13]]
+    )
+    key, value = new_kv(6)  # only the prefill's encoder tokens: the decode's are cached already
+    cache = nan_cache(spec)
+    before = cache.clone()
+    write(md, key, value, cache, cross=True)
+    expected = [36, 37, 38, 39, 16, 17]
+    assert md.cross_slot_mapping.tolist() == expected
+    check_written(cache, before, expected, key, value)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "fp8"])
+def test_update_fp8_stores_scaled_values(kv_cache_dtype):
+    spec = make_spec(kv_cache_dtype)
+    md = BACKEND.get_builder_cls()(spec).build([6], [6], [[7, 2]])
+    key, value = new_kv(6)
+    cache = nan_cache(spec)
+    assert cache.dtype == ca.kv_cache_torch_dtype(kv_cache_dtype, torch.float32)
+    before = cache.clone()
+    k_scale, v_scale = 0.37, 2.5
+    write(md, key, value, cache, k_scale=k_scale, v_scale=v_scale)
+    check_written(cache, before, md.slot_mapping.tolist(), key / k_scale, value / v_scale)
+
+
+def test_update_bf16_cache_from_bf16_keys():
+    spec = ca.AttentionSpec(num_heads=4, num_kv_heads=HKV, head_size=D, block_size=BS, num_blocks=NB,
+                            dtype=torch.bfloat16, device="cpu")
+    md = BACKEND.get_builder_cls()(spec).build([5], [5], [[1, 10]])
+    key, value = (x.bfloat16() for x in new_kv(5))
+    cache = nan_cache(spec)
+    before = cache.clone()
+    write(md, key, value, cache)
+    check_written(cache, before, md.slot_mapping.tolist(), key, value)
+
+
+def test_copy_blocks_copies_named_blocks_in_every_cache():
+    caches = [random_cache(seed=1), random_cache(seed=2)]
+    before = [c.clone() for c in caches]
+    pairs = torch.tensor([[1, 5], [3, 7], [3, 0]])
+    BACKEND.copy_blocks(caches, pairs)
+    for cache, old in zip(caches, before, strict=True):
+        for src, dst in pairs.tolist():
+            assert same_bits(cache[:, dst], old[:, src])
+        untouched = [b for b in range(NB) if b not in (5, 7, 0)]
+        assert same_bits(cache[:, untouched], old[:, untouched])
+
+
+def test_copy_blocks_reads_sources_before_writing():
+    # 1 -> 2 and 2 -> 3 in one call: block 3 gets block 2's old contents, not block 1's.
+    cache = random_cache()
+    old = cache.clone()
+    BACKEND.copy_blocks([cache], torch.tensor([[1, 2], [2, 3]]))
+    assert same_bits(cache[:, 2], old[:, 1])
+    assert same_bits(cache[:, 3], old[:, 2])
+
+
+def test_copy_blocks_fp8_cache_bit_exact():
+    cache = random_cache(dtype=torch.float8_e4m3fn)
+    old = cache.clone()
+    BACKEND.copy_blocks([cache], torch.tensor([[4, 9]]))
+    assert same_bits(cache[:, 9], old[:, 4])
+    assert same_bits(cache[:, :9], old[:, :9]) and same_bits(cache[:, 10:], old[:, 10:])
+
+
+def test_swap_blocks_cpu_to_cpu_between_caches_of_different_sizes():
+    src, dst = random_cache(seed=1), random_cache(num_blocks=6, seed=2)
+    src_before, dst_before = src.clone(), dst.clone()
+    BACKEND.swap_blocks(src, dst, torch.tensor([[15, 0], [2, 4]]))
+    assert same_bits(dst[:, 0], src_before[:, 15])
+    assert same_bits(dst[:, 4], src_before[:, 2])
+    assert same_bits(dst[:, [1, 2, 3, 5]], dst_before[:, [1, 2, 3, 5]])
+    assert same_bits(src, src_before)  # a copy, not an exchange
+
+
+BAD_PAIRS = {
+    "src_out_of_range": torch.tensor([[0, 1], [NB, 2]]),
+    "dst_out_of_range": torch.tensor([[0, NB]]),
+    "negative": torch.tensor([[-1, 2]]),
+    "int32": torch.tensor([[0, 1]], dtype=torch.int32),
+    "not_pairs": torch.tensor([0, 1]),
+    "three_columns": torch.tensor([[0, 1, 2]]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_PAIRS))
+def test_copy_blocks_bad_pairs_raise_and_copy_nothing(name):
+    caches = [random_cache(seed=1), random_cache(seed=2)]
+    before = [c.clone() for c in caches]
+    with pytest.raises(ValueError, match="block"):
+        BACKEND.copy_blocks(caches, BAD_PAIRS[name])
+    assert all(same_bits(c, b) for c, b in zip(caches, before, strict=True))
+
+
+@pytest.mark.parametrize("name", list(BAD_PAIRS))
+def test_swap_blocks_bad_pairs_raise_and_copy_nothing(name):
+    src, dst = random_cache(seed=1), random_cache(seed=2)
+    before = dst.clone()
+    with pytest.raises(ValueError, match="block"):
+        BACKEND.swap_blocks(src, dst, BAD_PAIRS[name])
+    assert same_bits(dst, before)
+
+
+def test_swap_blocks_pair_valid_in_src_but_not_in_dst_raises():
+    src, dst = random_cache(), random_cache(num_blocks=4)
+    before = dst.clone()
+    with pytest.raises(ValueError, match="dst block ids"):
+        BACKEND.swap_blocks(src, dst, torch.tensor([[10, 4]]))
+    assert same_bits(dst, before)
+
+
+@pytest.mark.parametrize(
+    "dst", [random_cache(dtype=torch.bfloat16), torch.randn(2, NB, BS, HKV, D + 1)], ids=["dtype", "shape"]
+)
+def test_swap_blocks_mismatched_caches_raise(dst):
+    before = dst.clone()
+    with pytest.raises(ValueError, match="differ"):
+        BACKEND.swap_blocks(random_cache(), dst, torch.tensor([[0, 1]]))
+    assert same_bits(dst, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction", ["cpu_to_cuda", "cuda_to_cpu"])
+def test_swap_blocks_across_devices(direction):
+    src_dev, dst_dev = ("cpu", "cuda") if direction == "cpu_to_cuda" else ("cuda", "cpu")
+    src, dst = random_cache(seed=1, device=src_dev), random_cache(num_blocks=8, seed=2, device=dst_dev)
+    src_before, dst_before = src.cpu(), dst.cpu()
+    BACKEND.swap_blocks(src, dst, torch.tensor([[3, 7], [12, 0]]))
+    torch.cuda.synchronize()
+    assert dst.device.type == dst_dev
+    assert same_bits(dst[:, 7], src_before[:, 3])
+    assert same_bits(dst[:, 0], src_before[:, 12])
+    assert same_bits(dst[:, 1:7], dst_before[:, 1:7])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_update_cuda_matches_cpu_bit_for_bit(kv_cache_dtype):
+    # The Triton write on CUDA stores the same bytes as the CPU index_put, pads included.
+    spec = make_spec(kv_cache_dtype)
+    tables = [[3, 0], [5, 11, 2], [15, 8]]
+    md = BACKEND.get_builder_cls()(spec).build([7, 9, 6], [7, 2, 1], tables)
+    md.slot_mapping[3] = -1
+    key, value = new_kv(10)
+    cache = nan_cache(spec)
+    write(md, key, value, cache, k_scale=0.5, v_scale=2.0)
+    md_cuda = BACKEND.get_builder_cls()(make_spec(kv_cache_dtype, "cuda")).build([7, 9, 6], [7, 2, 1], tables)
+    md_cuda.slot_mapping[3] = -1
+    cache_cuda = nan_cache(spec, device="cuda")
+    write(md_cuda, key.cuda(), value.cuda(), cache_cuda, k_scale=0.5, v_scale=2.0)
+    assert same_bits(cache_cuda.cpu(), cache)

@@ -1,0 +1,170 @@
+"""TORCH_SDPA forward against the float64 reference, on CPU (fp32) and CUDA (bf16).
+
+Cases are chosen pairwise rather than as a full product: every batch shape, attention type and
+option appears at least once, and block sizes 1/16/32, head sizes 64/128 and GQA 8:1 / MQA are
+spread over them. Every cache comes from `make_batch`, so slots outside a request hold NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from reference import alibi_slopes, make_batch, reference_forward, rel_err
+
+import compiled_attn as ca
+
+T = ca.AttentionType
+BACKEND = ca.get_attn_backend("TORCH_SDPA")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    seq_lens: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    attn_type: T = T.DECODER
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_size: int = 64
+    block_size: int = 16
+    encoder_seq_lens: tuple[int, ...] | None = None
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    alibi: bool = False
+    cross_kv: bool = True  # ENCODER_DECODER: key/value hold the prefills' encoder tokens (else None)
+
+
+# seq_len > query_len on a prefill is a chunked prefill / prefix hit; query_len 1, seq_len > 1 a decode.
+CASES = {
+    "prefill_only": Case((17, 5, 1), (17, 5, 1), head_size=128, block_size=32),
+    "decode_only": Case((33, 7, 64, 2), (1, 1, 1, 1), block_size=1),
+    "mixed": Case((40, 9, 33, 17), (12, 9, 1, 1)),
+    "prefix_hit": Case((50, 21), (3, 21), head_size=128, block_size=16),
+    "gqa_8_1": Case((40, 9, 33), (12, 9, 1), num_heads=16, num_kv_heads=2, block_size=32),
+    "mqa": Case((26, 19, 5), (26, 1, 1), num_heads=8, num_kv_heads=1, head_size=128, block_size=1),
+    "alibi": Case((40, 9, 33, 17), (12, 9, 1, 1), alibi=True, block_size=32),
+    "sliding_window": Case((40, 9, 33, 17), (12, 9, 1, 1), sliding_window=5, block_size=1),
+    "soft_cap": Case((40, 9, 33), (12, 9, 1), logits_soft_cap=2.0, head_size=128),
+    "soft_cap_alibi_window_mqa": Case(
+        (30, 4, 25), (30, 4, 1), num_kv_heads=1, logits_soft_cap=2.0, alibi=True, sliding_window=7,
+        block_size=16,
+    ),
+    "encoder_only": Case((17, 5, 1), (17, 5, 1), attn_type=T.ENCODER_ONLY, head_size=128),
+    "encoder_only_alibi": Case((12, 30), (12, 30), attn_type=T.ENCODER_ONLY, num_kv_heads=1, alibi=True),
+    "encoder": Case((4, 9), (4, 9), attn_type=T.ENCODER, encoder_seq_lens=(13, 6), block_size=32),
+    "cross_encoder_step": Case(
+        (5, 1, 9), (5, 1, 1), attn_type=T.ENCODER_DECODER, encoder_seq_lens=(13, 6, 20), block_size=16,
+    ),
+    "cross_later_step": Case(
+        (6, 12), (1, 1), attn_type=T.ENCODER_DECODER, encoder_seq_lens=(13, 40), block_size=1,
+        head_size=128, cross_kv=False,
+    ),
+    "cross_gqa_8_1": Case(
+        (7, 3), (7, 1), attn_type=T.ENCODER_DECODER, encoder_seq_lens=(9, 33), num_heads=16,
+        num_kv_heads=2, block_size=32,
+    ),
+}
+
+
+def make_spec(case: Case, dtype: torch.dtype, device: str) -> ca.AttentionSpec:
+    return ca.AttentionSpec(
+        num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_size=case.head_size,
+        block_size=case.block_size, num_blocks=128, dtype=dtype, device=device,
+        sliding_window=case.sliding_window, logits_soft_cap=case.logits_soft_cap,
+        alibi_slopes=alibi_slopes(case.num_heads) if case.alibi else None, attn_type=case.attn_type,
+    )
+
+
+def run_case(case: Case, dtype: torch.dtype, device: str, *, seed: int = 0, fill: float | str = float("nan")):
+    """(TORCH_SDPA output, the batch) for one case; fill="random" puts large random values in the
+    unused cache slots instead of NaN."""
+    spec = make_spec(case, dtype, device)
+    enc = list(case.encoder_seq_lens) if case.encoder_seq_lens else None
+    batch = make_batch(spec, list(case.seq_lens), list(case.query_lens), seed=seed, encoder_seq_lens=enc)
+    if fill == "random":
+        cache = batch.kv_cache
+        noise = 100 * torch.randn(cache.shape, generator=torch.Generator().manual_seed(seed + 1)).to(cache)
+        cache.copy_(torch.where(cache.isnan(), noise, cache))
+    impl = BACKEND.get_impl_cls()(
+        case.num_heads, case.head_size, spec.softmax_scale, case.num_kv_heads,
+        alibi_slopes=spec.alibi_slopes, sliding_window=case.sliding_window,
+        logits_soft_cap=case.logits_soft_cap,
+    )
+    md = batch.build(BACKEND)
+    query, key, value, cache = batch.query, batch.key, batch.value, batch.kv_cache
+    if case.attn_type == T.ENCODER:
+        query = batch.encoder_query()
+        key = torch.cat(batch.enc_k).flatten(1).to(device)
+        value = torch.cat(batch.enc_v).flatten(1).to(device)
+        cache = None
+    elif case.attn_type == T.ENCODER_ONLY:
+        cache = None
+    elif case.attn_type == T.ENCODER_DECODER:
+        key, value = (x.to(device) for x in batch.encoder_kv()) if case.cross_kv else (None, None)
+    out = impl.forward(query, key, value, cache, md, attn_type=case.attn_type)
+    return out, batch
+
+
+def reference(case: Case, batch) -> torch.Tensor:
+    return reference_forward(
+        batch, case.attn_type, sliding_window=case.sliding_window, logits_soft_cap=case.logits_soft_cap,
+        alibi=batch.spec.alibi_slopes,
+    )
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference_fp32_cpu(name):
+    case = CASES[name]
+    out, batch = run_case(case, torch.float32, "cpu")
+    rows = sum(case.encoder_seq_lens) if case.attn_type == T.ENCODER else sum(case.query_lens)
+    assert out.shape == (rows, case.num_heads * case.head_size)
+    assert out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    assert rel_err(out, reference(case, batch)) <= 1e-5
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_mixed_batch_every_block_size(block_size):
+    case = dataclasses.replace(CASES["mixed"], block_size=block_size)
+    out, batch = run_case(case, torch.float32, "cpu", seed=block_size)
+    assert rel_err(out, reference(case, batch)) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["mixed", "soft_cap_alibi_window_mqa", "cross_encoder_step", "cross_later_step"])
+def test_garbage_outside_requests_changes_nothing(name):
+    # Same seed, so the same requests; only the unused cache slots differ (NaN vs random values).
+    case = CASES[name]
+    out_nan, _ = run_case(case, torch.float32, "cpu", seed=3, fill=float("nan"))
+    out_rand, _ = run_case(case, torch.float32, "cpu", seed=3, fill="random")
+    assert torch.isfinite(out_nan).all()
+    assert torch.equal(out_nan, out_rand)
+
+
+def test_forward_writes_new_keys_then_cache_serves_next_decode():
+    # Step 1: a prefill writes its K/V; step 2: a decode of the same request reads them back.
+    case = Case((9,), (9,), block_size=4)
+    spec = make_spec(case, torch.float32, "cpu")
+    batch = make_batch(spec, [10], [10], seed=5)
+    impl = BACKEND.get_impl_cls()(8, 64, spec.softmax_scale, 2)
+    builder = BACKEND.get_builder_cls()(spec)
+    table = batch.block_tables
+    impl.forward(batch.query[:9], batch.key[:9], batch.value[:9], batch.kv_cache, builder.build([9], [9], table))
+    out = impl.forward(batch.query[9:], batch.key[9:], batch.value[9:], batch.kv_cache,
+                       builder.build([10], [1], table))
+    batch.seq_lens, batch.query_lens, batch.query = [10], [1], batch.query[9:]
+    assert rel_err(out, reference_forward(batch)) <= 1e-5
+
+
+GPU_CASES = ["mixed", "decode_only", "alibi", "soft_cap", "sliding_window", "encoder_only", "cross_encoder_step",
+             "cross_later_step"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_CASES)
+def test_matches_reference_bf16_cuda(name):
+    case = CASES[name]
+    out, batch = run_case(case, torch.bfloat16, "cuda")
+    assert out.device.type == "cuda" and out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+    assert rel_err(out, reference(case, batch)) <= 1e-2
