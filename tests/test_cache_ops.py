@@ -47,8 +47,12 @@ def flat(cache: torch.Tensor, half: int) -> torch.Tensor:
 
 
 def write(md, key, value, cache, cross=False, k_scale=1.0, v_scale=1.0) -> None:
+    """Run the cache-write op as a (cross-)attention layer with these scales would."""
+    impl = BACKEND.get_impl_cls()(4, D, D**-0.5, HKV)
+    attn_type = ca.AttentionType.ENCODER_DECODER if cross else ca.AttentionType.DECODER
+    layer_name, _call = impl.register(k_scale, v_scale, attn_type)  # _call keeps the name alive
     with ca.set_forward_context(md):
-        torch.ops.compiled_attn.kv_cache_update(key, value, cache, cross, k_scale, v_scale)
+        torch.ops.compiled_attn.kv_cache_update(key, value, cache, layer_name)
 
 
 def check_written(cache, before, slots, key, value) -> None:

@@ -32,13 +32,19 @@ def batch_for(attn_type=T.DECODER, seq_lens=(9, 6, 13), query_lens=(9, 2, 1), en
                             dtype=torch.float32, device="cpu", attn_type=attn_type, **spec_kw)
     batch = make_batch(spec, list(seq_lens), list(query_lens), seed=11, encoder_seq_lens=encoder_seq_lens)
     cache = batch.kv_cache
-    cache.copy_(torch.where(cache.isnan(), torch.randn(cache.shape, generator=torch.Generator().manual_seed(2)),
-                            cache))
+    noise = torch.randn(cache.shape, generator=torch.Generator().manual_seed(2)).to(cache.dtype)
+    cache.copy_(torch.where(cache.isnan(), noise, cache))
     return batch, batch.build(BACKEND)
 
 
 def heads(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.view(x.shape[0], n, -1)
+
+
+def layer(attn_type=T.DECODER, k_scale=1.0, v_scale=1.0, **impl_kw):
+    """(layer name for the ops, the record that keeps the name alive)."""
+    impl = BACKEND.get_impl_cls()(4, 16, 0.25, 2, **impl_kw)
+    return impl.register(k_scale, v_scale, attn_type)
 
 
 @pytest.mark.parametrize("cross", [False, True])
@@ -49,17 +55,9 @@ def test_kv_cache_update(cross):
     else:
         batch, md = batch_for()
         key, value = batch.key, batch.value
+    name, _call = layer(T.ENCODER_DECODER if cross else T.DECODER)
     with ca.set_forward_context(md):
-        opcheck(torch.ops.compiled_attn.kv_cache_update.default,
-                (heads(key, 2), heads(value, 2), batch.kv_cache, cross, 1.0, 1.0))
-
-
-def test_kv_cache_update_fp8():
-    batch, md = batch_for(kv_cache_dtype="fp8_e4m3")
-    batch.kv_cache.copy_(torch.randn(batch.kv_cache.shape).to(batch.kv_cache.dtype))
-    with ca.set_forward_context(md):
-        opcheck(torch.ops.compiled_attn.kv_cache_update.default,
-                (heads(batch.key, 2), heads(batch.value, 2), batch.kv_cache, False, 0.5, 2.0))
+        opcheck(torch.ops.compiled_attn.kv_cache_update.default, (heads(key, 2), heads(value, 2), batch.kv_cache, name))
 
 
 def test_copy_blocks():
@@ -74,17 +72,17 @@ def test_swap_blocks():
 
 SDPA_VARIANTS = {
     # name: (attn_type, batch kwargs, sliding_window, logits_soft_cap, alibi)
-    "decoder_mixed": (T.DECODER, {}, 0, 0.0, False),
-    "decoder_alibi": (T.DECODER, {}, 0, 0.0, True),
-    "decoder_softcap": (T.DECODER, {}, 0, 5.0, False),
+    "decoder_mixed": (T.DECODER, {}, None, None, False),
+    "decoder_alibi": (T.DECODER, {}, None, None, True),
+    "decoder_softcap": (T.DECODER, {}, None, 5.0, False),
     "decoder_window_softcap_alibi": (T.DECODER, {}, 3, 5.0, True),
-    "encoder_only": (T.ENCODER_ONLY, {"seq_lens": (9, 6), "query_lens": (9, 6)}, 0, 0.0, False),
-    "encoder": (T.ENCODER, {"seq_lens": (3, 2), "query_lens": (3, 2), "encoder_seq_lens": [5, 7]}, 0, 0.0, False),
-    "cross_with_encoder_kv": (T.ENCODER_DECODER, {"encoder_seq_lens": [5, 7, 3]}, 0, 0.0, False),
+    "encoder_only": (T.ENCODER_ONLY, {"seq_lens": (9, 6), "query_lens": (9, 6)}, None, None, False),
+    "encoder": (T.ENCODER, {"seq_lens": (3, 2), "query_lens": (3, 2), "encoder_seq_lens": [5, 7]}, None, None, False),
+    "cross_with_encoder_kv": (T.ENCODER_DECODER, {"encoder_seq_lens": [5, 7, 3]}, None, None, False),
     "cross_cached": (
         T.ENCODER_DECODER,
         {"seq_lens": (6, 13), "query_lens": (1, 1), "encoder_seq_lens": [5, 7]},
-        0, 0.0, False,
+        None, None, False,
     ),
 }
 
@@ -106,7 +104,7 @@ def test_torch_sdpa_attention(name):
     k = None if key is None else heads(key, 2)
     v = None if value is None else heads(value, 2)
     output = torch.empty_like(q)
-    slopes = alibi_slopes(4) if alibi else None
+    name, _call = layer(attn_type, alibi_slopes=alibi_slopes(4) if alibi else None, sliding_window=window,
+                        logits_soft_cap=cap)
     with ca.set_forward_context(md):
-        opcheck(torch.ops.compiled_attn.torch_sdpa_attention.default,
-                (q, k, v, cache, output, 0.25, window, cap, slopes, attn_type.value))
+        opcheck(torch.ops.compiled_attn.torch_sdpa_attention.default, (q, k, v, cache, output, name))

@@ -117,6 +117,12 @@ class CommonImpl(AttentionImpl):
                 f"{self.backend_cls.get_name()} does not support {attn_type.name} attention; "
                 f"use {backends_supporting(feature)}"
             )
+        # Window and ALiBi are defined over query/key positions of one sequence; no backend
+        # gives them a meaning across the encoder/decoder boundary or without causality.
+        if self.sliding_window is not None and attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"sliding_window is defined for DECODER attention only, not {attn_type.name}")
+        if self.alibi_slopes is not None and attn_type == AttentionType.ENCODER_DECODER:
+            raise NotImplementedError("ALiBi is not defined for ENCODER_DECODER (cross) attention")
         return attn_type
 
     def forward(
@@ -141,8 +147,24 @@ class CommonImpl(AttentionImpl):
         if key_ not in self._eager_calls:
             self._eager_calls[key_] = self.register(*key_)
         layer_name = self._eager_calls[key_][0]
+        self.check_query_rows(query, attn_metadata, key_[2])
         with set_forward_context(attn_metadata):
             return self.run(query, key, value, kv_cache, key_[2], layer_name)
+
+    @staticmethod
+    def check_query_rows(query: torch.Tensor, attn_metadata: AttentionMetadata, attn_type: AttentionType) -> None:
+        """query has the metadata's token count: checked before the cache write, because the
+        attention op's own check runs after it (eager forward only; needs host metadata)."""
+        md = attn_metadata
+        if attn_type == AttentionType.ENCODER:
+            expect = md.num_encoder_tokens
+        else:
+            expect = md.num_prefill_tokens + md.num_decode_tokens
+        if query.shape[0] != expect:
+            raise ValueError(
+                f"{attn_type.name} attention got {query.shape[0]} query tokens but the metadata "
+                f"describes {expect}: build the metadata for this batch"
+            )
 
     def run(
         self,

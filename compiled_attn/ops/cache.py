@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from compiled_attn.abstract import AttentionType
-from compiled_attn.forward_context import get_forward_context, get_layer
+from compiled_attn.forward_context import get_layer
+from compiled_attn.ops.common import current_metadata
 
 KV_CACHE_DIMS = ("kv", "num_blocks", "block_size", "num_kv_heads", "head_size")
 BLOCK_DIM = 1  # blocks are indexed along dim 1 of every cache
@@ -93,7 +94,8 @@ def kv_cache_update(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     tokens at the cross slots. k/v scales come from the layer. Capturable: one kernel, no sync.
     """
     call = get_layer(layer_name)
-    md = get_forward_context().attn_metadata
+    # the attention op's backend check, made here too so that foreign metadata writes nothing
+    md = current_metadata(call.impl.backend_cls.get_name())
     cross = call.attn_type == AttentionType.ENCODER_DECODER
     slot_mapping = md.cross_slot_mapping if cross else md.slot_mapping
     if slot_mapping is None:

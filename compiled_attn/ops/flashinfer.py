@@ -18,6 +18,11 @@ from compiled_attn.ops.common import current_metadata
 NAME = "FLASHINFER"
 
 
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False on machines without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 @torch.library.custom_op("compiled_attn::flashinfer_attention", mutates_args=("output",))
 def flashinfer_attention(
     query: torch.Tensor,
@@ -54,7 +59,7 @@ def flashinfer_attention(
             f"{kind.name} attention got {query.shape[0]} query tokens but the metadata describes "
             f"{md.num_tokens}: build the metadata for this batch"
         )
-    if torch.cuda.is_current_stream_capturing() and not step.graph_safe:
+    if stream_capturing() and not step.graph_safe:
         raise RuntimeError(
             "FLASHINFER: capturing a CUDA graph with metadata from the builder, whose wrappers were "
             "not made for graphs (use_cuda_graph=False); capture decode steps with metadata from "

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from compiled_attn.abstract import AttentionType
+from compiled_attn.forward_context import get_layer
 from compiled_attn.ops.common import current_metadata
 
 NAME = "XFORMERS"
@@ -107,22 +108,22 @@ def xformers_attention(
     value: torch.Tensor | None,
     kv_cache: torch.Tensor | None,
     output: torch.Tensor,
-    scale: float,
-    sliding_window: int,
-    alibi_slopes: torch.Tensor | None,
-    attn_type: str,
+    layer_name: str,
 ) -> None:
     """Attention for the forward context's batch, written into `output`.
 
     query/output: [num_tokens, num_heads, head_size]; key/value: [num_tokens (encoder tokens for
     cross attention), num_kv_heads, head_size] or None; kv_cache: [2, num_blocks, block_size,
     num_kv_heads, head_size], already holding this step's K/V, or None (encoder types).
-    sliding_window <= 0 means off. Capturable for decode batches: the decode branch only reads
-    device tensors of the metadata's prebuilt bias and launches Triton kernels.
+    Scale, window and ALiBi come from the layer `layer_name`. Capturable for decode batches: the
+    decode branch only reads device tensors of the metadata's prebuilt bias and launches kernels.
     """
     md = current_metadata(NAME)
-    kind = AttentionType(attn_type)
-    md.check_options(sliding_window, alibi_slopes is not None, kind)
+    call = get_layer(layer_name)
+    impl, kind = call.impl, call.attn_type
+    scale, sliding_window = impl.scale, impl.sliding_window or 0
+    alibi_slopes = impl.alibi_on(query.device)
+    md.check_options(sliding_window, alibi_slopes is not None)
     g = md.spec.num_kv_heads
     if alibi_slopes is not None:
         alibi_attention(md, query, key, value, kv_cache, output, scale, sliding_window, alibi_slopes, kind)
@@ -158,7 +159,7 @@ def xformers_attention(
 
 
 @xformers_attention.register_fake
-def _(query, key, value, kv_cache, output, scale, sliding_window, alibi_slopes, attn_type) -> None:
+def _(query, key, value, kv_cache, output, layer_name) -> None:
     return None
 
 

@@ -1,0 +1,48 @@
+"""`python -m compiled_attn demo | bench`: the demo (main job) and the benchmark suites."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def print_table(rows: list[dict], keys: list[str] | None = None) -> None:
+    """Rows of dicts as an aligned text table (floats to 4 significant digits)."""
+    if not rows:
+        return
+    keys = keys or list(rows[0])
+    cells = [[f"{r.get(k):.4g}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    print("  ".join(k.ljust(w) for k, w in zip(keys, widths, strict=True)))
+    for c in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m compiled_attn")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="serve the reference model eagerly and compiled, and compare")
+    demo.add_argument("--backend", default=None, help="TORCH_SDPA | FLASHINFER | XFORMERS (default: best here)")
+    demo.add_argument("--steps", type=int, default=16)
+    bench = sub.add_parser("bench", help="benchmark suites (see BENCHMARKS.md)")
+    bench.add_argument("--backend", action="append", default=None, help="repeat to select several")
+    bench.add_argument("--quick", action="store_true")
+    bench.add_argument("--out", default=".", help="folder for bench-results.json and plots")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from compiled_attn.demo import run_demo
+
+        row = run_demo(steps=args.steps, backend_name=args.backend)
+        print_table([row], [k for k in row if k != "agree"])
+        print(
+            f"summary: {row['backend']} on {row['device']}: {row['compiled tok/s']:.1f} tok/s compiled, "
+            f"{row['compiled tok/s'] / row['eager tok/s']:.2f}x eager; {row['check']}"
+        )
+        return 0 if row["agree"] else 1
+    from compiled_attn.bench.suite import run_bench
+
+    return run_bench(backends=args.backend, quick=args.quick, out=args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

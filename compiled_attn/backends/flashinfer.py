@@ -1,0 +1,621 @@
+"""FLASHINFER: paged attention through FlashInfer's planned prefill / decode / ragged wrappers.
+
+Capabilities, Metadata, Builder (host work: FlashInfer's CSR page layout, lazy once-per-step
+planning), State (CUDA graphs: static buffers, one graph wrapper per batch size), Impl.
+
+FlashInfer is imported lazily, inside the functions that plan, so this module imports (and its
+builder runs) on machines without it: CPU tests inspect the page layout and the fake kernel.
+
+Planning bakes scale, window, soft-cap, ALiBi and causality into the wrappers, so they come
+from the spec; a layer whose values differ raises ValueError at its first forward.
+
+The pinned-buffer race (vLLM #32799): every FlashInfer wrapper owns one pinned host buffer that
+`plan()` fills with `std::copy` and then copies to the device with an async H2D memcpy, with no
+fence. Re-planning the wrapper before the GPU has executed that memcpy overwrites bytes the GPU
+has not read yet. Each wrapper here carries a CUDA event recorded right after its plan; before
+the next plan of that wrapper the host waits on it (`_Slot.plan`). Eager steps alternate
+between two wrappers per kind, so a host that runs one step ahead of the GPU never waits; our
+own index tensors are fresh pageable tensors per step, so the other half of #32799 (pinned
+input tensors reused across steps) cannot happen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from compiled_attn.abstract import (
+    AttentionBackend,
+    AttentionSpec,
+    AttentionState,
+    AttentionType,
+)
+from compiled_attn.backends.common import CommonImpl
+from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, prefix_sums
+from compiled_attn.ops.flashinfer import stream_capturing  # importing registers the op
+from compiled_attn.registry import cuda_unavailable_reason
+
+NAME = "FLASHINFER"
+# FlashInfer's recommended float workspace. It holds split-kv partial outputs (fp32): decode
+# needs num_heads * (head_size + 1) * 4 bytes per partial row, at most one row per CTA of the
+# grid (<= 32 CTAs/SM x 132 SMs on H100: 70 MB at 32 heads x 128); prefill ~16 KiB per query
+# row at 32 x 128, so 128 MiB covers ~8K split rows. tests/test_flashinfer.py measures the
+# largest captured decode plan against it (`FlashInferWrapper.workspace_size`).
+WORKSPACE_BYTES = 128 << 20
+# The CUDA-core decode kernel is templated on the GQA group (1,2,3,4,6,8,16); above 4 queries
+# per KV head the tensor-core kernel (FlashInfer's prefill kernel) is faster (bench: 32 q / 8 kv).
+MAX_CUDA_CORE_GROUP = 4
+# Prefill through FlashInfer's FA2 kernels on every card: FA3 lacks ALiBi and fp8 KV with 16-bit
+# queries, and each FA3 variant is a separate multi-minute JIT build.
+PREFILL_BACKEND = "fa2"
+
+
+# ---------------------------------------------------------------------------------------------
+# Capabilities
+
+
+def standard_alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi paper's slopes, which FlashInfer derives from the head count (float32 [num_heads]).
+
+    2^(-8 i / n) for i = 1..n with n the largest power of two <= num_heads; the remaining heads
+    take the odd powers of 2^(-4 / n) (the paper's extension to other head counts).
+    """
+    n = 2 ** int(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]
+    slopes += [2.0 ** (-4.0 * i / n) for i in range(1, 2 * (num_heads - n), 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def nonstandard_alibi_reason(alibi_slopes: torch.Tensor | None, num_heads: int) -> str | None:
+    """Why FlashInfer cannot apply these slopes (it only computes the standard ones), or None."""
+    if alibi_slopes is None:
+        return None
+    want = standard_alibi_slopes(num_heads)
+    if torch.allclose(alibi_slopes.detach().float().cpu(), want, rtol=1e-5, atol=0.0):
+        return None
+    return (
+        f"{NAME} computes ALiBi slopes itself from num_heads={num_heads} (the standard "
+        f"2^(-8 i / n) series); use TORCH_SDPA for other slopes"
+    )
+
+
+class FlashInferBackend(AttentionBackend):
+    supported_dtypes = (torch.float16, torch.bfloat16)
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    supported_attn_types = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
+    supports_alibi = True
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+    requires_cuda = True
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[FlashInferImpl]:
+        return FlashInferImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[FlashInferMetadata]:
+        return FlashInferMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[FlashInferMetadataBuilder]:
+        return FlashInferMetadataBuilder
+
+    @staticmethod
+    def get_state_cls() -> type[FlashInferState]:
+        return FlashInferState
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return cuda_unavailable_reason("flashinfer")
+
+    @classmethod
+    def supported_head_sizes(cls) -> tuple[int, ...]:
+        return (64, 128, 256)
+
+    @classmethod
+    def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
+        return super().unsupported_reason(spec) or nonstandard_alibi_reason(spec.alibi_slopes, spec.num_heads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata
+
+
+@dataclasses.dataclass
+class FlashInferMetadata(CommonMetadata):
+    """Common metadata plus FlashInfer's CSR page layout (int32; FlashInfer takes no other type).
+
+    qo_indptr:              CPU int32 [num_seqs + 1], prefix sums of query_lens
+    paged_kv_indptr:        CPU int32 [num_seqs + 1], prefix sums of pages per request
+    paged_kv_indices:       device int32 [paged_kv_indptr[-1]], the pages of each request in order
+    paged_kv_last_page_len: CPU int32 [num_seqs], tokens in each request's last page (1..block_size)
+    step_plan:              the wrappers this step runs with, planned once on first use
+
+    The indptr / last-page tensors stay on the host: `plan()` reads them there, and device
+    copies would make it sync. For ENCODER_ONLY (no cache) only qo_indptr is set.
+    """
+
+    qo_indptr: torch.Tensor | None = None
+    paged_kv_indptr: torch.Tensor | None = None
+    paged_kv_indices: torch.Tensor | None = None
+    paged_kv_last_page_len: torch.Tensor | None = None
+    step_plan: Any = None
+
+
+def paged_kv_layout(
+    seq_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """FlashInfer's page CSR for requests of `seq_lens` tokens: (indptr, indices, last_page_len).
+
+    indptr int32 [n + 1]; indices int32 [indptr[-1]], the first ceil(seq_len / block_size) blocks
+    of each table; last_page_len int32 [n] in 1..block_size.
+    """
+    pages = [-(-s // block_size) for s in seq_lens]
+    indptr = prefix_sums(pages)
+    parts = [np.asarray(t[:p], dtype=np.int32) for t, p in zip(block_tables, pages, strict=True)]
+    indices = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    last = np.asarray(seq_lens, dtype=np.int32) - (np.asarray(pages, dtype=np.int32) - 1) * block_size
+    return indptr, indices.astype(np.int32, copy=False), last.astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning (host): wrappers, the pinned-buffer guard, one plan per step
+
+
+def _flashinfer() -> Any:
+    import flashinfer
+
+    return flashinfer
+
+
+def _forbid_capture(what: str) -> None:
+    if stream_capturing():
+        raise RuntimeError(
+            f"{NAME}: {what} inside CUDA-graph capture; plan outside the graph (builder metadata "
+            "plans on first eager use; graph metadata via FlashInferState.begin_forward)"
+        )
+
+
+def decode_uses_tensor_cores(spec: AttentionSpec) -> bool:
+    """Tensor-core decode for large GQA groups (also the only kernel for groups 5, 7, > 8)."""
+    return spec.num_heads // spec.num_kv_heads > MAX_CUDA_CORE_GROUP
+
+
+def plan_options(spec: AttentionSpec) -> dict[str, Any]:
+    """The plan() keywords every wrapper of `spec` gets (FlashInfer compiles a module per set)."""
+    return dict(
+        pos_encoding_mode="NONE" if spec.alibi_slopes is None else "ALIBI",
+        window_left=-1 if spec.sliding_window is None else spec.sliding_window - 1,
+        logits_soft_cap=spec.logits_soft_cap,
+        sm_scale=spec.softmax_scale,
+        q_data_type=spec.dtype,
+        kv_data_type=spec.cache_dtype if spec.attn_type == AttentionType.DECODER else spec.dtype,
+        o_data_type=spec.dtype,
+    )
+
+
+class _Slot:
+    """A wrapper plus the event fencing its pinned plan buffer, and the plan that owns it now."""
+
+    def __init__(self, wrapper: Any, device: torch.device) -> None:
+        self.wrapper = wrapper
+        self.fenced = device.type == "cuda"  # CPU specs (tests with a stand-in FlashInfer) have no events
+        self.event: torch.cuda.Event | None = None
+        self.owner: object | None = None
+
+    def plan(self, owner: object, plan_fn: Callable[[Any], None]) -> None:
+        _forbid_capture("planning a FlashInfer wrapper")
+        if self.event is not None:
+            self.event.synchronize()  # the GPU has copied the previous plan out of the pinned buffer
+        plan_fn(self.wrapper)
+        if self.fenced:
+            self.event = self.event or torch.cuda.Event()
+            self.event.record()
+        self.owner = owner
+
+
+class _WrapperPool:
+    """Per builder: one float workspace and, per wrapper kind, two slots used on alternate steps."""
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+        self._workspace: torch.Tensor | None = None
+        self._slots: dict[tuple[str, int], _Slot] = {}
+
+    def slot(self, kind: str, turn: int) -> _Slot:
+        key = (kind, turn % 2)
+        if key not in self._slots:
+            _forbid_capture("creating FlashInfer wrappers")
+            fi = _flashinfer()
+            if self._workspace is None:
+                # zero-filled: FlashInfer requires it for first use
+                self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.spec.device)
+            if kind == "prefill":
+                w = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend=PREFILL_BACKEND)
+            elif kind == "ragged":
+                w = fi.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD", backend=PREFILL_BACKEND)
+            else:
+                w = fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", use_tensor_cores=decode_uses_tensor_cores(self.spec)
+                )
+            self._slots[key] = _Slot(w, self.spec.device)
+        return self._slots[key]
+
+
+class _PlanChecks:
+    """What every step plan checks at each op call: the layer and inputs match the spec."""
+
+    spec: AttentionSpec
+
+    def check_call(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        scale: float,
+        sliding_window: int,
+        logits_soft_cap: float,
+        use_alibi: bool,
+        attn_type: AttentionType,
+    ) -> None:
+        spec = self.spec
+        layer = (float(scale), sliding_window or None, logits_soft_cap or None, use_alibi)
+        planned = (spec.softmax_scale, spec.sliding_window, spec.logits_soft_cap, spec.alibi_slopes is not None)
+        if not math.isclose(layer[0], planned[0], rel_tol=1e-6) or layer[1:] != planned[1:]:
+            raise ValueError(
+                f"{NAME} plans (scale, sliding_window, logits_soft_cap, alibi) from the spec: "
+                f"{planned}, but this layer has {layer}; build the spec with the layer's values"
+            )
+        if attn_type != spec.attn_type:
+            raise ValueError(f"{NAME} metadata was planned for {spec.attn_type.name}, the layer runs {attn_type.name}")
+        if query.dtype != spec.dtype:
+            raise ValueError(f"query dtype {query.dtype} != spec dtype {spec.dtype}")
+        if kv_cache is not None and attn_type == AttentionType.DECODER and kv_cache.dtype != spec.cache_dtype:
+            raise ValueError(f"kv_cache dtype {kv_cache.dtype} != the spec's cache dtype {spec.cache_dtype}")
+
+
+class StepPlan(_PlanChecks):
+    """The eager wrappers of one builder step, planned on first use (once per step, not per layer).
+
+    A wrapper re-planned for another step in between (two steps later, same slot) is re-planned
+    for this one when it runs again, so old metadata stays correct.
+    """
+
+    graph_safe = False
+
+    def __init__(self, pool: _WrapperPool, md: FlashInferMetadata, turn: int) -> None:
+        self.spec = pool.spec
+        self._pool = pool
+        self._md = md
+        self._turn = turn
+        if self.spec.attn_type == AttentionType.ENCODER_ONLY:
+            self._kinds = ("ragged",) if md.num_tokens else ()
+        else:
+            self._kinds = tuple(k for k, n in (("prefill", md.num_prefills), ("decode", md.num_decodes)) if n)
+
+    def ensure_planned(self) -> None:
+        for kind in self._kinds:
+            slot = self._pool.slot(kind, self._turn)
+            if slot.owner is not self:
+                slot.plan(self, getattr(self, f"_plan_{kind}"))
+
+    def wrapper(self, kind: str) -> Any:
+        return self._pool.slot(kind, self._turn).wrapper
+
+    def _plan_prefill(self, w: Any) -> None:
+        md, spec, p = self._md, self.spec, self._md.num_prefills
+        kv_indptr = md.paged_kv_indptr[: p + 1]
+        w.plan(
+            md.qo_indptr[: p + 1], kv_indptr, md.paged_kv_indices[: int(kv_indptr[-1])],
+            md.paged_kv_last_page_len[:p], spec.num_heads, spec.num_kv_heads, spec.head_size,
+            spec.block_size, causal=True, **plan_options(spec),
+        )
+
+    def _plan_decode(self, w: Any) -> None:
+        md, spec, p = self._md, self.spec, self._md.num_prefills
+        first = int(md.paged_kv_indptr[p])
+        w.plan(
+            md.paged_kv_indptr[p:] - first, md.paged_kv_indices[first:], md.paged_kv_last_page_len[p:],
+            spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, **plan_options(spec),
+        )
+
+    def _plan_ragged(self, w: Any) -> None:
+        spec = self.spec
+        w.plan(
+            self._md.qo_indptr, self._md.qo_indptr, spec.num_heads, spec.num_kv_heads, spec.head_size,
+            causal=False, **plan_options(spec),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Builder
+
+
+class FlashInferMetadataBuilder(CommonMetadataBuilder):
+    """Common metadata plus the page CSR; planning is deferred to the step's first forward.
+
+    Example::
+
+        builder = FlashInferBackend.get_builder_cls()(spec)
+        md = builder.build(seq_lens=[9, 33], query_lens=[9, 1], block_tables=[[3], [0, 7, 5]])
+        md.paged_kv_indptr  # tensor([0, 1, 4], dtype=torch.int32)
+    """
+
+    metadata_cls = FlashInferMetadata
+    backend_name = NAME
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__(spec)
+        reason = nonstandard_alibi_reason(spec.alibi_slopes, spec.num_heads)
+        if reason:
+            raise NotImplementedError(reason)
+        self._pool = _WrapperPool(spec)
+        self._turn = 0
+
+    def build(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        block_tables: list[list[int]],
+        encoder_seq_lens: list[int] | None = None,
+        cross_block_tables: list[list[int]] | None = None,
+    ) -> FlashInferMetadata:
+        md = super().build(seq_lens, query_lens, block_tables, encoder_seq_lens, cross_block_tables)
+        md.qo_indptr = torch.from_numpy(prefix_sums(md.query_lens))
+        if self.spec.attn_type == AttentionType.DECODER:
+            indptr, indices, last = paged_kv_layout(md.seq_lens, md.block_tables_list, self.spec.block_size)
+            md.paged_kv_indptr = torch.from_numpy(indptr)
+            md.paged_kv_indices = torch.from_numpy(indices).to(self.device)
+            md.paged_kv_last_page_len = torch.from_numpy(last)
+        md.step_plan = StepPlan(self._pool, md, self._turn)
+        self._turn += 1
+        return md
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA-graph state
+
+
+class GraphStepPlan(_PlanChecks):
+    """The one `use_cuda_graph=True` decode wrapper of a captured batch size (always planned)."""
+
+    graph_safe = True
+
+    def __init__(self, spec: AttentionSpec, slot: _Slot) -> None:
+        self.spec = spec
+        self.slot = slot
+
+    def ensure_planned(self) -> None:
+        return None  # planned at creation, then by FlashInferState.begin_forward before each replay
+
+    def wrapper(self, kind: str) -> Any:
+        return self.slot.wrapper
+
+
+@dataclasses.dataclass
+class _StaticBuffers:
+    """Everything a captured decode reads, allocated once for `max_batch_size` rows."""
+
+    workspace: torch.Tensor  # uint8 [WORKSPACE_BYTES]
+    paged_kv_indptr: torch.Tensor  # int32 [max_batch_size + 1]
+    paged_kv_indices: torch.Tensor  # int32 [max_batch_size * max_pages_per_seq]
+    paged_kv_last_page_len: torch.Tensor  # int32 [max_batch_size]
+    slot_mapping: torch.Tensor  # int64 [max_batch_size]
+    seq_lens_tensor: torch.Tensor  # int32 [max_batch_size]
+    context_lens_tensor: torch.Tensor  # int32 [max_batch_size]
+    query_start_loc: torch.Tensor  # int32 [max_batch_size + 1]
+    block_tables: torch.Tensor  # int32 [max_batch_size, max_pages_per_seq]
+
+
+SCRATCH_BLOCK = 0  # pad rows read one token of this block (any valid block: they write nothing)
+
+
+class FlashInferState(AttentionState):
+    """Static buffers and one graph decode wrapper per captured batch size.
+
+    Pad rows (n..bs-1 of a batch of n live decodes) are one-token sequences on SCRATCH_BLOCK
+    with slot -1: valid for FlashInfer (every length >= 1), nothing written to the cache.
+
+    Example (see DESIGN.md for the full call order)::
+
+        state = FlashInferBackend.get_state_cls()(spec)
+        with state.graph_capture(max_batch_size=256):
+            md_bs = state.graph_capture_get_metadata_for_batch(256)
+            bufs = state.get_graph_input_buffers(md_bs)
+            graph_state = state.graph_clone(256)
+            ...  # warm up, capture
+        graph_state.prepare_graph_input_buffers(bufs, md)
+        graph_state.begin_forward(md)
+        graph.replay()
+    """
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__(spec)
+        if spec.attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"{NAME} captures DECODER decode steps only, not {spec.attn_type.name}")
+        self._bufs: _StaticBuffers | None = None
+        self._slots: dict[int, _Slot] = {}
+        self._batch_size: int | None = None  # set on clones
+        self._capturing = False
+        self._prepared: FlashInferMetadata | None = None
+        self.max_pages_per_seq = -(-spec.max_seq_len_to_capture // spec.block_size)
+
+    @contextmanager
+    def graph_capture(self, max_batch_size: int) -> Iterator[None]:
+        _forbid_capture("allocating the graph state's buffers")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if self._bufs is None or self._bufs.paged_kv_last_page_len.shape[0] < max_batch_size:
+            self._bufs = self._allocate(max_batch_size)
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    def _allocate(self, max_batch_size: int) -> _StaticBuffers:
+        dev, i32 = self.spec.device, torch.int32
+        # Pages of a full batch: each request holds up to max_pages_per_seq table entries. Not
+        # capped at spec.num_blocks: requests sharing prefix blocks list them once each.
+        pages = max_batch_size * self.max_pages_per_seq
+        return _StaticBuffers(
+            workspace=torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev),
+            paged_kv_indptr=torch.arange(max_batch_size + 1, dtype=i32, device=dev),
+            paged_kv_indices=torch.full((pages,), SCRATCH_BLOCK, dtype=i32, device=dev),
+            paged_kv_last_page_len=torch.ones(max_batch_size, dtype=i32, device=dev),
+            slot_mapping=torch.full((max_batch_size,), -1, dtype=torch.int64, device=dev),
+            seq_lens_tensor=torch.ones(max_batch_size, dtype=i32, device=dev),
+            context_lens_tensor=torch.zeros(max_batch_size, dtype=i32, device=dev),
+            query_start_loc=torch.arange(max_batch_size + 1, dtype=i32, device=dev),
+            block_tables=torch.full((max_batch_size, self.max_pages_per_seq), SCRATCH_BLOCK, dtype=i32, device=dev),
+        )
+
+    def graph_capture_get_metadata_for_batch(self, batch_size: int) -> FlashInferMetadata:
+        if not self._capturing or self._bufs is None:
+            raise RuntimeError("call graph_capture_get_metadata_for_batch inside `with state.graph_capture(n):`")
+        _forbid_capture("creating a graph decode wrapper")
+        b = self._bufs
+        if not 1 <= batch_size <= b.paged_kv_last_page_len.shape[0]:
+            raise ValueError(f"batch_size={batch_size} outside 1..{b.paged_kv_last_page_len.shape[0]} (max_batch_size)")
+        if batch_size not in self._slots:
+            wrapper = _flashinfer().BatchDecodeWithPagedKVCacheWrapper(
+                b.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=decode_uses_tensor_cores(self.spec),
+                paged_kv_indptr_buffer=b.paged_kv_indptr[: batch_size + 1],
+                paged_kv_indices_buffer=b.paged_kv_indices,
+                paged_kv_last_page_len_buffer=b.paged_kv_last_page_len[:batch_size],
+            )
+            self._slots[batch_size] = _Slot(wrapper, self.spec.device)
+        slot = self._slots[batch_size]
+        self._fill_pads(0, batch_size)
+        self._plan(slot, self._padded_plan_inputs(None, batch_size))
+        return self._graph_metadata(batch_size, slot)
+
+    def _graph_metadata(self, batch_size: int, slot: _Slot) -> FlashInferMetadata:
+        b, n = self._bufs, batch_size
+        return FlashInferMetadata(
+            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=n, slot_mapping=b.slot_mapping[:n],
+            seq_lens=[1] * n, query_lens=[1] * n, block_tables_list=[[SCRATCH_BLOCK]] * n,
+            max_query_len=1, max_seq_len=self.spec.max_seq_len_to_capture,
+            seq_lens_tensor=b.seq_lens_tensor[:n], context_lens_tensor=b.context_lens_tensor[:n],
+            query_start_loc=b.query_start_loc[: n + 1], block_tables=b.block_tables[:n],
+            backend_name=NAME, block_size=self.spec.block_size, num_blocks=self.spec.num_blocks,
+            spec=self.spec, qo_indptr=torch.arange(n + 1, dtype=torch.int32),
+            paged_kv_indptr=b.paged_kv_indptr[: n + 1], paged_kv_indices=b.paged_kv_indices,
+            paged_kv_last_page_len=b.paged_kv_last_page_len[:n], step_plan=GraphStepPlan(self.spec, slot),
+        )
+
+    def graph_clone(self, batch_size: int) -> FlashInferState:
+        if batch_size not in self._slots:
+            raise RuntimeError(f"graph_clone({batch_size}) before graph_capture_get_metadata_for_batch({batch_size})")
+        clone = FlashInferState(self.spec)
+        clone._bufs = self._bufs
+        clone._slots = {batch_size: self._slots[batch_size]}
+        clone._batch_size = batch_size
+        return clone
+
+    def get_graph_input_buffers(self, attn_metadata: FlashInferMetadata) -> dict[str, torch.Tensor]:
+        md = attn_metadata
+        names = ("slot_mapping", "seq_lens_tensor", "context_lens_tensor", "query_start_loc", "block_tables",
+                 "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+        return {name: getattr(md, name) for name in names}
+
+    def _check_step(self, md: FlashInferMetadata, batch_size: int) -> None:
+        if getattr(md, "backend_name", None) != NAME or md.paged_kv_indptr is None:
+            raise ValueError(f"{NAME} graphs replay metadata from {NAME}'s builder, got {type(md).__name__}")
+        if md.num_prefills:
+            raise ValueError(f"graphs replay decode-only steps; this one has {md.num_prefills} prefills")
+        if md.num_seqs > batch_size:
+            raise ValueError(f"{md.num_seqs} decodes do not fit the graph of batch size {batch_size}")
+        if md.max_seq_len > self.spec.max_seq_len_to_capture:
+            raise ValueError(
+                f"max_seq_len={md.max_seq_len} > spec.max_seq_len_to_capture={self.spec.max_seq_len_to_capture}: "
+                "run this step eagerly"
+            )
+
+    def prepare_graph_input_buffers(
+        self, input_buffers: dict[str, torch.Tensor], attn_metadata: FlashInferMetadata
+    ) -> None:
+        md, bufs = attn_metadata, input_buffers
+        bs = bufs["slot_mapping"].shape[0]
+        self._check_step(md, bs)
+        n, nnz = md.num_seqs, md.paged_kv_indices.shape[0]
+        bufs["slot_mapping"][:n].copy_(md.slot_mapping, non_blocking=True)
+        bufs["seq_lens_tensor"][:n].copy_(md.seq_lens_tensor, non_blocking=True)
+        bufs["context_lens_tensor"][:n].copy_(md.context_lens_tensor, non_blocking=True)
+        width = md.block_tables.shape[1]
+        bufs["block_tables"][:n, :width].copy_(md.block_tables, non_blocking=True)
+        bufs["paged_kv_indices"][:nnz].copy_(md.paged_kv_indices, non_blocking=True)
+        self._fill_pads(n, bs, nnz)
+        self._prepared = md
+
+    def _fill_pads(self, n: int, bs: int, nnz: int = 0) -> None:
+        # Pad rows: no cache write, one token read from the scratch block.
+        b = self._bufs
+        b.slot_mapping[n:bs].fill_(-1)
+        b.seq_lens_tensor[n:bs].fill_(1)
+        b.context_lens_tensor[n:bs].fill_(0)
+        b.paged_kv_indices[nnz : nnz + bs - n].fill_(SCRATCH_BLOCK)
+
+    def begin_forward(self, attn_metadata: FlashInferMetadata) -> None:
+        md = attn_metadata
+        bs = self._batch_size if self._batch_size is not None else min(
+            (s for s in self._slots if s >= md.num_seqs), default=0
+        )
+        if bs not in self._slots:
+            raise RuntimeError(f"no captured batch size holds {md.num_seqs} decodes; capture one first")
+        if self._prepared is not md:
+            raise RuntimeError("call prepare_graph_input_buffers(bufs, md) before begin_forward(md)")
+        self._check_step(md, bs)
+        self._plan(self._slots[bs], self._padded_plan_inputs(md, bs))
+
+    def _padded_plan_inputs(self, md: FlashInferMetadata | None, bs: int) -> tuple[torch.Tensor, ...]:
+        """Host indptr / last-page lengths of `md`'s rows plus one-page pad rows, and the pages."""
+        n = 0 if md is None else md.num_seqs
+        live = np.zeros(1, dtype=np.int32) if md is None else md.paged_kv_indptr.numpy()
+        indptr = np.concatenate([live, live[-1] + np.arange(1, bs - n + 1, dtype=np.int32)])
+        last = np.ones(bs, dtype=np.int32)
+        if md is not None:
+            last[:n] = md.paged_kv_last_page_len.numpy()
+        indices = self._bufs.paged_kv_indices[: int(indptr[-1])]  # already filled by prepare / _fill_pads
+        return torch.from_numpy(indptr), indices, torch.from_numpy(last)
+
+    def _plan(self, slot: _Slot, inputs: tuple[torch.Tensor, ...]) -> None:
+        spec = self.spec
+        slot.plan(self, lambda w: w.plan(
+            *inputs, spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, **plan_options(spec)
+        ))
+
+
+# ---------------------------------------------------------------------------------------------
+# Impl
+
+
+class FlashInferImpl(CommonImpl):
+    backend_cls = FlashInferBackend
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        reason = nonstandard_alibi_reason(self.alibi_slopes, self.num_heads)
+        if reason:
+            raise NotImplementedError(reason)
+
+    def attention(self, query, key, value, kv_cache, output, k_scale, v_scale, attn_type, alibi_slopes):
+        torch.ops.compiled_attn.flashinfer_attention(
+            query, key, value, kv_cache, output, self.scale, self.sliding_window or 0,
+            self.logits_soft_cap or 0.0, self.alibi_slopes is not None, k_scale, v_scale, attn_type.value,
+        )

@@ -1,0 +1,462 @@
+"""XFORMERS: xFormers kernels with xFormers' own attention-bias classes, over the shared paged cache.
+
+Which kernel serves what (xformers 0.0.35; measured in compiled_attn/bench/decode_xformers.py):
+
+- decode (self and cross attention): triton split-K with `PagedBlockDiagonalCausalWithOffset-
+  PaddedKeysMask` / `PagedBlockDiagonalPaddedKeysMask` straight over the cache, or the paged
+  gappy mask for a sliding window (keys [seq_len - W, seq_len)). Any batch size; the op is named
+  explicitly because xFormers' dispatcher drops split-K above 32 query tokens. That kernel needs
+  block_size % 64 == 0, so the backend supports exactly those block sizes: anything else is a
+  NotImplementedError (the gathered padded-keys alternative costs a full copy of every
+  request's keys per layer; the bench measures it).
+- prefill: flash (PyTorch's FA2), else cutlass, with `BlockDiagonalCausalMask` over this step's
+  K/V when no prefill has cached context, else `BlockDiagonalCausalFromBottomRightMask` over
+  K/V gathered from the cache (chunked prefill, prefix hits). Sliding windows use the local
+  variants; ENCODER / ENCODER_ONLY / cross prefill use `BlockDiagonalMask`.
+- ALiBi: a per-request dense tensor bias through cutlass (eager only).
+
+Bias objects hold python ints, so they are built here — by the builder for eager steps, by the
+State once per captured batch size (fixed maxima, device-side lengths) — never inside the op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionState, AttentionType
+from compiled_attn.backends.common import CommonImpl
+from compiled_attn.metadata import (
+    CACHELESS_TYPES,
+    CommonMetadata,
+    CommonMetadataBuilder,
+    prefix_sums,
+    slots_for,
+)
+from compiled_attn.ops import xformers as _ops
+
+NAME = "XFORMERS"
+PAGE_MULTIPLE = 64  # triton split-K's BLOCK_N: a page must hold whole key tiles
+HEAD_SIZES = (64, 128, 256)
+
+
+class XFormersBackend(AttentionBackend):
+    supported_dtypes = (torch.float16, torch.bfloat16)
+    supported_kv_cache_dtypes = ("auto",)
+    supported_attn_types = tuple(AttentionType)
+    supports_alibi = True
+    supports_sliding_window = True
+    supports_logits_soft_cap = False
+    requires_cuda = True
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[XFormersImpl]:
+        return XFormersImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[XFormersMetadata]:
+        return XFormersMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[XFormersMetadataBuilder]:
+        return XFormersMetadataBuilder
+
+    @staticmethod
+    def get_state_cls() -> type[XFormersState]:
+        return XFormersState
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        from compiled_attn.registry import cuda_unavailable_reason
+
+        return cuda_unavailable_reason("xformers")
+
+    @classmethod
+    def supported_head_sizes(cls) -> tuple[int, ...]:
+        return HEAD_SIZES
+
+    @classmethod
+    def supports_block_size(cls, block_size: int) -> bool:
+        """Paged decode runs on triton split-K, which reads whole 64-key tiles of a page."""
+        return block_size % PAGE_MULTIPLE == 0
+
+
+def check_block_size(block_size: int) -> None:
+    """NotImplementedError for a block size the paged decode kernel cannot read."""
+    if not XFormersBackend.supports_block_size(block_size):
+        raise NotImplementedError(
+            f"{NAME} supports block sizes that are multiples of {PAGE_MULTIPLE} (64, 128, 256, ...), "
+            f"not {block_size}: xFormers' paged decode (triton split-K) reads whole 64-key tiles. "
+            "Use FLASHINFER or TORCH_SDPA for other block sizes"
+        )
+
+
+@dataclasses.dataclass
+class XFormersMetadata(CommonMetadata):
+    """Common metadata plus xFormers' bias objects and the gathers they need.
+
+    prefill_fresh:        True when no prefill has cached context: prefill attends over this
+                          step's key/value directly, else over K/V gathered from the cache
+    prefill_kv_slots:     int64 [sum of prefill seq_lens], cache slots of every prefill token
+                          (only when not prefill_fresh)
+    decode_window_starts: int32 [num_decodes + 1], first key each decode sees (sliding window)
+    alibi_kv_slots / alibi_cross_slots: int64 cache slots of every request's keys / encoder keys,
+                          in request order (ALiBi only)
+    biases:               role -> xFormers AttentionBias ("prefill", "decode", "cross_prefill",
+                          "cross_decode", "encoder", "encoder_only")
+    """
+
+    prefill_fresh: bool = True
+    prefill_kv_slots: torch.Tensor | None = None
+    decode_window_starts: torch.Tensor | None = None
+    alibi_kv_slots: torch.Tensor | None = None
+    alibi_cross_slots: torch.Tensor | None = None
+    biases: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def bias(self, role: str) -> Any:
+        """The bias object for `role`; ValueError when this metadata was built without its inputs."""
+        if role not in self.biases:
+            raise ValueError(
+                f"{NAME} metadata has no {role!r} bias (it has {sorted(self.biases)}): build it with the "
+                "inputs this attention type needs (encoder_seq_lens / cross_block_tables for cross attention)"
+            )
+        return self.biases[role]
+
+    def check_options(self, sliding_window: int, has_alibi: bool) -> None:
+        """The layer's options must match what the biases were planned with (the spec's)."""
+        planned = self.spec.sliding_window or 0
+        if sliding_window != planned:
+            raise ValueError(
+                f"{NAME}: the layer's sliding_window ({sliding_window or None}) differs from the spec's "
+                f"({planned or None}) that the metadata's biases were built with"
+            )
+        if has_alibi != (self.spec.alibi_slopes is not None):
+            raise ValueError(f"{NAME}: the layer's alibi_slopes and the spec's must both be set or both be None")
+
+
+def seqinfo(seqstart: torch.Tensor, lens: list[int]) -> Any:
+    """xFormers' `_SeqLenInfo` over an existing device prefix-sum tensor (no host->device copy)."""
+    ab = _ops.fmha().attn_bias
+    return ab._SeqLenInfo(
+        seqstart=seqstart,
+        max_seqlen=max(lens),
+        min_seqlen=min(lens),
+        seqstart_py=[0, *np.cumsum(lens).tolist()],
+    )
+
+
+def decode_bias(
+    q_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    *,
+    causal: bool,
+    window_starts: torch.Tensor | None = None,
+) -> Any:
+    """The paged bias of `n` one-token queries over the cache, from device tensors only.
+
+    q_start: int32 [n + 1] = 0..n; seq_lens: int32 [n] keys per request (its end position when
+    `window_starts` is given); block_tables: int32 [n, max_blocks]; window_starts: int32 [n + 1]
+    first visible key. The python ints inside depend on n and max_blocks only (never on the
+    lengths), so a bias built at capture serves every replay.
+    """
+    ab = _ops.fmha().attn_bias
+    n, max_blocks = block_tables.shape
+    pad = max_blocks * block_size
+    q_info = ab._SeqLenInfo(seqstart=q_start, max_seqlen=1, min_seqlen=1, seqstart_py=list(range(n + 1)))
+    if window_starts is not None:
+        k_info = ab._GappySeqInfo(
+            seqstart=window_starts, max_seqlen=pad, min_seqlen=0, seqstart_py=[0] * n + [-1],
+            seqlen=seq_lens, seqlen_py=[pad] * n,
+        )
+        return ab.PagedBlockDiagonalGappyKeysMask(
+            q_seqinfo=q_info, k_seqinfo=k_info, block_tables=block_tables, page_size=block_size
+        )
+    k_info = ab._PaddedSeqLenInfo(
+        seqstart=q_start, max_seqlen=pad, min_seqlen=0, seqstart_py=[i * pad for i in range(n + 1)],
+        seqlen=seq_lens, seqlen_py=[pad] * n, padding=pad,
+    )  # seqstart is never read for paged keys (pages are found through block_tables)
+    cls = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask if causal else ab.PagedBlockDiagonalPaddedKeysMask
+    return cls(q_seqinfo=q_info, k_seqinfo=k_info, block_tables=block_tables, page_size=block_size)
+
+
+class XFormersMetadataBuilder(CommonMetadataBuilder):
+    """Common builder + the gathers and bias objects of one step (all host work happens here)."""
+
+    metadata_cls = XFormersMetadata
+    backend_name = NAME
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__(spec)
+        check_block_size(spec.block_size)
+
+    def build(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        block_tables: list[list[int]],
+        encoder_seq_lens: list[int] | None = None,
+        cross_block_tables: list[list[int]] | None = None,
+    ) -> XFormersMetadata:
+        md = super().build(seq_lens, query_lens, block_tables, encoder_seq_lens, cross_block_tables)
+        self.add_gather_fields(md)
+        md.biases = build_biases(md)
+        return md
+
+    def add_gather_fields(self, md: XFormersMetadata) -> None:
+        """Host work for the fields xFormers' kernels need beyond the common ones (one copy per dtype)."""
+        spec, p, bs = self.spec, md.num_prefills, self.spec.block_size
+        uses_cache = spec.attn_type not in CACHELESS_TYPES
+        pre_seq, pre_q = md.seq_lens[:p], md.query_lens[:p]
+        md.prefill_fresh = all(s == q for s, q in zip(pre_seq, pre_q, strict=True))
+        int32_parts: dict[str, np.ndarray] = {
+            "decode_q_start": np.arange(md.num_decodes + 1, dtype=np.int32),
+            "prefill_k_start": prefix_sums(pre_seq),
+        }
+        int64_parts: dict[str, np.ndarray] = {}
+        if uses_cache and not md.prefill_fresh:
+            int64_parts["prefill_kv_slots"] = slots_for(md.block_tables_list[:p], [0] * p, pre_seq, bs)
+        if spec.sliding_window and md.num_decodes:
+            starts = np.maximum(np.asarray(md.seq_lens[p:], dtype=np.int64) - spec.sliding_window, 0)
+            int32_parts["decode_window_starts"] = np.append(starts, 0).astype(np.int32)
+        if spec.alibi_slopes is not None:
+            if uses_cache:
+                n = len(md.seq_lens)
+                int64_parts["alibi_kv_slots"] = slots_for(md.block_tables_list, [0] * n, md.seq_lens, bs)
+            if md.cross_block_tables_list is not None:
+                enc = md.encoder_seq_lens
+                int64_parts["alibi_cross_slots"] = slots_for(md.cross_block_tables_list, [0] * len(enc), enc, bs)
+        tensors = self._to_device(int32_parts, int64_parts or {"none": np.zeros(0, np.int64)}, {})
+        md._decode_q_start = tensors.pop("decode_q_start")
+        md._prefill_k_start = tensors.pop("prefill_k_start")
+        tensors.pop("none", None)
+        for name, t in tensors.items():
+            setattr(md, name, t)
+
+
+def build_biases(md: XFormersMetadata) -> dict[str, Any]:
+    """Every bias this step's metadata can serve, keyed by role (cheap: no host->device copies)."""
+    ab = _ops.fmha().attn_bias
+    spec, p, window = md.spec, md.num_prefills, md.spec.sliding_window
+    uses_cache = spec.attn_type not in CACHELESS_TYPES
+    out: dict[str, Any] = {}
+    q_info = seqinfo(md.query_start_loc[: p + 1], md.query_lens[:p]) if p else None
+    if p and uses_cache:
+        if md.prefill_fresh:
+            bias = ab.BlockDiagonalCausalMask(q_seqinfo=q_info, k_seqinfo=q_info)
+            out["prefill"] = bias.make_local_attention(window) if window else bias
+        else:
+            k_info = seqinfo(md._prefill_k_start, md.seq_lens[:p])
+            if window:
+                bias = ab.BlockDiagonalMask(q_seqinfo=q_info, k_seqinfo=k_info)
+                out["prefill"] = bias.make_local_attention_from_bottomright(window)
+            else:
+                out["prefill"] = ab.BlockDiagonalCausalFromBottomRightMask(q_seqinfo=q_info, k_seqinfo=k_info)
+    if md.num_decodes and uses_cache:
+        out["decode"] = decode_bias(
+            md._decode_q_start, md.seq_lens_tensor[p:], md.block_tables[p:], md.block_size,
+            causal=True, window_starts=md.decode_window_starts,
+        )
+    if md.num_decodes == 0:
+        all_q = seqinfo(md.query_start_loc, md.query_lens)
+        out["encoder_only"] = ab.BlockDiagonalMask(q_seqinfo=all_q, k_seqinfo=all_q)
+    if md.encoder_seq_lens is not None:
+        enc = md.encoder_seq_lens
+        enc_info = seqinfo(md.encoder_seq_start_loc, enc)
+        out["encoder"] = ab.BlockDiagonalMask(q_seqinfo=enc_info, k_seqinfo=enc_info)
+        if md.cross_block_tables is not None:
+            if p:
+                pre_enc = seqinfo(md.encoder_seq_start_loc[: p + 1], enc[:p])
+                out["cross_prefill"] = ab.BlockDiagonalMask(q_seqinfo=q_info, k_seqinfo=pre_enc)
+            if md.num_decodes:
+                out["cross_decode"] = decode_bias(
+                    md._decode_q_start, md.encoder_seq_lens_tensor[p:], md.cross_block_tables[p:],
+                    md.block_size, causal=False,
+                )
+    return out
+
+
+class XFormersImpl(CommonImpl):
+    """CommonImpl's forward (cache write, then one `compiled_attn::xformers_attention` call)."""
+
+    backend_cls = XFormersBackend
+
+    def attention(self, query, key, value, kv_cache, output, layer_name):
+        torch.ops.compiled_attn.xformers_attention(query, key, value, kv_cache, output, layer_name)
+
+
+@dataclasses.dataclass
+class _GraphBuffers:
+    """Static decode inputs at the largest captured batch size; each batch size uses row slices."""
+
+    seq_lens: torch.Tensor  # int32 [max_bs]; pads: 1 (one key in block 0: finite, discarded outputs)
+    context_lens: torch.Tensor  # int32 [max_bs]
+    block_tables: torch.Tensor  # int32 [max_bs, max_blocks]; pads: block 0 (always valid)
+    slot_mapping: torch.Tensor  # int64 [max_bs]; pads: -1 (the cache write skips them)
+    q_start: torch.Tensor  # int32 [max_bs + 1] = 0..max_bs, never rewritten
+    window_starts: torch.Tensor  # int32 [max_bs + 1]
+    encoder_seq_lens: torch.Tensor | None  # int32 [max_bs] (ENCODER_DECODER specs)
+    cross_block_tables: torch.Tensor | None  # int32 [max_bs, max_blocks]
+
+
+class XFormersState(AttentionState):
+    """CUDA-graph state: static decode buffers, one paged bias per captured batch size.
+
+    The biases' python ints depend only on the batch size and the block-table width
+    (max_seq_len_to_capture / block_size), so `begin_forward` has nothing to plan: replay
+    reads the lengths and tables from device buffers that `prepare_graph_input_buffers` fills.
+    """
+
+    def __init__(self, spec: AttentionSpec, buffers: _GraphBuffers | None = None, batch_size: int = 0) -> None:
+        super().__init__(spec)
+        self._buffers = buffers
+        self._batch_size = batch_size
+
+    @property
+    def max_blocks(self) -> int:
+        return -(-self.spec.max_seq_len_to_capture // self.spec.block_size)
+
+    @contextmanager
+    def graph_capture(self, max_batch_size: int) -> Iterator[None]:
+        check_block_size(self.spec.block_size)
+        if self.spec.alibi_slopes is not None:
+            raise NotImplementedError(
+                f"{NAME} runs ALiBi eagerly only (a per-request tensor bias); for ALiBi under CUDA graphs "
+                "use FLASHINFER"
+            )
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        dev, n, w = self.spec.device, max_batch_size, self.max_blocks
+        cross = self.spec.attn_type == AttentionType.ENCODER_DECODER
+
+        def i32(*shape: int, fill: int) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=torch.int32, device=dev)
+
+        self._buffers = _GraphBuffers(
+            seq_lens=i32(n, fill=1),
+            context_lens=i32(n, fill=0),
+            block_tables=i32(n, w, fill=0),
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            q_start=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            window_starts=i32(n + 1, fill=0),
+            encoder_seq_lens=i32(n, fill=1) if cross else None,
+            cross_block_tables=i32(n, w, fill=0) if cross else None,
+        )
+        yield
+
+    def _require_buffers(self) -> _GraphBuffers:
+        if self._buffers is None:
+            raise RuntimeError(f"{NAME}: call inside `with state.graph_capture(max_batch_size):` first")
+        return self._buffers
+
+    def graph_capture_get_metadata_for_batch(self, batch_size: int) -> XFormersMetadata:
+        buf = self._require_buffers()
+        if not 1 <= batch_size <= buf.seq_lens.shape[0]:
+            raise ValueError(f"batch_size {batch_size} outside 1..{buf.seq_lens.shape[0]} (graph_capture's maximum)")
+        n, spec = batch_size, self.spec
+        md = XFormersMetadata(
+            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=n, slot_mapping=buf.slot_mapping[:n],
+            seq_lens=[1] * n, query_lens=[1] * n, block_tables_list=[[0]] * n, max_query_len=1, max_seq_len=1,
+            seq_lens_tensor=buf.seq_lens[:n], context_lens_tensor=buf.context_lens[:n],
+            query_start_loc=buf.q_start[: n + 1], block_tables=buf.block_tables[:n],
+            backend_name=NAME, block_size=spec.block_size, num_blocks=spec.num_blocks, spec=spec,
+            decode_window_starts=buf.window_starts[: n + 1] if spec.sliding_window else None,
+        )
+        if buf.encoder_seq_lens is not None:
+            md.encoder_seq_lens = [1] * n
+            md.encoder_seq_lens_tensor = buf.encoder_seq_lens[:n]
+            md.cross_block_tables = buf.cross_block_tables[:n]
+            md.max_encoder_seq_len = 1
+        md._decode_q_start = buf.q_start[: n + 1]
+        md.biases = {"decode": decode_bias(md._decode_q_start, md.seq_lens_tensor, md.block_tables,
+                                           spec.block_size, causal=True, window_starts=md.decode_window_starts)}
+        if buf.encoder_seq_lens is not None:
+            md.biases["cross_decode"] = decode_bias(md._decode_q_start, md.encoder_seq_lens_tensor,
+                                                    md.cross_block_tables, spec.block_size, causal=False)
+        return md
+
+    def graph_clone(self, batch_size: int) -> XFormersState:
+        return XFormersState(self.spec, self._require_buffers(), batch_size)
+
+    def get_graph_input_buffers(self, attn_metadata: XFormersMetadata) -> dict[str, torch.Tensor]:
+        md = attn_metadata
+        out = {
+            "slot_mapping": md.slot_mapping,
+            "seq_lens": md.seq_lens_tensor,
+            "block_tables": md.block_tables,
+        }
+        if md.decode_window_starts is not None:
+            out["window_starts"] = md.decode_window_starts
+        if md.cross_block_tables is not None:
+            out["encoder_seq_lens"] = md.encoder_seq_lens_tensor
+            out["cross_block_tables"] = md.cross_block_tables
+        return out
+
+    def prepare_graph_input_buffers(
+        self, input_buffers: dict[str, torch.Tensor], attn_metadata: XFormersMetadata
+    ) -> None:
+        """Device-to-device copies of a decode-only step into the static buffers; rows n.. become pads."""
+        md = attn_metadata
+        self._check_fits(md, input_buffers)
+        n = md.num_seqs
+        width = md.block_tables.shape[1]
+        # columns past a request's table are never read (its seq_len bounds the pages), so stale
+        # ids from an earlier step may stay there
+        input_buffers["block_tables"][:n, :width].copy_(md.block_tables, non_blocking=True)
+        input_buffers["block_tables"][n:].zero_()
+        for name, src, pad in (("seq_lens", md.seq_lens_tensor, 1), ("slot_mapping", md.slot_mapping, -1)):
+            input_buffers[name][:n].copy_(src, non_blocking=True)
+            input_buffers[name][n:].fill_(pad)
+        if "window_starts" in input_buffers:
+            input_buffers["window_starts"][:n].copy_(md.decode_window_starts[:n], non_blocking=True)
+            input_buffers["window_starts"][n:].zero_()
+        if "cross_block_tables" in input_buffers and md.cross_block_tables is not None:
+            cw = md.cross_block_tables.shape[1]
+            input_buffers["cross_block_tables"][:n, :cw].copy_(md.cross_block_tables, non_blocking=True)
+            input_buffers["cross_block_tables"][n:].zero_()
+            input_buffers["encoder_seq_lens"][:n].copy_(md.encoder_seq_lens_tensor, non_blocking=True)
+            input_buffers["encoder_seq_lens"][n:].fill_(1)
+
+    def _check_fits(self, md: XFormersMetadata, input_buffers: dict[str, torch.Tensor]) -> None:
+        if not isinstance(md, XFormersMetadata):
+            raise ValueError(f"{NAME} state got {type(md).__name__}; build it with {NAME}'s builder")
+        capacity = input_buffers["seq_lens"].shape[0]
+        if md.num_prefills or md.num_seqs > capacity:
+            raise ValueError(
+                f"a captured graph serves decode-only batches of <= {capacity} requests, got "
+                f"{md.num_prefills} prefills and {md.num_seqs} requests: run this step eagerly"
+            )
+        max_len = input_buffers["block_tables"].shape[1] * self.spec.block_size
+        longest = max(md.seq_lens + (md.encoder_seq_lens or []))
+        if longest > max_len:
+            raise ValueError(
+                f"a request of {longest} tokens exceeds the captured {max_len} "
+                "(max_seq_len_to_capture): run this step eagerly"
+            )
+        if "cross_block_tables" in input_buffers and md.cross_block_tables is None:
+            raise ValueError("this graph was captured for cross attention: build the metadata with cross_block_tables")
+
+    def begin_forward(self, attn_metadata: XFormersMetadata) -> None:
+        """Nothing to plan: the captured biases read lengths and tables from the static buffers."""
+        if self._buffers is None:
+            raise RuntimeError(f"{NAME}: begin_forward on a state that was not made by graph_clone")
+        if attn_metadata.num_seqs > self._batch_size:
+            raise ValueError(
+                f"this graph serves {self._batch_size} requests, the step has {attn_metadata.num_seqs}"
+            )

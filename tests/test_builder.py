@@ -1,0 +1,157 @@
+"""The common builder (slot mapping, block tables, lengths, prefill/decode split, cross fields) and
+TORCH_SDPA's padded layout, checked against values worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compiled_attn as ca
+
+T = ca.AttentionType
+BACKEND = ca.get_attn_backend("TORCH_SDPA")
+BS, NB = 4, 32
+
+
+def builder(attn_type: T = T.DECODER):
+    spec = ca.AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8, block_size=BS, num_blocks=NB,
+                            dtype=torch.float32, device="cpu", attn_type=attn_type)
+    return BACKEND.get_builder_cls()(spec)
+
+
+@pytest.fixture
+def mixed():
+    # a prefill with a cached prefix (6 of 9 cached), a full prefill, two decodes
+    return builder().build([9, 5, 7, 4], [3, 5, 1, 1], [[10, 3, 8], [0, 21], [5, 6], [31]])
+
+
+def test_slot_mapping(mixed):
+    # request 0: positions 6..8 -> block 3 slots 2, 3; block 8 slot 0; request 1: 0..4 -> blocks 0, 21;
+    # request 2: position 6 -> block 6 slot 2; request 3: position 3 -> block 31 slot 3
+    assert mixed.slot_mapping.tolist() == [14, 15, 32, 0, 1, 2, 3, 84, 26, 127]
+    assert mixed.slot_mapping.dtype == torch.int64
+
+
+def test_block_tables_padded_with_block_zero(mixed):
+    assert mixed.block_tables.dtype == torch.int32
+    assert mixed.block_tables.tolist() == [[10, 3, 8], [0, 21, 0], [5, 6, 0], [31, 0, 0]]
+
+
+def test_block_tables_width_is_blocks_needed_not_table_length():
+    md = builder().build([5, 2], [5, 2], [[1, 2, 3, 4], [7, 9, 11]])
+    assert md.block_tables.tolist() == [[1, 2], [7, 9]]
+    assert md.block_tables_list == [[1, 2, 3, 4], [7, 9, 11]]
+
+
+def test_lengths(mixed):
+    assert mixed.seq_lens_tensor.tolist() == [9, 5, 7, 4]
+    assert mixed.context_lens_tensor.tolist() == [6, 0, 6, 3]
+    assert mixed.query_start_loc.tolist() == [0, 3, 8, 9, 10]
+    for t in (mixed.seq_lens_tensor, mixed.context_lens_tensor, mixed.query_start_loc):
+        assert t.dtype == torch.int32
+    assert (mixed.max_query_len, mixed.max_seq_len) == (5, 9)
+
+
+def test_prefill_decode_split(mixed):
+    assert (mixed.num_prefills, mixed.num_decodes) == (2, 2)
+    assert (mixed.num_prefill_tokens, mixed.num_decode_tokens, mixed.num_tokens) == (8, 2, 10)
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens", "num_prefills"),
+    [([1], [1], 1), ([1, 1], [1, 1], 2), ([3, 1, 6], [3, 1, 1], 2), ([6, 2], [1, 1], 0), ([4, 9], [4, 2], 2)],
+    ids=["one_token_prompt", "two_one_token_prompts", "one_token_prompt_then_decode", "decodes", "chunks"],
+)
+def test_one_token_prompt_is_a_prefill(seq_lens, query_lens, num_prefills):
+    tables = [[2 * i, 2 * i + 1, 20 + i] for i in range(len(seq_lens))]
+    md = builder().build(seq_lens, query_lens, tables)
+    assert md.num_prefills == num_prefills
+    assert md.num_prefill_tokens == sum(query_lens[:num_prefills])
+
+
+def test_prefill_view(mixed):
+    pre = mixed.prefill_metadata
+    assert isinstance(pre, BACKEND.get_metadata_cls())
+    assert (pre.num_prefills, pre.num_prefill_tokens, pre.num_decode_tokens) == (2, 8, 0)
+    assert pre.seq_lens == [9, 5] and pre.query_lens == [3, 5]
+    assert torch.equal(pre.slot_mapping, mixed.slot_mapping[:8])
+    assert pre.block_tables.tolist() == [[10, 3, 8], [0, 21, 0]]
+    assert pre.decode_metadata is None
+    assert pre.prefill_metadata is pre
+
+
+def test_decode_view(mixed):
+    dec = mixed.decode_metadata
+    assert isinstance(dec, BACKEND.get_metadata_cls())
+    assert (dec.num_prefills, dec.num_prefill_tokens, dec.num_decode_tokens) == (0, 0, 2)
+    assert torch.equal(dec.slot_mapping, mixed.slot_mapping[8:])
+    assert dec.seq_lens_tensor.tolist() == [7, 4]
+    assert dec.block_tables.tolist() == [[5, 6], [31, 0]]
+    assert dec.prefill_metadata is None
+    assert dec.decode_metadata is dec
+    assert mixed.decode_metadata is dec  # cached
+
+
+def test_asdict_zerocopy_shares_tensors(mixed):
+    d = mixed.asdict_zerocopy(skip_fields={"block_tables"})
+    assert "block_tables" not in d
+    assert d["slot_mapping"] is mixed.slot_mapping
+    assert d["num_prefills"] == 2
+
+
+def test_metadata_knows_its_backend_and_spec(mixed):
+    assert mixed.backend_name == "TORCH_SDPA"
+    assert (mixed.block_size, mixed.num_blocks) == (BS, NB)
+    assert mixed.slot_mapping.device.type == "cpu"
+
+
+def test_cross_fields():
+    md = builder(T.ENCODER_DECODER).build(
+        [3, 6, 2], [3, 1, 1], [[0], [1, 2], [3]],
+        encoder_seq_lens=[6, 2, 9], cross_block_tables=[[10, 11], [12], [13, 14, 15]],
+    )
+    assert md.encoder_seq_lens == [6, 2, 9]
+    assert md.encoder_seq_lens_tensor.tolist() == [6, 2, 9]
+    assert md.encoder_seq_start_loc.tolist() == [0, 6, 8, 17]
+    assert (md.num_encoder_tokens, md.max_encoder_seq_len) == (17, 9)
+    assert md.cross_block_tables.tolist() == [[10, 11, 0], [12, 0, 0], [13, 14, 15]]
+    # only the prefill's encoder tokens are written this step; the decodes' are cached already
+    assert md.cross_slot_mapping.tolist() == [40, 41, 42, 43, 44, 45]
+    assert md.cross_slot_mapping.dtype == torch.int64
+    dec = md.decode_metadata
+    assert dec.cross_block_tables.tolist() == [[12, 0, 0], [13, 14, 15]]
+    assert dec.cross_slot_mapping.numel() == 0
+
+
+def test_no_cross_fields_for_decoder(mixed):
+    assert mixed.encoder_seq_lens is None and mixed.cross_block_tables is None
+    assert mixed.cross_slot_mapping is None and mixed.num_encoder_tokens == 0
+
+
+def test_encoder_only_has_pad_slots_and_no_tables():
+    md = builder(T.ENCODER_ONLY).build([3, 2], [3, 2], [])
+    assert md.slot_mapping.tolist() == [-1] * 5
+    assert md.num_prefills == 2
+    assert md.block_tables.shape == (2, 1)
+
+
+def test_sdpa_prefill_padded_layout():
+    # prefills with query lens 3, 1, 2 starting at sequence positions 2, 0, 0; then one decode
+    md = builder().build([5, 1, 2, 6], [3, 1, 2, 1], [[0, 1], [2], [3], [4, 5]])
+    assert md.prefill_token_index.tolist() == [[0, 1, 2], [3, 3, 3], [4, 5, 4]]  # pads repeat row 0
+    assert md.prefill_q_pos.tolist() == [[2, 3, 4], [0, 0, 0], [0, 1, 0]]
+    assert md.prefill_flat_index.tolist() == [0, 1, 2, 3, 6, 7]
+    for name in ("prefill_token_index", "prefill_q_pos", "prefill_flat_index"):
+        assert getattr(md, name).dtype == torch.int64
+
+
+def test_sdpa_decode_only_has_no_prefill_layout():
+    md = builder().build([6, 3], [1, 1], [[4, 5], [1]])
+    assert md.prefill_token_index is None and md.prefill_flat_index is None
+
+
+def test_sdpa_encoder_padded_layout():
+    md = builder(T.ENCODER).build([2, 1], [2, 1], [], encoder_seq_lens=[1, 3])
+    assert md.encoder_token_index.tolist() == [[0, 0, 0], [1, 2, 3]]
+    assert md.encoder_q_pos.tolist() == [[0, 0, 0], [0, 1, 2]]
+    assert md.encoder_flat_index.tolist() == [0, 3, 4, 5]

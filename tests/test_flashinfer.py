@@ -1,0 +1,532 @@
+"""FLASHINFER backend: page layout, planning and padding on CPU (a stand-in FlashInfer records
+plan calls); every feature against the float64 reference, graphs and opcheck on the device.
+
+Kernel variants compile for 10-60 s each, so the GPU feature cases are a pairwise design over
+(dtype, head size, cache dtype, GQA group, window, soft-cap, ALiBi): FEATURE_CASES below.
+"""
+
+from __future__ import annotations
+
+import random
+import types
+
+import numpy as np
+import pytest
+import torch
+from reference import alibi_slopes, make_batch, reference_forward, rel_err
+
+import compiled_attn as ca
+from compiled_attn.backends import flashinfer as fib
+from compiled_attn.backends.flashinfer import FlashInferBackend
+
+KINDS = ca.AttentionType
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
+                 "test_aot_dispatch_dynamic")
+BF16_TOL = 1e-2
+# The reference already holds the fp8-rounded K/V (reference.round_trip), so what remains is the
+# 16-bit rounding of probabilities and output, plus one more output rounding by FlashInfer's
+# `out *= v_scale` after the kernel: twice the 16-bit bound.
+FP8_TOL = 2e-2
+
+
+def spec_of(device: str = "cpu", **kw) -> ca.AttentionSpec:
+    base = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, num_blocks=64,
+                dtype=torch.bfloat16, device=device)
+    return ca.AttentionSpec(**{**base, **kw})
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: page layout
+
+
+def expected_layout(seq_lens, tables, block_size):
+    indptr, indices, last = [0], [], []
+    for s, t in zip(seq_lens, tables, strict=True):
+        pages = (s + block_size - 1) // block_size
+        indices += t[:pages]
+        indptr.append(indptr[-1] + pages)
+        last.append(s - (pages - 1) * block_size)
+    return indptr, indices, last
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_builder_page_layout_matches_tables_for_random_batches(seed):
+    rng = random.Random(seed)
+    spec = spec_of(block_size=rng.choice([1, 8, 16]), num_blocks=4096)
+    n_pre, n_dec = rng.randint(0, 4), rng.randint(0, 6)
+    seq_lens, query_lens = [], []
+    for _ in range(n_pre):
+        s = rng.randint(1, 300)
+        seq_lens.append(s)
+        query_lens.append(rng.randint(1, s))
+    for _ in range(n_dec or (0 if n_pre else 1)):
+        seq_lens.append(rng.randint(2, 300))
+        query_lens.append(1)
+    blocks = torch.randperm(spec.num_blocks).tolist()
+    tables, at = [], 0
+    for s in seq_lens:
+        n = (s + spec.block_size - 1) // spec.block_size + rng.randint(0, 2)  # tables may run longer
+        tables.append(blocks[at : at + n])
+        at += n
+    md = FlashInferBackend.get_builder_cls()(spec).build(seq_lens, query_lens, tables)
+    indptr, indices, last = expected_layout(seq_lens, tables, spec.block_size)
+    for t in (md.qo_indptr, md.paged_kv_indptr, md.paged_kv_indices, md.paged_kv_last_page_len):
+        assert t.dtype == torch.int32
+    assert md.qo_indptr.tolist() == np.concatenate([[0], np.cumsum(query_lens)]).tolist()
+    assert md.paged_kv_indptr.tolist() == indptr
+    assert md.paged_kv_indices.tolist() == indices
+    assert md.paged_kv_last_page_len.tolist() == last
+    assert all(1 <= x <= spec.block_size for x in last)
+
+
+def test_encoder_only_metadata_has_qo_indptr_and_no_pages():
+    spec = spec_of(attn_type=KINDS.ENCODER_ONLY)
+    md = FlashInferBackend.get_builder_cls()(spec).build([5, 3], [5, 3], [])
+    assert md.qo_indptr.tolist() == [0, 5, 8]
+    assert md.paged_kv_indptr is None
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: planning with a stand-in FlashInfer that records plan() calls
+
+
+class RecordingWrapper:
+    def __init__(self, kind, *args, **kwargs):
+        self.kind, self.init_kwargs, self.plans = kind, kwargs, []
+
+    def plan(self, *args, **kwargs):
+        self.plans.append((args, kwargs))
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    fake = types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=lambda *a, **k: RecordingWrapper("prefill", *a, **k),
+        BatchPrefillWithRaggedKVCacheWrapper=lambda *a, **k: RecordingWrapper("ragged", *a, **k),
+        BatchDecodeWithPagedKVCacheWrapper=lambda *a, **k: RecordingWrapper("decode", *a, **k),
+    )
+    monkeypatch.setattr(fib, "_flashinfer", lambda: fake)
+    monkeypatch.setattr(fib, "WORKSPACE_BYTES", 1024)
+    return fake
+
+
+def mixed_md(spec, builder=None):
+    builder = builder or FlashInferBackend.get_builder_cls()(spec)
+    # prefills: fresh 20-token prompt, 5-token chunk over 35 cached; decodes: 17 and 2 tokens
+    return builder.build([20, 40, 17, 2], [20, 5, 1, 1], [[1, 2], [3, 4, 5], [6, 7], [8]])
+
+
+def test_mixed_step_plans_prefill_and_rebased_decode_once(fake_flashinfer):
+    spec = spec_of(sliding_window=32, logits_soft_cap=30.0, alibi_slopes=alibi_slopes(8))
+    md = mixed_md(spec)
+    for _ in range(3):  # three layers, one plan
+        md.step_plan.ensure_planned()
+    pre, dec = md.step_plan.wrapper("prefill"), md.step_plan.wrapper("decode")
+    assert len(pre.plans) == 1 and len(dec.plans) == 1
+    (qo, kv_indptr, indices, last, *dims), kw = pre.plans[0]
+    assert (qo.tolist(), kv_indptr.tolist(), indices.tolist(), last.tolist()) == (
+        [0, 20, 25], [0, 2, 5], [1, 2, 3, 4, 5], [4, 8])
+    assert dims == [8, 2, 64, 16] and kw["causal"] is True
+    (kv_indptr, indices, last, *dims), kw = dec.plans[0]
+    assert (kv_indptr.tolist(), indices.tolist(), last.tolist()) == ([0, 2, 3], [6, 7, 8], [1, 2])
+    assert kw["window_left"] == 31 and kw["logits_soft_cap"] == 30.0
+    assert kw["pos_encoding_mode"] == "ALIBI" and kw["q_data_type"] == torch.bfloat16
+
+
+def test_step_replans_a_wrapper_another_step_took_over(fake_flashinfer):
+    spec = spec_of()
+    builder = FlashInferBackend.get_builder_cls()(spec)
+    first, second, third = (mixed_md(spec, builder) for _ in range(3))
+    for md in (first, second, third, first):
+        md.step_plan.ensure_planned()
+    # first and third share a slot (two slots alternate): first planned again after third
+    assert first.step_plan.wrapper("decode") is third.step_plan.wrapper("decode")
+    assert first.step_plan.wrapper("decode") is not second.step_plan.wrapper("decode")
+    assert len(first.step_plan.wrapper("decode").plans) == 3
+
+
+def test_decode_uses_tensor_cores_above_group_four(fake_flashinfer):
+    for heads, kv_heads, want in ((8, 2, False), (8, 1, True), (12, 2, True), (4, 4, False)):
+        md = FlashInferBackend.get_builder_cls()(spec_of(num_heads=heads, num_kv_heads=kv_heads)).build(
+            [5], [1], [[0]])
+        md.step_plan.ensure_planned()
+        assert md.step_plan.wrapper("decode").init_kwargs["use_tensor_cores"] is want
+
+
+def test_fp8_cache_plans_fp8_kv_dtype(fake_flashinfer):
+    md = mixed_md(spec_of(kv_cache_dtype="fp8_e5m2"))
+    md.step_plan.ensure_planned()
+    assert md.step_plan.wrapper("decode").plans[0][1]["kv_data_type"] == torch.float8_e5m2
+
+
+def test_encoder_only_plans_non_causal_ragged(fake_flashinfer):
+    md = FlashInferBackend.get_builder_cls()(spec_of(attn_type=KINDS.ENCODER_ONLY)).build([5, 3], [5, 3], [])
+    md.step_plan.ensure_planned()
+    (qo, kv, *_), kw = md.step_plan.wrapper("ragged").plans[0]
+    assert qo.tolist() == kv.tolist() == [0, 5, 8] and kw["causal"] is False
+
+
+def capture_state(spec, sizes):
+    state = FlashInferBackend.get_state_cls()(spec)
+    out = {}
+    with state.graph_capture(max(sizes)):
+        for bs in sizes:
+            md_bs = state.graph_capture_get_metadata_for_batch(bs)
+            out[bs] = (md_bs, state.get_graph_input_buffers(md_bs), state.graph_clone(bs))
+    return state, out
+
+
+def test_graph_metadata_is_all_pads_that_write_nothing(fake_flashinfer):
+    _, graphs = capture_state(spec_of(max_seq_len_to_capture=64), [4, 2])
+    md_bs, bufs, graph_state = graphs[4]
+    assert md_bs.num_decode_tokens == 4 and md_bs.num_prefills == 0
+    assert bufs["slot_mapping"].tolist() == [-1] * 4
+    (indptr, indices, last, *_), _ = graph_state._slots[4].wrapper.plans[0]
+    assert indptr.tolist() == [0, 1, 2, 3, 4] and last.tolist() == [1] * 4
+    assert indices.tolist() == [fib.SCRATCH_BLOCK] * 4
+
+
+def test_prepare_pads_rows_beyond_the_live_batch(fake_flashinfer):
+    spec = spec_of(max_seq_len_to_capture=64)
+    _, graphs = capture_state(spec, [4])
+    _, bufs, graph_state = graphs[4]
+    md = FlashInferBackend.get_builder_cls()(spec).build([17, 3], [1, 1], [[5, 6], [7]])
+    graph_state.prepare_graph_input_buffers(bufs, md)
+    graph_state.begin_forward(md)
+    assert bufs["slot_mapping"].tolist() == md.slot_mapping.tolist() + [-1, -1]
+    (indptr, indices, last, *_), _ = graph_state._slots[4].wrapper.plans[-1]
+    assert indptr.tolist() == [0, 2, 3, 4, 5] and last.tolist() == [1, 3, 1, 1]
+    assert indices.tolist() == [5, 6, 7, fib.SCRATCH_BLOCK, fib.SCRATCH_BLOCK]
+
+
+def test_begin_forward_before_prepare_raises(fake_flashinfer):
+    spec = spec_of(max_seq_len_to_capture=64)
+    _, graphs = capture_state(spec, [2])
+    md = FlashInferBackend.get_builder_cls()(spec).build([17], [1], [[5, 6]])
+    with pytest.raises(RuntimeError, match="prepare_graph_input_buffers"):
+        graphs[2][2].begin_forward(md)
+
+
+def test_prepare_rejects_prefills_and_overlong_steps(fake_flashinfer):
+    spec = spec_of(max_seq_len_to_capture=32)
+    _, graphs = capture_state(spec, [2])
+    _, bufs, graph_state = graphs[2]
+    builder = FlashInferBackend.get_builder_cls()(spec)
+    with pytest.raises(ValueError, match="decode-only"):
+        graph_state.prepare_graph_input_buffers(bufs, builder.build([4], [4], [[1]]))
+    with pytest.raises(ValueError, match="max_seq_len_to_capture"):
+        graph_state.prepare_graph_input_buffers(bufs, builder.build([40], [1], [[1, 2, 3]]))
+
+
+def test_metadata_for_batch_outside_graph_capture_raises():
+    state = FlashInferBackend.get_state_cls()(spec_of())
+    with pytest.raises(RuntimeError, match="graph_capture"):
+        state.graph_capture_get_metadata_for_batch(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: availability, capabilities, fake kernel
+
+
+def test_unavailable_reason_on_cpu_names_the_cause():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine")
+    reason = FlashInferBackend.unavailable_reason()
+    assert reason is not None and ("flashinfer" in reason or "CUDA" in reason)
+    with pytest.raises(ca.BackendUnavailableError):
+        ca.get_attn_backend("FLASHINFER")
+
+
+def test_nonstandard_alibi_slopes_are_not_implemented_naming_torch_sdpa():
+    slopes = torch.linspace(0.1, 0.9, 8)
+    with pytest.raises(NotImplementedError, match="TORCH_SDPA"):
+        FlashInferBackend.get_impl_cls()(8, 64, 0.125, num_kv_heads=2, alibi_slopes=slopes)
+    with pytest.raises(NotImplementedError, match="TORCH_SDPA"):
+        FlashInferBackend.get_builder_cls()(spec_of(alibi_slopes=slopes))
+    assert "TORCH_SDPA" in FlashInferBackend.unsupported_reason(spec_of("cuda", alibi_slopes=slopes))
+
+
+def test_standard_alibi_slopes_include_non_power_of_two_heads():
+    assert torch.allclose(fib.standard_alibi_slopes(8), alibi_slopes(8).float())
+    want12 = [2 ** (-i) for i in range(1, 9)] + [2 ** (-0.5 * i) for i in (1, 3, 5, 7)]
+    assert torch.allclose(fib.standard_alibi_slopes(12), torch.tensor(want12))
+
+
+@pytest.mark.parametrize("attn_type", [KINDS.ENCODER, KINDS.ENCODER_DECODER])
+def test_encoder_and_cross_attention_are_not_implemented(attn_type):
+    impl = FlashInferBackend.get_impl_cls()(8, 64, 0.125, num_kv_heads=2)
+    with pytest.raises(NotImplementedError, match="TORCH_SDPA"):
+        impl.check_attn_type(attn_type)
+
+
+def test_unsupported_head_size_and_dtype():
+    with pytest.raises(NotImplementedError, match="head sizes"):
+        FlashInferBackend.get_impl_cls()(8, 96, 0.1, num_kv_heads=2)
+    assert "dtypes" in FlashInferBackend.unsupported_reason(spec_of(dtype=torch.float32))
+
+
+def op_args(spec, num_tokens, device, **over):
+    q = torch.randn(num_tokens, spec.num_heads, spec.head_size, device=device).to(spec.dtype)
+    kv = torch.randn(num_tokens, spec.num_kv_heads, spec.head_size, device=device).to(spec.dtype)
+    cache = torch.randn(FlashInferBackend.get_kv_cache_shape(
+        spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size), device=device).to(spec.cache_dtype)
+    args = dict(query=q, key=kv, value=kv.clone(), kv_cache=cache, output=torch.empty_like(q),
+                scale=spec.softmax_scale, sliding_window=spec.sliding_window or 0,
+                logits_soft_cap=spec.logits_soft_cap or 0.0, use_alibi=spec.alibi_slopes is not None,
+                k_scale=1.0, v_scale=1.0, attn_type=spec.attn_type.value)
+    return {**args, **over}
+
+
+@pytest.mark.parametrize("over", [dict(scale=0.5), dict(sliding_window=7), dict(logits_soft_cap=3.0),
+                                  dict(use_alibi=True), dict(attn_type="encoder_only")])
+def test_layer_values_differing_from_the_spec_raise_at_forward(over):
+    spec = spec_of()
+    md = mixed_md(spec)
+    with ca.set_forward_context(md), pytest.raises(ValueError, match="spec|planned"):
+        torch.ops.compiled_attn.flashinfer_attention(**op_args(spec, md.num_tokens, "cpu", **over))
+
+
+def test_fake_kernel_on_cuda_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec = spec_of()
+    with FakeTensorMode():
+        args = op_args(spec, 7, "cuda")
+        assert torch.ops.compiled_attn.flashinfer_attention(**args) is None
+        assert args["output"].shape == (7, 8, 64) and args["output"].device.type == "cuda"
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: features against the float64 reference
+
+# (name, dtype, head_size, kv_cache_dtype, num_heads, num_kv_heads, sliding_window, soft_cap, alibi)
+FEATURE_CASES = [
+    ("base", torch.bfloat16, 128, "auto", 8, 2, None, None, False),
+    ("fp16_d64_mha_window", torch.float16, 64, "auto", 4, 4, 256, None, False),
+    ("d256_mqa_tensorcore_softcap", torch.bfloat16, 256, "auto", 8, 1, None, 30.0, False),
+    ("fp16_alibi_window", torch.float16, 128, "auto", 8, 2, 200, None, True),
+    ("fp8e4m3_d64_softcap_alibi", torch.bfloat16, 64, "fp8_e4m3", 8, 8, None, 20.0, True),
+    ("fp8e5m2_fp16_tensorcore_window", torch.float16, 128, "fp8_e5m2", 16, 2, 300, None, False),
+    ("fp8e4m3_d128", torch.bfloat16, 128, "fp8_e4m3", 8, 2, None, None, False),
+]
+
+
+def case_spec(case, num_blocks=2048, **kw):
+    _, dtype, d, kv, hq, hkv, window, cap, alibi = case
+    return ca.AttentionSpec(num_heads=hq, num_kv_heads=hkv, head_size=d, block_size=16, num_blocks=num_blocks,
+                            dtype=dtype, device="cuda", kv_cache_dtype=kv, sliding_window=window,
+                            logits_soft_cap=cap, alibi_slopes=alibi_slopes(hq) if alibi else None, **kw)
+
+
+def random_lengths(seed, num_prefills, num_decodes, max_len=4096, max_chunk=512):
+    """Prefills: a fresh prompt, then chunks over cached context, a 1-token prompt; decodes."""
+    rng = random.Random(seed)
+    seq_lens, query_lens = [], []
+    for i in range(num_prefills):
+        if i == num_prefills - 1 and num_prefills > 2:
+            s = q = 1
+        elif i == 0:
+            s = q = rng.randint(1, max_chunk)
+        else:
+            s = rng.randint(2, max_len)
+            q = rng.randint(1, min(s, max_chunk))
+        seq_lens.append(s)
+        query_lens.append(q)
+    for _ in range(num_decodes):
+        seq_lens.append(rng.randint(2, max_len))
+        query_lens.append(1)
+    return seq_lens, query_lens
+
+
+def run_and_compare(spec, seq_lens, query_lens, *, seed=0, k_scale=1.0, v_scale=1.0, top_blocks=False):
+    batch = make_batch(spec, seq_lens, query_lens, seed=seed, k_scale=k_scale, v_scale=v_scale,
+                       top_blocks=top_blocks)
+    impl = FlashInferBackend.get_impl_cls()(
+        spec.num_heads, spec.head_size, spec.softmax_scale, num_kv_heads=spec.num_kv_heads,
+        alibi_slopes=spec.alibi_slopes, sliding_window=spec.sliding_window, kv_cache_dtype=spec.kv_cache_dtype,
+        logits_soft_cap=spec.logits_soft_cap)
+    md = batch.build(FlashInferBackend)
+    kv_cache = batch.kv_cache if spec.attn_type == KINDS.DECODER else None
+    out = impl.forward(batch.query, batch.key, batch.value, kv_cache, md, k_scale=k_scale, v_scale=v_scale,
+                       attn_type=spec.attn_type)
+    ref = reference_forward(batch, spec.attn_type, sliding_window=spec.sliding_window,
+                            logits_soft_cap=spec.logits_soft_cap, alibi=spec.alibi_slopes,
+                            k_scale=k_scale, v_scale=v_scale)
+    return rel_err(out.cpu(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=[c[0] for c in FEATURE_CASES])
+def test_mixed_batch_matches_reference(case):
+    spec = case_spec(case)
+    fp8 = spec.cache_dtype.itemsize == 1
+    seq_lens, query_lens = random_lengths(FEATURE_CASES.index(case), 3, 5)
+    err = run_and_compare(spec, seq_lens, query_lens, k_scale=0.5 if fp8 else 1.0, v_scale=2.0 if fp8 else 1.0)
+    assert err <= (FP8_TOL if fp8 else BF16_TOL)
+
+
+@pytest.mark.gpu
+def test_prefill_only_batch_with_a_full_length_prompt_matches_reference():
+    seq_lens, query_lens = random_lengths(1, 3, 0)
+    seq_lens[0] = query_lens[0] = 4096
+    assert run_and_compare(case_spec(FEATURE_CASES[0]), seq_lens, query_lens) <= BF16_TOL
+
+
+@pytest.mark.gpu
+def test_decode_only_batch_matches_reference():
+    seq_lens, query_lens = random_lengths(2, 0, 16)
+    assert run_and_compare(case_spec(FEATURE_CASES[0]), seq_lens, query_lens) <= BF16_TOL
+
+
+@pytest.mark.gpu
+def test_encoder_only_is_bidirectional_over_fresh_kv():
+    spec = case_spec(FEATURE_CASES[0], attn_type=KINDS.ENCODER_ONLY)
+    lens = [random.Random(3).randint(1, 1024) for _ in range(4)]
+    assert run_and_compare(spec, lens, lens) <= BF16_TOL
+
+
+@pytest.mark.gpu
+def test_cache_over_2_31_elements_with_top_block_ids():
+    case = FEATURE_CASES[-1]  # fp8: each cache half holds > 2^31 one-byte elements (4.3 GB in all)
+    per_block = 16 * case[5] * case[2]
+    spec = case_spec(case, num_blocks=2**31 // per_block + 64)
+    seq_lens, query_lens = random_lengths(4, 2, 4, max_len=300)
+    err = run_and_compare(spec, seq_lens, query_lens, top_blocks=True, k_scale=0.5, v_scale=2.0)
+    assert err <= FP8_TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: CUDA graphs through the State API
+
+
+def impl_for(spec):
+    return FlashInferBackend.get_impl_cls()(
+        spec.num_heads, spec.head_size, spec.softmax_scale, num_kv_heads=spec.num_kv_heads,
+        sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap)
+
+
+def capture(state, spec, impl, kv_cache, sizes):
+    """Capture one decode step per batch size; returns {bs: (graph, bufs, graph_state, q, k, v, out)}."""
+    hq, hkv, d, top = spec.num_heads, spec.num_kv_heads, spec.head_size, max(sizes)
+    q = torch.randn(top, hq * d, device="cuda", dtype=spec.dtype)
+    k = torch.randn(top, hkv * d, device="cuda", dtype=spec.dtype)
+    v = torch.randn_like(k)
+    graphs = {}
+    with state.graph_capture(top):
+        for bs in sizes:
+            md_bs = state.graph_capture_get_metadata_for_batch(bs)
+            bufs = state.get_graph_input_buffers(md_bs)
+            graph_state = state.graph_clone(bs)
+
+            def step(bs=bs, md_bs=md_bs):
+                with ca.set_forward_context(md_bs):
+                    return impl.run(q[:bs], k[:bs], v[:bs], kv_cache, 1.0, 1.0, KINDS.DECODER, None)
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+            graphs[bs] = (graph, bufs, graph_state, out)
+    return graphs, q, k, v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [FEATURE_CASES[0], FEATURE_CASES[2]], ids=["cuda_core", "tensor_core"])
+def test_replayed_decode_equals_eager_for_100_steps(case):
+    spec = case_spec(case, num_blocks=1200, max_seq_len_to_capture=1024)
+    impl = impl_for(spec)
+    shape = FlashInferBackend.get_kv_cache_shape(spec.num_blocks, 16, spec.num_kv_heads, spec.head_size)
+    kv_cache = torch.randn(shape, device="cuda", dtype=spec.dtype)
+    state = FlashInferBackend.get_state_cls()(spec)
+    graphs, q, k, v = capture(state, spec, impl, kv_cache, [8, 4])
+    builder = FlashInferBackend.get_builder_cls()(spec)
+    rng = random.Random(5)
+    for step in range(100):
+        bs = (8, 4)[step % 2]
+        graph, bufs, graph_state, out = graphs[bs]
+        n = rng.randint(1, bs)
+        seq_lens = [rng.randint(2, 1024) for _ in range(n)]
+        blocks = (torch.randperm(spec.num_blocks - 1) + 1).tolist()  # block 0 is the pads' scratch block
+        tables, at = [], 0
+        for s in seq_lens:
+            tables.append(blocks[at : at + (s + 15) // 16])
+            at += len(tables[-1])
+        md = builder.build(seq_lens, [1] * n, tables)
+        q[:n].normal_()
+        k[:n].normal_()
+        v[:n].normal_()
+        scratch = kv_cache[:, fib.SCRATCH_BLOCK].clone()
+        graph_state.prepare_graph_input_buffers(bufs, md)
+        graph_state.begin_forward(md)
+        graph.replay()
+        eager = impl.forward(q[:n], k[:n], v[:n], kv_cache, md)
+        torch.testing.assert_close(out[:n], eager, atol=2e-2, rtol=2e-2)
+        assert torch.equal(kv_cache[:, fib.SCRATCH_BLOCK], scratch), "a pad row wrote into the cache"
+
+
+@pytest.mark.gpu
+def test_capturing_builder_metadata_raises_naming_the_state():
+    spec = case_spec(FEATURE_CASES[0])
+    md = FlashInferBackend.get_builder_cls()(spec).build([40, 9], [1, 1], [[1, 2, 3], [4]])
+    args = op_args(spec, 2, "cuda")
+    with ca.set_forward_context(md):
+        torch.ops.compiled_attn.flashinfer_attention(**args)  # plans eagerly
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="graph_capture_get_metadata_for_batch"), torch.cuda.graph(graph):
+            torch.ops.compiled_attn.flashinfer_attention(**args)
+
+
+@pytest.mark.gpu
+def test_workspace_covers_the_largest_decode_plan(record_property):
+    spec = ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, num_blocks=8,
+                            dtype=torch.bfloat16, device="cuda", max_seq_len_to_capture=16384)
+    state = FlashInferBackend.get_state_cls()(spec)
+    bs = 256
+    with state.graph_capture(bs):
+        state.graph_capture_get_metadata_for_batch(bs)
+    pages = 16384 // 16
+    indptr = torch.arange(bs + 1, dtype=torch.int32) * pages
+    indices = torch.zeros(bs * pages, dtype=torch.int32, device="cuda")
+    last = torch.full((bs,), 16, dtype=torch.int32)
+    need, _ = state._slots[bs].wrapper.workspace_size(
+        indptr, indices, last, 32, 8, 128, 16, **fib.plan_options(spec))
+    record_property("graph_decode_float_workspace_bytes", need)
+    assert need <= fib.WORKSPACE_BYTES
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: opcheck
+
+
+@pytest.mark.gpu
+def test_opcheck_flashinfer_attention():
+    spec = case_spec(FEATURE_CASES[0])
+    batch = make_batch(spec, [30, 50, 7], [30, 4, 1], seed=7)
+    md = batch.build(FlashInferBackend)
+    args = op_args(spec, md.num_tokens, "cuda")
+    args["kv_cache"] = batch.kv_cache.nan_to_num()
+    with ca.set_forward_context(md):
+        torch.library.opcheck(torch.ops.compiled_attn.flashinfer_attention.default, (), args,
+                              test_utils=OPCHECK_UTILS)
+
+
+def prewarm(case) -> str:
+    """Compile one case's kernels (run in parallel processes before the GPU tests)."""
+    spec = case_spec(case)
+    seq_lens, query_lens = random_lengths(0, 2, 2, max_len=64, max_chunk=16)
+    run_and_compare(spec, seq_lens, query_lens)
+    return case[0]
+
+
+if __name__ == "__main__":
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(len(FEATURE_CASES), mp_context=ctx) as pool:
+        for name in pool.map(prewarm, FEATURE_CASES):
+            print("compiled", name)

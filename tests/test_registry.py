@@ -1,0 +1,119 @@
+"""Backend selection: auto, by environment, by name; errors say why a backend cannot serve."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compiled_attn as ca
+from compiled_attn.registry import ENV_VAR
+
+CUDA_ONLY = ["FLASHINFER", "XFORMERS"]
+
+
+def spec(**kw) -> ca.AttentionSpec:
+    args = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, num_blocks=8, dtype=torch.float32,
+                device="cpu")
+    return ca.AttentionSpec(**(args | kw))
+
+
+@pytest.fixture(autouse=True)
+def no_env(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+
+
+def test_auto_picks_torch_sdpa_on_cpu():
+    assert ca.get_attn_backend().get_name() == "TORCH_SDPA"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA a faster backend may be chosen")
+def test_auto_with_cuda_spec_on_cpu_machine_still_picks_torch_sdpa():
+    assert ca.get_attn_backend(spec=spec(device="cuda", dtype=torch.bfloat16)).get_name() == "TORCH_SDPA"
+
+
+def test_auto_with_cpu_spec_picks_torch_sdpa():
+    assert ca.get_attn_backend(spec=spec()).get_name() == "TORCH_SDPA"
+
+
+def test_layer_without_backend_uses_auto_selection():
+    assert ca.Attention(8, 64, 0.125, 2).backend.get_name() == "TORCH_SDPA"
+
+
+@pytest.mark.parametrize("value", ["TORCH_SDPA", "torch_sdpa"])
+def test_env_var_is_honoured(monkeypatch, value):
+    monkeypatch.setenv(ENV_VAR, value)
+    assert ca.get_attn_backend().get_name() == "TORCH_SDPA"
+
+
+def test_name_overrides_env_var(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "NOPE")
+    assert ca.get_attn_backend("TORCH_SDPA").get_name() == "TORCH_SDPA"
+
+
+def test_env_var_unknown_name(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "NOPE")
+    with pytest.raises(ValueError, match="unknown attention backend 'NOPE'; choose one of"):
+        ca.get_attn_backend()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only machines")
+def test_env_var_cuda_backend_on_cpu(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "FLASHINFER")
+    with pytest.raises(ca.BackendUnavailableError, match="FLASHINFER"):
+        ca.get_attn_backend()
+
+
+def test_named_unknown():
+    with pytest.raises(ValueError, match="unknown attention backend 'FLASH'"):
+        ca.get_attn_backend("FLASH")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only machines")
+@pytest.mark.parametrize("name", CUDA_ONLY)
+def test_named_cuda_backend_on_cpu_says_why(name):
+    # Either the module is not there yet ("not implemented") or it cannot run here (package, CUDA).
+    with pytest.raises(ca.BackendUnavailableError, match=rf"{name} (is not implemented|cannot run here: .+)"):
+        ca.get_attn_backend(name)
+    assert issubclass(ca.BackendUnavailableError, RuntimeError)
+
+
+def test_named_backend_that_cannot_serve_spec():
+    with pytest.raises(NotImplementedError, match="TORCH_SDPA supports kv_cache_dtype"):
+        ca.get_attn_backend("TORCH_SDPA", spec(kv_cache_dtype="fp8"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only machines")
+def test_auto_when_no_backend_can_serve_spec_lists_reasons():
+    with pytest.raises(NotImplementedError, match="no attention backend can serve this: .*TORCH_SDPA: .*fp8"):
+        ca.get_attn_backend(spec=spec(kv_cache_dtype="fp8"))
+
+
+def test_torch_sdpa_capabilities():
+    backend = ca.get_attn_backend("TORCH_SDPA")
+    assert backend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 2, 64)
+    assert backend.get_impl_cls().__name__ == "TorchSDPAImpl"
+    assert backend.get_builder_cls().__name__ == "TorchSDPAMetadataBuilder"
+    assert backend.get_metadata_cls().__name__ == "TorchSDPAMetadata"
+    assert issubclass(backend.get_state_cls(), ca.AttentionState)
+    assert backend.unavailable_reason() is None
+    for attn_type in ca.AttentionType:
+        assert backend.unsupported_reason(spec(attn_type=attn_type)) is None
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "dtype", "expected"),
+    [
+        ("auto", torch.bfloat16, torch.bfloat16),
+        ("auto", torch.float32, torch.float32),
+        ("fp8", torch.bfloat16, torch.float8_e4m3fn),
+        ("fp8_e4m3", torch.float16, torch.float8_e4m3fn),
+        ("fp8_e5m2", torch.bfloat16, torch.float8_e5m2),
+    ],
+)
+def test_kv_cache_torch_dtype(kv_cache_dtype, dtype, expected):
+    assert ca.kv_cache_torch_dtype(kv_cache_dtype, dtype) == expected
+
+
+def test_kv_cache_torch_dtype_unknown():
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp4' is not one of"):
+        ca.kv_cache_torch_dtype("fp4", torch.bfloat16)

@@ -1,0 +1,329 @@
+"""XFORMERS backend: host-side builder / bias logic on CPU, kernels against the float64 reference on GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import make_batch, reference_forward, rel_err
+
+import compiled_attn as ca
+from compiled_attn.backends.xformers import XFormersBackend, XFormersMetadata
+from compiled_attn.forward_context import set_forward_context
+from compiled_attn.metadata import CommonMetadataBuilder
+
+T = ca.AttentionType
+OPCHECK_UTILS = (
+    "test_schema",
+    "test_autograd_registration",
+    "test_faketensor",
+    "test_aot_dispatch_static",
+    "test_aot_dispatch_dynamic",
+)
+
+
+def make_spec(device: str = "cpu", **overrides) -> ca.AttentionSpec:
+    opts = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=64, num_blocks=64,
+                dtype=torch.bfloat16, device=device)
+    opts.update(overrides)
+    return ca.AttentionSpec(**opts)
+
+
+def host_metadata(spec: ca.AttentionSpec, seq_lens, query_lens, tables, **kw) -> XFormersMetadata:
+    """Common fields plus xFormers' gathers, without the bias objects (which need xformers)."""
+    builder = XFormersBackend.get_builder_cls()(spec)
+    md = CommonMetadataBuilder.build(builder, seq_lens, query_lens, tables, **kw)
+    builder.add_gather_fields(md)
+    return md
+
+
+# ---------------------------------------------------------------- CPU: capabilities, host logic
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_unavailable_reason_on_cpu():
+    assert XFormersBackend.unavailable_reason() is not None
+
+
+def test_named_backend_on_cpu_says_why():
+    if XFormersBackend.unavailable_reason() is None:
+        pytest.skip("xformers runs here")
+    with pytest.raises(RuntimeError, match="XFORMERS cannot run here"):
+        ca.get_attn_backend("XFORMERS")
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 96])
+def test_block_size_not_multiple_of_64_is_refused(block_size):
+    assert not XFormersBackend.supports_block_size(block_size)
+    with pytest.raises(NotImplementedError, match="multiples of 64"):
+        XFormersBackend.get_builder_cls()(make_spec(block_size=block_size))
+
+
+@pytest.mark.parametrize("block_size", [64, 128, 256])
+def test_block_size_multiple_of_64_is_supported(block_size):
+    assert XFormersBackend.supports_block_size(block_size)
+
+
+def test_soft_cap_is_refused():
+    with pytest.raises(NotImplementedError, match="logits_soft_cap"):
+        XFormersBackend.get_impl_cls()(8, 64, 0.125, num_kv_heads=2, logits_soft_cap=30.0)
+
+
+def test_fp8_cache_is_refused():
+    with pytest.raises(NotImplementedError, match="kv_cache_dtype='fp8'"):
+        XFormersBackend.get_impl_cls()(8, 64, 0.125, num_kv_heads=2, kv_cache_dtype="fp8")
+
+
+def test_head_size_outside_kernels_is_refused():
+    with pytest.raises(NotImplementedError, match="head sizes"):
+        XFormersBackend.get_impl_cls()(8, 80, 0.125, num_kv_heads=2)
+
+
+def test_fresh_prefill_needs_no_gather():
+    md = host_metadata(make_spec(), [100, 7], [100, 7], [[0, 1], [2]])
+    assert md.prefill_fresh and md.prefill_kv_slots is None
+
+
+def test_chunked_prefill_gathers_every_prefill_token_from_the_cache():
+    md = host_metadata(make_spec(), [70, 3, 90], [6, 3, 1], [[5, 9], [2], [7, 8]])
+    assert not md.prefill_fresh
+    expect = list(range(5 * 64, 6 * 64)) + list(range(9 * 64, 9 * 64 + 6)) + list(range(2 * 64, 2 * 64 + 3))
+    assert md.prefill_kv_slots.tolist() == expect
+
+
+def test_decode_window_starts_clamp_at_zero():
+    md = host_metadata(make_spec(sliding_window=50), [10, 40, 200], [10, 1, 1], [[0], [1], [2, 3, 4, 5]])
+    assert md.decode_window_starts.tolist() == [0, 150, 0]  # + a trailing unused entry
+
+
+def test_alibi_slots_cover_each_request_in_order():
+    spec = make_spec(alibi_slopes=torch.ones(8))
+    md = host_metadata(spec, [3, 2], [3, 1], [[4], [6]])
+    assert md.alibi_kv_slots.tolist() == [256, 257, 258, 384, 385]
+
+
+def test_fake_kernel_under_fake_mode_on_cuda():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import compiled_attn.backends.xformers  # noqa: F401  (registers the op)
+
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        q = torch.empty(5, 8, 64, dtype=torch.bfloat16, device="cuda")
+        kv = torch.empty(5, 2, 64, dtype=torch.bfloat16, device="cuda")
+        cache = torch.empty(2, 4, 64, 2, 64, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty_like(q)
+        assert torch.ops.compiled_attn.xformers_attention(q, kv, kv, cache, out, "any.layer") is None
+        assert out.shape == (5, 8, 64) and out.device.type == "cuda"
+
+
+# ---------------------------------------------------------------- CPU with xformers: bias objects
+
+
+def _biases(spec, *args, **kw):
+    pytest.importorskip("xformers.ops.fmha")
+    return XFormersBackend.get_builder_cls()(spec).build(*args, **kw)
+
+
+def test_fresh_prefill_bias_is_block_diagonal_causal():
+    md = _biases(make_spec(), [5, 3], [5, 3], [[0], [1]])
+    assert type(md.biases["prefill"]).__name__ == "BlockDiagonalCausalMask"
+    mask = torch.isfinite(md.biases["prefill"].materialize((8, 8)))
+    expect = torch.block_diag(torch.ones(5, 5).tril(), torch.ones(3, 3).tril()).bool()
+    assert torch.equal(mask, expect)
+
+
+def test_chunked_prefill_bias_is_bottom_right_causal_with_window():
+    md = _biases(make_spec(sliding_window=3), [6], [2], [[0]])
+    assert type(md.biases["prefill"]).__name__ == "BlockDiagonalCausalLocalAttentionFromBottomRightMask"
+    mask = torch.isfinite(md.biases["prefill"].materialize((2, 6)))
+    assert mask.int().tolist() == [[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+
+
+def test_decode_bias_is_paged_over_the_block_tables():
+    md = _biases(make_spec(), [10, 130], [1, 1], [[3], [4, 5, 6]])
+    bias = md.biases["decode"]
+    assert type(bias).__name__ == "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask"
+    assert bias.page_size == 64 and bias.k_seqinfo.seqlen.tolist() == [10, 130]
+    assert bias.block_tables.tolist() == [[3, 0, 0], [4, 5, 6]]
+
+
+def test_windowed_decode_bias_is_paged_gappy():
+    md = _biases(make_spec(sliding_window=16), [10, 130], [1, 1], [[3], [4, 5, 6]])
+    bias = md.biases["decode"]
+    assert type(bias).__name__ == "PagedBlockDiagonalGappyKeysMask"
+    assert bias.k_seqinfo.seqstart.tolist()[:2] == [0, 114] and bias.k_seqinfo.seqlen.tolist() == [10, 130]
+
+
+def test_cross_biases_use_encoder_lengths():
+    spec = make_spec(attn_type=T.ENCODER_DECODER)
+    md = _biases(spec, [4, 9], [4, 1], [[0], [1]], encoder_seq_lens=[6, 70], cross_block_tables=[[2], [3, 4]])
+    assert {"cross_decode", "cross_prefill", "encoder"} <= set(md.biases)
+    assert type(md.biases["cross_decode"]).__name__ == "PagedBlockDiagonalPaddedKeysMask"
+    assert md.biases["cross_decode"].k_seqinfo.seqlen.tolist() == [70]
+    assert torch.isfinite(md.biases["cross_prefill"].materialize((4, 6))).all()
+
+
+def test_metadata_rejects_a_layer_window_unlike_the_spec():
+    md = _biases(make_spec(sliding_window=8), [5], [5], [[0]])
+    with pytest.raises(ValueError, match="sliding_window"):
+        md.check_options(0, False)
+
+
+# ---------------------------------------------------------------- GPU: against the float64 reference
+
+
+def gpu_spec(**kw) -> ca.AttentionSpec:
+    opts = dict(num_heads=8, num_kv_heads=2, head_size=128, block_size=64, num_blocks=256, device="cuda")
+    opts.update(kw)
+    return ca.AttentionSpec(**opts)
+
+
+def run_impl(spec, batch, attn_type=T.DECODER, query=None, key=None, value=None, kv_cache=None):
+    impl = XFormersBackend.get_impl_cls()(
+        spec.num_heads, spec.head_size, spec.softmax_scale, num_kv_heads=spec.num_kv_heads,
+        alibi_slopes=spec.alibi_slopes, sliding_window=spec.sliding_window,
+    )
+    md = batch.build(XFormersBackend)
+    return impl.forward(query, key, value, kv_cache, md, attn_type=attn_type)
+
+
+def check_decoder(spec, seq_lens, query_lens, tol=1e-2, **kw):
+    batch = make_batch(spec, seq_lens, query_lens, seed=len(seq_lens), **kw)
+    out = run_impl(spec, batch, T.DECODER, batch.query, batch.key, batch.value, batch.kv_cache)
+    ref = reference_forward(batch, sliding_window=spec.sliding_window, alibi=spec.alibi_slopes)
+    assert rel_err(out.cpu(), ref) <= tol
+
+
+SHAPES = {
+    "prefill": ([77, 130, 5], [77, 130, 5]),
+    "chunked_prefill": ([300, 64, 9], [40, 64, 3]),
+    "decode": ([1000, 65, 2, 513], [1, 1, 1, 1]),
+    "mixed": ([200, 150, 700, 33], [200, 20, 1, 1]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decoder_matches_reference(shape, dtype):
+    check_decoder(gpu_spec(dtype=dtype), *SHAPES[shape])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
+def test_head_layouts_match_reference(head_size, heads):
+    check_decoder(gpu_spec(head_size=head_size, num_heads=heads[0], num_kv_heads=heads[1]), *SHAPES["mixed"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sliding_window_matches_reference(shape):
+    check_decoder(gpu_spec(sliding_window=37), *SHAPES[shape])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_alibi_matches_reference(shape):
+    from reference import alibi_slopes
+
+    check_decoder(gpu_spec(alibi_slopes=alibi_slopes(8)), *SHAPES[shape])
+
+
+@pytest.mark.gpu
+def test_block_size_128_matches_reference():
+    check_decoder(gpu_spec(block_size=128), *SHAPES["mixed"])
+
+
+@pytest.mark.gpu
+def test_cache_over_2_pow_31_elements_per_half():
+    # 32832 blocks * 64 * 8 * 128 > 2**31 elements in each of K and V; blocks drawn from the top
+    spec = gpu_spec(num_heads=32, num_kv_heads=8, num_blocks=32832)
+    check_decoder(spec, [900, 130, 70], [100, 1, 1], top_blocks=True)
+
+
+@pytest.mark.gpu
+def test_encoder_decoder_cross_attention_matches_reference():
+    spec = gpu_spec(attn_type=T.ENCODER_DECODER)
+    batch = make_batch(spec, [5, 30, 9], [5, 30, 1], encoder_seq_lens=[40, 7, 100], seed=3)
+    key, value = batch.encoder_kv()
+    out = run_impl(spec, batch, T.ENCODER_DECODER, batch.query, key.cuda(), value.cuda(), batch.kv_cache)
+    ref = reference_forward(batch, T.ENCODER_DECODER)
+    assert rel_err(out.cpu(), ref) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_cross_attention_decode_reads_the_cache():
+    spec = gpu_spec(attn_type=T.ENCODER_DECODER)
+    batch = make_batch(spec, [9, 40], [1, 1], encoder_seq_lens=[100, 7], seed=4)
+    out = run_impl(spec, batch, T.ENCODER_DECODER, batch.query, None, None, batch.kv_cache)
+    assert rel_err(out.cpu(), reference_forward(batch, T.ENCODER_DECODER)) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_encoder_matches_reference():
+    spec = gpu_spec(attn_type=T.ENCODER)
+    batch = make_batch(spec, [3, 4], [3, 4], encoder_seq_lens=[50, 129], seed=5)
+    k = torch.cat(batch.enc_k).flatten(1).cuda()
+    v = torch.cat(batch.enc_v).flatten(1).cuda()
+    out = run_impl(spec, batch, T.ENCODER, batch.encoder_query(), k, v, None)
+    assert rel_err(out.cpu(), reference_forward(batch, T.ENCODER)) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_encoder_only_matches_reference():
+    spec = gpu_spec(attn_type=T.ENCODER_ONLY)
+    batch = make_batch(spec, [50, 129, 1], [50, 129, 1], seed=6)
+    out = run_impl(spec, batch, T.ENCODER_ONLY, batch.query, batch.key, batch.value, None)
+    assert rel_err(out.cpu(), reference_forward(batch, T.ENCODER_ONLY)) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_opcheck_on_device():
+    spec = gpu_spec()
+    batch = make_batch(spec, *SHAPES["mixed"], seed=7)
+    md = batch.build(XFormersBackend)
+    q = batch.query.view(-1, 8, 128)
+    k, v = batch.key.view(-1, 2, 128), batch.value.view(-1, 2, 128)
+    impl = XFormersBackend.get_impl_cls()(8, 128, spec.softmax_scale, num_kv_heads=2)
+    layer_name, _call = impl.register(1.0, 1.0, T.DECODER)  # _call keeps the name alive
+    args = (q, k, v, batch.kv_cache.nan_to_num(0.0), torch.empty_like(q), layer_name)
+    with set_forward_context(md):
+        torch.library.opcheck(torch.ops.compiled_attn.xformers_attention.default, args, test_utils=OPCHECK_UTILS)
+
+
+@pytest.mark.gpu
+def test_graph_replays_with_changing_lengths_equal_eager():
+    spec = gpu_spec(num_blocks=512, max_seq_len_to_capture=1024)
+    backend, bs, hq, hkv, d = XFormersBackend, 8, 8, 2, 128
+    impl = backend.get_impl_cls()(hq, d, spec.softmax_scale, num_kv_heads=hkv)
+    layer_name, _call = impl.register(1.0, 1.0, T.DECODER)  # _call keeps the name alive
+    kv_cache = torch.randn(2, spec.num_blocks, 64, hkv, d, dtype=spec.dtype, device="cuda")
+    widths = {"q": hq * d, "k": hkv * d, "v": hkv * d}
+    static = {n: torch.randn(bs, w, dtype=spec.dtype, device="cuda") for n, w in widths.items()}
+    state = backend.get_state_cls()(spec)
+    with state.graph_capture(bs):
+        md_bs = state.graph_capture_get_metadata_for_batch(bs)
+        bufs = state.get_graph_input_buffers(md_bs)
+        graph_state = state.graph_clone(bs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), set_forward_context(md_bs):
+            impl.run(static["q"], static["k"], static["v"], kv_cache, T.DECODER, layer_name)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), set_forward_context(md_bs):
+            out = impl.run(static["q"], static["k"], static["v"], kv_cache, T.DECODER, layer_name)
+    builder = backend.get_builder_cls()(spec)
+    g = torch.Generator().manual_seed(0)
+    for step in range(100):
+        n = int(torch.randint(1, bs + 1, (1,), generator=g))
+        seq_lens = torch.randint(2, 1025, (n,), generator=g).tolist()
+        blocks = torch.randperm(spec.num_blocks, generator=g)[: n * 16].view(n, 16).tolist()
+        md = builder.build(seq_lens, [1] * n, [row[: -(-s // 64)] for row, s in zip(blocks, seq_lens, strict=True)])
+        for t in static.values():
+            t.normal_()
+        graph_state.prepare_graph_input_buffers(bufs, md)
+        graph_state.begin_forward(md)
+        graph.replay()
+        eager = impl.forward(static["q"][:n], static["k"][:n], static["v"][:n], kv_cache, md)
+        torch.testing.assert_close(out[:n], eager, rtol=2e-2, atol=2e-2, msg=f"step {step}")
