@@ -12,6 +12,7 @@ import torch
 from compiled_attn.abstract import AttentionType
 from compiled_attn.forward_context import get_layer
 from compiled_attn.ops.common import current_metadata
+from compiled_attn.ops.library import define_op, register_fake
 
 KV_CACHE_DIMS = ("kv", "num_blocks", "block_size", "num_kv_heads", "head_size")
 BLOCK_DIM = 1  # blocks are indexed along dim 1 of every cache
@@ -85,7 +86,7 @@ def write_kv_cache(
         flat[slots] = _to_cache_dtype(x[valid], scale, kv_cache.dtype)
 
 
-@torch.library.custom_op("compiled_attn::kv_cache_update", mutates_args=("kv_cache",))
+@define_op("kv_cache_update(Tensor key, Tensor value, Tensor(a!) kv_cache, str layer_name) -> ()")
 def kv_cache_update(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer_name: str) -> None:
     """Write this step's new K/V into `kv_cache` at the forward context's slots.
 
@@ -104,7 +105,7 @@ def kv_cache_update(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     write_kv_cache(key, value, kv_cache, slot_mapping, call.k_scale, call.v_scale)
 
 
-@kv_cache_update.register_fake
+@register_fake("kv_cache_update")
 def _(key, value, kv_cache, layer_name) -> None:
     return None
 
@@ -125,7 +126,7 @@ def _check_block_pairs(pairs: torch.Tensor, src_cache: torch.Tensor, dst_cache: 
             )
 
 
-@torch.library.custom_op("compiled_attn::copy_blocks", mutates_args=("kv_caches",))
+@define_op("copy_blocks(Tensor(a!)[] kv_caches, Tensor src_to_dists) -> ()")
 def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor) -> None:
     """Copy whole blocks src -> dst inside each cache (all layers at once).
 
@@ -139,12 +140,12 @@ def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor) -> No
         cache[:, pairs[:, 1]] = cache[:, pairs[:, 0]]
 
 
-@copy_blocks.register_fake
+@register_fake("copy_blocks")
 def _(kv_caches, src_to_dists) -> None:
     return None
 
 
-@torch.library.custom_op("compiled_attn::swap_blocks", mutates_args=("dst_kv_cache",))
+@define_op("swap_blocks(Tensor src_kv_cache, Tensor(a!) dst_kv_cache, Tensor src_to_dst) -> ()")
 def swap_blocks(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: torch.Tensor) -> None:
     """Copy blocks from one cache into another, across devices too (CPU <-> CUDA offload).
 
@@ -163,6 +164,6 @@ def swap_blocks(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_d
     dst_kv_cache[:, dst_idx] = src_kv_cache[:, src_idx].to(dst_kv_cache.device)
 
 
-@swap_blocks.register_fake
+@register_fake("swap_blocks")
 def _(src_kv_cache, dst_kv_cache, src_to_dst) -> None:
     return None

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from compiled_attn.abstract import AttentionType
 from compiled_attn.forward_context import get_layer
 from compiled_attn.ops.common import current_metadata
+from compiled_attn.ops.library import define_op, register_fake
 
 NAME = "TORCH_SDPA"
 
@@ -78,7 +79,10 @@ def attend(
     return out.reshape(batch, hq, lq, d).transpose(1, 2).to(q.dtype)
 
 
-@torch.library.custom_op("compiled_attn::torch_sdpa_attention", mutates_args=("output",))
+@define_op(
+    "torch_sdpa_attention(Tensor query, Tensor? key, Tensor? value, Tensor? kv_cache, Tensor(a!) output, "
+    "str layer_name) -> ()"
+)
 def torch_sdpa_attention(
     query: torch.Tensor,
     key: torch.Tensor | None,
@@ -136,7 +140,7 @@ def torch_sdpa_attention(
         output[n_pre:] = out[:, 0]
 
 
-@torch_sdpa_attention.register_fake
+@register_fake("torch_sdpa_attention")
 def _(query, key, value, kv_cache, output, layer_name):
     return None
 

@@ -1,0 +1,59 @@
+"""Per-call eager overhead of our ops vs the kernel they wrap, and of the two registration styles.
+
+`torch.library.custom_op` adds Python dispatch on every call (pytorch #139500 reports 4-36 us);
+`Library.define` + `impl` is the lower-level route. Under CUDA graphs neither costs anything at
+replay: this matters for eager serving and for the first (planning) call only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import compiled_attn as ca
+from compiled_attn.bench.timing import card_name, eager_time_us
+from compiled_attn.ops.cache import write_kv_cache
+
+_lib = torch.library.Library("compiled_attn_bench", "FRAGMENT")
+_lib.define("noop_lib(Tensor(a!) x) -> ()")
+
+
+def _noop_impl(x: torch.Tensor) -> None:
+    return None
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("noop_lib", _noop_impl, _key)
+_lib.impl("noop_lib", _noop_impl, "Meta")
+
+
+@torch.library.custom_op("compiled_attn_bench::noop_custom", mutates_args=("x",))
+def noop_custom(x: torch.Tensor) -> None:
+    return None
+
+
+def run(quick: bool = False) -> list[dict]:
+    """Rows: op, path, us per call (median), overhead over the direct call."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    iters = 200 if quick else 1000
+    x = torch.empty(8, device=device)
+    rows = []
+    direct = eager_time_us(lambda: _noop_impl(x), iters=iters)
+    for name, fn in (("custom_op", lambda: torch.ops.compiled_attn_bench.noop_custom(x)),
+                     ("Library.define", lambda: torch.ops.compiled_attn_bench.noop_lib(x))):
+        t = eager_time_us(fn, iters=iters)
+        rows.append({"card": card_name(), "what": f"no-op via {name}", "us/call": t, "overhead us": t - direct})
+
+    spec = ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, num_blocks=256,
+                            dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
+    backend = ca.get_attn_backend("TORCH_SDPA")
+    md = backend.get_builder_cls()(spec).build([100] * 8, [1] * 8, [[i * 8 + j for j in range(7)] for i in range(8)])
+    impl = backend.get_impl_cls()(32, 128, 128**-0.5, num_kv_heads=8)
+    name, keep = impl.register(1.0, 1.0, ca.AttentionType.DECODER)
+    cache = torch.randn(backend.get_kv_cache_shape(256, 16, 8, 128), device=device).to(spec.dtype)
+    k = torch.randn(8, 8, 128, device=device).to(spec.dtype)
+    raw = eager_time_us(lambda: write_kv_cache(k, k, cache, md.slot_mapping, 1.0, 1.0), iters=iters)
+    with ca.set_forward_context(md):
+        op = eager_time_us(lambda: torch.ops.compiled_attn.kv_cache_update(k, k, cache, name), iters=iters)
+    rows.append({"card": card_name(), "what": "kv_cache_update (8 tokens)", "us/call": op, "overhead us": op - raw})
+    del keep
+    return rows

@@ -1,0 +1,49 @@
+"""`python -m compiled_attn bench`: every suite in one process, tables printed, JSON written."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+
+import torch
+from tqdm import tqdm
+
+from compiled_attn.bench.timing import card_name, nominal_bandwidth
+
+log = logging.getLogger(__name__)
+
+# (module, needs CUDA, backend it measures or None): run in this order
+SUITES = [
+    ("compiled_attn.bench.overhead", False, None),
+    ("compiled_attn.bench.decode_flashinfer", True, "FLASHINFER"),
+    ("compiled_attn.bench.decode_xformers", True, "XFORMERS"),
+    ("compiled_attn.bench.graphs_bench", True, None),
+]
+
+
+def run_bench(*, backends: list[str] | None, quick: bool, out: str) -> int:
+    from compiled_attn.__main__ import print_table
+
+    cuda = torch.cuda.is_available()
+    wanted = {b.upper() for b in backends} if backends else None
+    chosen = [(m, b) for m, needs_cuda, b in SUITES
+              if (cuda or not needs_cuda) and (wanted is None or b is None or b in wanted)]
+    results: dict[str, list[dict] | str] = {"card": card_name(), "nominal_bw": nominal_bandwidth() or 0}
+    failed = 0
+    for module, _ in tqdm(chosen, desc="bench suites"):
+        try:
+            rows = importlib.import_module(module).run(quick)
+        except Exception as e:  # a broken suite must not hide the others' numbers
+            log.exception("suite %s failed", module)
+            results[module] = f"FAILED: {type(e).__name__}: {e}"
+            failed += 1
+            continue
+        results[module] = rows
+        print(f"\n== {module} ({card_name()})")
+        print_table(rows)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench-results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    return 1 if failed else 0
