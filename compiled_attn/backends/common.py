@@ -20,6 +20,7 @@ from compiled_attn.abstract import (
     kv_cache_torch_dtype,
 )
 from compiled_attn.forward_context import LayerCall, register_layer, set_forward_context
+from compiled_attn.ops.common import check_query_rows
 
 CACHE_WRITING_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
 
@@ -147,24 +148,10 @@ class CommonImpl(AttentionImpl):
         if key_ not in self._eager_calls:
             self._eager_calls[key_] = self.register(*key_)
         layer_name = self._eager_calls[key_][0]
-        self.check_query_rows(query, attn_metadata, key_[2])
+        # the attention op checks this too, but only after the cache write: check before it
+        check_query_rows(query, attn_metadata, key_[2])
         with set_forward_context(attn_metadata):
             return self.run(query, key, value, kv_cache, key_[2], layer_name)
-
-    @staticmethod
-    def check_query_rows(query: torch.Tensor, attn_metadata: AttentionMetadata, attn_type: AttentionType) -> None:
-        """query has the metadata's token count: checked before the cache write, because the
-        attention op's own check runs after it (eager forward only; needs host metadata)."""
-        md = attn_metadata
-        if attn_type == AttentionType.ENCODER:
-            expect = md.num_encoder_tokens
-        else:
-            expect = md.num_prefill_tokens + md.num_decode_tokens
-        if query.shape[0] != expect:
-            raise ValueError(
-                f"{attn_type.name} attention got {query.shape[0]} query tokens but the metadata "
-                f"describes {expect}: build the metadata for this batch"
-            )
 
     def run(
         self,

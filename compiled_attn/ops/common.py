@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from compiled_attn.abstract import AttentionMetadata
+import torch
+
+from compiled_attn.abstract import AttentionMetadata, AttentionType
 from compiled_attn.forward_context import get_forward_context
 
 
@@ -15,3 +17,13 @@ def current_metadata(backend_name: str) -> AttentionMetadata:
             f"build it with {backend_name}'s builder (backend.get_builder_cls()(spec).build(...))"
         )
     return md
+
+
+def check_query_rows(query: torch.Tensor, md: AttentionMetadata, kind: AttentionType) -> None:
+    """The query has as many rows as the metadata has tokens (encoder tokens for ENCODER)."""
+    expect = md.num_encoder_tokens if kind == AttentionType.ENCODER else md.num_prefill_tokens + md.num_decode_tokens
+    if query.shape[0] != expect:
+        raise ValueError(
+            f"{kind.name} attention got {query.shape[0]} query tokens but the metadata describes "
+            f"{expect}: build the metadata for this batch"
+        )

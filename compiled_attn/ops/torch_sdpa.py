@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from compiled_attn.abstract import AttentionType
 from compiled_attn.forward_context import get_layer
-from compiled_attn.ops.common import current_metadata
+from compiled_attn.ops.common import check_query_rows, current_metadata
 from compiled_attn.ops.library import define_op, register_fake
 
 NAME = "TORCH_SDPA"
@@ -109,8 +109,7 @@ def torch_sdpa_attention(
         index = md.encoder_token_index if encoder else md.prefill_token_index
         q_pos = md.encoder_q_pos if encoder else md.prefill_q_pos
         flat = md.encoder_flat_index if encoder else md.prefill_flat_index
-        expect = md.num_encoder_tokens if encoder else md.num_tokens
-        _check_rows(query, expect, kind)
+        check_query_rows(query, md, kind)
         if encoder and index is None:
             raise ValueError("ENCODER attention needs metadata built with encoder_seq_lens")
         if not encoder and md.num_decode_tokens:
@@ -118,7 +117,7 @@ def torch_sdpa_attention(
         out = attend(query[index], key[index], value[index], lens, q_pos, False, **opts)
         output.copy_(out.flatten(0, 1)[flat])
         return
-    _check_rows(query, md.num_tokens, kind)
+    check_query_rows(query, md, kind)
     cross = kind == AttentionType.ENCODER_DECODER
     if cross and md.cross_block_tables is None:
         raise ValueError("ENCODER_DECODER attention needs metadata built with cross_block_tables")
@@ -143,11 +142,3 @@ def torch_sdpa_attention(
 @register_fake("torch_sdpa_attention")
 def _(query, key, value, kv_cache, output, layer_name):
     return None
-
-
-def _check_rows(query: torch.Tensor, expect: int, kind: AttentionType) -> None:
-    if query.shape[0] != expect:
-        raise ValueError(
-            f"{kind.name} attention got {query.shape[0]} query tokens but the metadata describes "
-            f"{expect}: build the metadata for this batch"
-        )

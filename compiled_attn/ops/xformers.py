@@ -23,7 +23,8 @@ import torch
 
 from compiled_attn.abstract import AttentionType
 from compiled_attn.forward_context import get_layer
-from compiled_attn.ops.common import current_metadata
+from compiled_attn.ops.common import check_query_rows, current_metadata
+from compiled_attn.ops.library import define_op, register_fake
 
 NAME = "XFORMERS"
 # The one not_supported_reason we override: an xFormers wheel whose C++ extension does not load
@@ -101,7 +102,10 @@ def paged_kv(kv_cache: torch.Tensor, heads_per_group: int) -> tuple[torch.Tensor
     return expanded(k, heads_per_group), expanded(v, heads_per_group)
 
 
-@torch.library.custom_op("compiled_attn::xformers_attention", mutates_args=("output",))
+@define_op(
+    "xformers_attention(Tensor query, Tensor? key, Tensor? value, Tensor? kv_cache, Tensor(a!) output, "
+    "str layer_name) -> ()"
+)
 def xformers_attention(
     query: torch.Tensor,
     key: torch.Tensor | None,
@@ -130,13 +134,13 @@ def xformers_attention(
         return
     if kind in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
         role = "encoder" if kind == AttentionType.ENCODER else "encoder_only"
-        _check_rows(query, md.num_encoder_tokens if role == "encoder" else md.num_tokens, kind)
+        check_query_rows(query, md, kind)
         hpg = query.shape[1] // g
         out = run_xformers(grouped(query, g), expanded(key, hpg), expanded(value, hpg),
                            md.bias(role), scale, ("flash", "cutlass"))
         output.copy_(out.view_as(output))
         return
-    _check_rows(query, md.num_tokens, kind)
+    check_query_rows(query, md, kind)
     cross = kind == AttentionType.ENCODER_DECODER
     hpg = query.shape[1] // g
     n_pre = md.num_prefill_tokens
@@ -158,7 +162,7 @@ def xformers_attention(
         output[n_pre:].copy_(out.view(md.num_decode_tokens, *output.shape[1:]))
 
 
-@xformers_attention.register_fake
+@register_fake("xformers_attention")
 def _(query, key, value, kv_cache, output, layer_name) -> None:
     return None
 
@@ -223,11 +227,3 @@ def _alibi_requests(md: Any, key, value, kv_cache, kind: AttentionType):
             k, v = gather_cache(kv_cache, md.alibi_kv_slots[k_lo : k_lo + seq_len])
             yield q_lo, q_hi, seq_len - query_len, True, k, v
         q_lo, k_lo, c_lo = q_hi, k_lo + seq_len, c_lo + enc_len
-
-
-def _check_rows(query: torch.Tensor, expect: int, kind: AttentionType) -> None:
-    if query.shape[0] != expect:
-        raise ValueError(
-            f"{kind.name} attention got {query.shape[0]} query tokens but the metadata describes "
-            f"{expect}: build the metadata for this batch"
-        )

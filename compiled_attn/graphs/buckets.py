@@ -1,0 +1,69 @@
+"""Which captured graph serves a step, or why it runs eagerly: pure host logic, no device.
+
+A decode-only batch of n requests replays the graph of the smallest captured size >= n (its
+rows n.. are pads). Everything else runs the model eagerly, for one named reason.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+# vLLM's sizes: every small batch gets a close fit, larger ones pad by at most 7 rows.
+DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 257, 8))
+
+GRAPH = "graph"
+EAGER_PREFILL = "eager_prefill"  # the step has prefills (prefill-only or mixed)
+EAGER_OVERSIZE = "eager_oversize"  # more decodes than the largest captured size
+EAGER_OVERLONG = "eager_overlong"  # a sequence longer than spec.max_seq_len_to_capture
+PATHS = (GRAPH, EAGER_PREFILL, EAGER_OVERSIZE, EAGER_OVERLONG)
+
+
+def capture_sizes_for(max_batch_size: int, sizes: Iterable[int] | None = None) -> list[int]:
+    """The batch sizes to capture, largest first: `sizes` (default DEFAULT_CAPTURE_SIZES) up to
+    `max_batch_size`, without duplicates.
+
+    Largest first, so that smaller graphs reuse the shared pool's memory the largest one made.
+
+    >>> capture_sizes_for(20)
+    [16, 8, 4, 2, 1]
+    """
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    sizes = list(DEFAULT_CAPTURE_SIZES if sizes is None else sizes)
+    bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s < 1]
+    if bad:
+        raise ValueError(f"capture sizes must be ints >= 1, got {bad}")
+    kept = sorted({s for s in sizes if s <= max_batch_size}, reverse=True)
+    if not kept:
+        raise ValueError(f"no capture size in {sorted(set(sizes))} is <= max_batch_size={max_batch_size}")
+    return kept
+
+
+def pick_batch_size(sizes: list[int], num_seqs: int) -> int | None:
+    """The smallest of `sizes` (any order) that holds `num_seqs` rows, or None if none does."""
+    ascending = sorted(sizes)
+    i = bisect.bisect_left(ascending, num_seqs)
+    return ascending[i] if i < len(ascending) else None
+
+
+def choose_path(
+    *, num_prefills: int, num_seqs: int, max_seq_len: int, largest_size: int, max_seq_len_to_capture: int
+) -> str:
+    """GRAPH, or the reason the step runs eagerly (checked in this order: prefill, oversize, overlong).
+
+    Graphs replay decode-only steps (one token per request) of at most `largest_size` requests
+    whose longest sequence fits the captured block tables.
+
+    >>> choose_path(num_prefills=0, num_seqs=3, max_seq_len=40, largest_size=8, max_seq_len_to_capture=64)
+    'graph'
+    """
+    if num_seqs < 1:
+        raise ValueError("an empty batch has nothing to run")
+    if num_prefills:
+        return EAGER_PREFILL
+    if num_seqs > largest_size:
+        return EAGER_OVERSIZE
+    if max_seq_len > max_seq_len_to_capture:
+        return EAGER_OVERLONG
+    return GRAPH

@@ -1,0 +1,307 @@
+"""`CUDAGraphRunner`: decode steps replayed as CUDA graphs, every other step run eagerly.
+
+One graph per capture size, captured largest first into one shared memory pool (a smaller
+graph reuses the memory the larger one made). Each step, a decode-only batch of n requests
+goes to the smallest captured size >= n: the runner copies input ids / positions into its
+static buffers (rows n.. are pads), the backend's `AttentionState` does the same for the
+attention metadata, and the graph replays. Prefill / mixed batches, batches above the largest
+size and sequences above `spec.max_seq_len_to_capture` run the model eagerly instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from compiled_attn.abstract import AttentionBackend, AttentionMetadata, AttentionSpec, AttentionState
+from compiled_attn.forward_context import set_forward_context
+from compiled_attn.graphs.buckets import GRAPH, PATHS, capture_sizes_for, choose_path, pick_batch_size
+
+logger = logging.getLogger(__name__)
+
+ModelStep = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor]], torch.Tensor]
+INPUT_DTYPE = torch.int64  # input ids and positions, as the reference model takes them
+
+
+@dataclasses.dataclass
+class CapturedSize:
+    """Everything one captured batch size needs at replay; holding it keeps the graph's memory alive."""
+
+    graph: torch.cuda.CUDAGraph | None  # None when use_cuda_graphs=False
+    graph_state: AttentionState  # owns what the metadata for this size made (wrappers, biases)
+    input_buffers: dict[str, torch.Tensor]  # the static metadata tensors the graph reads
+    metadata: AttentionMetadata  # the all-pad metadata the graph was captured with
+    output: torch.Tensor | None  # the graph's static output [bs, ...], rewritten by every replay
+
+
+class CUDAGraphRunner:
+    """Serve model steps through captured CUDA graphs where possible, eagerly otherwise.
+
+    Args:
+        model: the step, `model(input_ids, positions, kv_caches) -> logits`; input_ids and
+            positions int64 [num_tokens], logits [num_tokens, ...]. Eager or already compiled
+            (`torch.compile(model, fullgraph=True, dynamic=True)`); it reads attention metadata
+            from the forward context, as every `ca.Attention` model does.
+        backend, spec: the attention backend and the spec of the model's layers.
+        kv_caches: one cache per layer. The graphs write these very tensors (by address): to use
+            other caches, make and capture a new runner.
+        state: the backend's `AttentionState` for `spec` (default: a new one).
+        max_batch_size: the largest batch a graph serves; capture sizes above it are dropped.
+        capture_sizes: default `[1, 2, 4] + list(range(8, 257, 8))`.
+        warmup_steps: eager runs on a side stream before each capture (compile, lazy init).
+        use_cuda_graphs: False runs the same padded static-buffer step without capturing it
+            (isolates padding from capture problems when debugging; works on CPU).
+        progress: show a progress bar while capturing.
+
+    Example::
+
+        runner = CUDAGraphRunner(torch.compile(model, fullgraph=True, dynamic=True), backend, spec, kv_caches)
+        runner.capture()                      # runner.capture_stats: seconds, pool bytes
+        for step in steps:
+            md = builder.build(seq_lens, query_lens, block_tables)
+            logits = runner.run(md, input_ids, positions)    # [num_tokens, vocab]
+        runner.counts                         # {'graph': ..., 'eager_prefill': ..., ...}
+    """
+
+    def __init__(
+        self,
+        model: ModelStep,
+        backend: type[AttentionBackend],
+        spec: AttentionSpec,
+        kv_caches: list[torch.Tensor],
+        state: AttentionState | None = None,
+        *,
+        max_batch_size: int = 256,
+        capture_sizes: Sequence[int] | None = None,
+        warmup_steps: int = 2,
+        use_cuda_graphs: bool = True,
+        progress: bool = True,
+    ) -> None:
+        if use_cuda_graphs and spec.device.type != "cuda":
+            raise ValueError(
+                f"CUDA graphs need spec.device to be CUDA, got {spec.device} (use_cuda_graphs=False runs the "
+                "static-buffer step without graphs)"
+            )
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1 (capture needs a warmed-up step), got {warmup_steps}")
+        self.model = model
+        self.backend = backend
+        self.spec = spec
+        self.kv_caches = kv_caches
+        self.state = backend.get_state_cls()(spec) if state is None else state
+        self.sizes = capture_sizes_for(max_batch_size, capture_sizes)  # largest first
+        self.warmup_steps = warmup_steps
+        self.use_cuda_graphs = use_cuda_graphs
+        self.progress = progress
+        self.counts: dict[str, int] = dict.fromkeys(PATHS, 0)
+        self.capture_stats: dict[str, Any] = {}
+        self._captured: dict[int, CapturedSize] = {}
+        self._cache_ptrs: list[int] = []
+        top = self.sizes[0]
+        # static model inputs; zeros are a valid token id and position for any model
+        self._input_ids = torch.zeros(top, dtype=INPUT_DTYPE, device=spec.device)
+        self._positions = torch.zeros(top, dtype=INPUT_DTYPE, device=spec.device)
+
+    # -- capture ---------------------------------------------------------------------------
+
+    def capture(self) -> dict[str, Any]:
+        """Capture one graph per size, largest first, into one pool; returns `capture_stats`.
+
+        capture_stats: num_graphs, sizes, seconds, pool_bytes (memory the graph pool holds),
+        allocated_bytes / reserved_bytes (memory_allocated / memory_reserved deltas: the
+        State's buffers, graph outputs and the pool). Memory figures are None without CUDA graphs.
+        """
+        if self._captured:
+            raise RuntimeError("this runner is captured already; make a new runner to capture again")
+        self._check_caches_at_capture()
+        cuda = self.use_cuda_graphs
+        device = self._input_ids.device
+        if cuda:
+            torch.cuda.synchronize(device)
+            allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+        pool = torch.cuda.graph_pool_handle() if cuda else None
+        side_stream = torch.cuda.Stream(device) if cuda else None
+        start = time.perf_counter()
+        try:
+            with self.state.graph_capture(self.sizes[0]):
+                for bs in _progress(self.sizes, self.progress, desc=f"capturing {self.backend.get_name()} graphs"):
+                    self._captured[bs] = self._capture_size(bs, pool, side_stream)
+        except BaseException:
+            self._captured.clear()  # half a set of graphs would route batches to sizes never captured
+            raise
+        if cuda:
+            torch.cuda.synchronize(device)
+        self.capture_stats = {
+            "num_graphs": len(self._captured),
+            "sizes": list(self.sizes),
+            "seconds": time.perf_counter() - start,
+            "pool_bytes": _pool_bytes(pool, device) if cuda else None,
+            "allocated_bytes": torch.cuda.memory_allocated(device) - allocated if cuda else None,
+            "reserved_bytes": torch.cuda.memory_reserved(device) - reserved if cuda else None,
+        }
+        logger.info(
+            "captured %d %s graphs (sizes %d..%d) in %.1f s; graph pool %s",
+            len(self._captured), self.backend.get_name(), self.sizes[-1], self.sizes[0],
+            self.capture_stats["seconds"], _mib(self.capture_stats["pool_bytes"]),
+        )
+        return self.capture_stats
+
+    def _capture_size(self, bs: int, pool: Any, side_stream: torch.cuda.Stream | None) -> CapturedSize:
+        md_bs = self.state.graph_capture_get_metadata_for_batch(bs)  # all pads: warm-up writes nothing
+        input_buffers = self.state.get_graph_input_buffers(md_bs)
+        graph_state = self.state.graph_clone(bs)
+        if side_stream is None:
+            return CapturedSize(None, graph_state, input_buffers, md_bs, None)
+        # Warm up on a side stream, as torch.cuda.graph captures: lazy initialisation (cuBLAS
+        # workspaces, Triton compiles, Dynamo's first compile) must not happen during capture.
+        side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side_stream), set_forward_context(md_bs):
+            for _ in range(self.warmup_steps):
+                self._static_step(bs)
+        torch.cuda.current_stream().wait_stream(side_stream)
+        graph = torch.cuda.CUDAGraph()
+        with set_forward_context(md_bs), torch.cuda.graph(graph, pool=pool):
+            output = self._static_step(bs)
+        if not isinstance(output, torch.Tensor) or output.shape[:1] != (bs,):
+            raise ValueError(f"the model must return a tensor [num_tokens, ...]; got {_describe(output)} for {bs}")
+        return CapturedSize(graph, graph_state, input_buffers, md_bs, output)
+
+    def _static_step(self, bs: int) -> torch.Tensor:
+        """The model on the first `bs` rows of the static inputs (under the caller's context)."""
+        ids, pos = self._input_ids[:bs], self._positions[:bs]
+        _mark_token_dim(ids, pos)
+        return self.model(ids, pos, self.kv_caches)
+
+    # -- each step -------------------------------------------------------------------------
+
+    def run(
+        self,
+        attn_metadata: AttentionMetadata,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One model step: a replayed graph for a decode-only batch that fits, else eager.
+
+        attn_metadata: from the backend's builder; input_ids, positions: int64 [num_tokens] on
+        the spec's device; kv_caches: default the runner's (a graph step checks they are the
+        captured tensors). Returns the model output for the step's tokens, [num_tokens, ...],
+        a tensor the caller owns (a later step never overwrites it). `counts` records the path.
+        """
+        if not self._captured:
+            raise RuntimeError("call runner.capture() before runner.run()")
+        md = attn_metadata
+        self._check_inputs(md, input_ids, positions)
+        caches = self.kv_caches if kv_caches is None else kv_caches
+        path = choose_path(
+            num_prefills=md.num_prefills, num_seqs=md.num_seqs, max_seq_len=md.max_seq_len,
+            largest_size=self.sizes[0], max_seq_len_to_capture=self.spec.max_seq_len_to_capture,
+        )
+        self.counts[path] += 1
+        if path != GRAPH:
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("%s: %d requests, %d prefills, max_seq_len %d", path, md.num_seqs, md.num_prefills,
+                             md.max_seq_len)
+            _mark_token_dim(input_ids, positions)
+            with set_forward_context(md):
+                return self.model(input_ids, positions, caches)
+        self._check_caches(caches)
+        n = md.num_seqs
+        bs = pick_batch_size(self.sizes, n)
+        entry = self._captured[bs]
+        self._input_ids[:n].copy_(input_ids, non_blocking=True)
+        self._positions[:n].copy_(positions, non_blocking=True)
+        if n < bs:  # pads: zeros are valid ids / positions; their outputs are dropped below
+            self._input_ids[n:bs].zero_()
+            self._positions[n:bs].zero_()
+        entry.graph_state.prepare_graph_input_buffers(entry.input_buffers, md)
+        entry.graph_state.begin_forward(md)
+        if entry.graph is not None:
+            entry.graph.replay()
+            output = entry.output
+        else:
+            with set_forward_context(entry.metadata):
+                output = self._static_step(bs)
+        # Clone: every size's graph allocates from one pool, so replaying another size may
+        # write its intermediates over this output; the copy ([n, vocab], small next to the
+        # step) gives the caller a tensor no later step can change.
+        return output[:n].clone()
+
+    def _check_inputs(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        name = self.backend.get_name()
+        if getattr(md, "backend_name", None) != name:
+            raise ValueError(f"the runner serves {name} metadata, got {type(md).__name__} from another builder")
+        device = self._input_ids.device
+        for label, t in (("input_ids", input_ids), ("positions", positions)):
+            if t.dtype != INPUT_DTYPE or t.device != device or t.dim() != 1:
+                raise ValueError(
+                    f"{label} must be {INPUT_DTYPE} [num_tokens] on {device} (what the graphs were captured "
+                    f"with), got {t.dtype} {tuple(t.shape)} on {t.device}"
+                )
+            if t.shape[0] != md.num_tokens:
+                raise ValueError(f"{label} has {t.shape[0]} tokens but the metadata describes {md.num_tokens}")
+
+    def _check_caches_at_capture(self) -> None:
+        device = self._input_ids.device
+        for i, cache in enumerate(self.kv_caches):
+            if cache.device != device:
+                raise ValueError(f"kv_caches[{i}] is on {cache.device}, the spec's device is {device}")
+        self._cache_ptrs = [c.data_ptr() for c in self.kv_caches]
+
+    def _check_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        # Addresses only: a graph writes the memory it was captured with, whatever tensor the
+        # caller holds now (a per-layer pointer read costs ~0.1 us; no device sync).
+        if len(kv_caches) != len(self._cache_ptrs) or any(
+            c.data_ptr() != p for c, p in zip(kv_caches, self._cache_ptrs, strict=False)
+        ):
+            raise RuntimeError(
+                "the KV caches are not the ones the graphs were captured with (reallocated, resized or "
+                "replaced): a replay would write the old memory. Make and capture a new CUDAGraphRunner "
+                "for the new caches"
+            )
+
+
+def _mark_token_dim(*tensors: torch.Tensor) -> None:
+    """A compiled model sees the token count as unbacked, so sizes 1, 2, ... share one graph
+    (Dynamo specialises 0 and 1 otherwise; see DESIGN.md). No effect on an eager model."""
+    for t in tensors:
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+
+
+def _progress(sizes: Iterable[int], enabled: bool, desc: str) -> Iterator[int]:
+    """A tqdm bar over the capture sizes, if tqdm is installed and `enabled`."""
+    if enabled:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            logger.info("%s (install tqdm for a progress bar)", desc)
+        else:
+            yield from tqdm(sizes, desc=desc, unit="graph")
+            return
+    yield from sizes
+
+
+def _pool_bytes(pool: Any, device: torch.device) -> int | None:
+    """Bytes of the segments the graph pool holds (from the allocator's snapshot), or None if
+    this torch's snapshot does not name pools."""
+    want = tuple(pool)
+    segments = torch.cuda.memory_snapshot()
+    if not segments or "segment_pool_id" not in segments[0]:
+        return None
+    return sum(
+        s["total_size"] for s in segments
+        if tuple(s["segment_pool_id"]) == want and s.get("device", device.index) == device.index
+    )
+
+
+def _mib(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _describe(x: object) -> str:
+    return f"{type(x).__name__} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__

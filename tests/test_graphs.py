@@ -1,0 +1,572 @@
+"""CUDA graphs: bucketing decisions, the TORCH_SDPA State, and CUDAGraphRunner.
+
+CPU: the pure decisions (capture sizes, bucket, eager reason), the SDPA State's buffers and
+padding, and the runner's padded static-buffer step (`use_cuda_graphs=False`), which runs the
+exact computation a graph would replay. GPU: every available backend's graphs against eager on
+the reference model (teacher-forced), the fallbacks, and memory over 1000+ replays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import compiled_attn as ca
+from compiled_attn.graphs import DEFAULT_CAPTURE_SIZES, CUDAGraphRunner, capture_sizes_for, choose_path
+from compiled_attn.graphs import pick_batch_size as pick
+from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
+from compiled_attn.models.paging import BlockAllocator, Request, last_token_rows, schedule
+
+SDPA = "TORCH_SDPA"
+
+# -------------------------------------------------------------------------------------------
+# Pure decisions
+
+
+def test_default_sizes_are_1_2_4_then_multiples_of_8_up_to_256():
+    assert list(DEFAULT_CAPTURE_SIZES) == [1, 2, 4] + list(range(8, 257, 8))
+    assert len(capture_sizes_for(256)) == 35
+
+
+def test_capture_sizes_are_filtered_and_largest_first():
+    assert capture_sizes_for(20) == [16, 8, 4, 2, 1]
+    assert capture_sizes_for(3) == [2, 1]
+    assert capture_sizes_for(10, [4, 1, 4, 12, 8]) == [8, 4, 1]
+
+
+@pytest.mark.parametrize(("max_batch_size", "sizes"), [(0, None), (8, [0, 2]), (8, [2.0]), (1, [2, 4])])
+def test_bad_capture_sizes_raise(max_batch_size, sizes):
+    with pytest.raises(ValueError):
+        capture_sizes_for(max_batch_size, sizes)
+
+
+@pytest.mark.parametrize(("num_seqs", "size"), [(1, 1), (2, 2), (3, 4), (8, 8), (13, 16), (250, 256), (257, None)])
+def test_batch_goes_to_smallest_size_that_holds_it(num_seqs, size):
+    assert pick(capture_sizes_for(256), num_seqs) == size
+
+
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.integers(1, 320))
+def test_picked_size_is_the_minimum_that_fits(sizes, n):
+    fits = [s for s in sizes if s >= n]
+    assert pick(sizes, n) == (min(fits) if fits else None)
+
+
+@pytest.mark.parametrize(
+    ("num_prefills", "num_seqs", "max_seq_len", "path"),
+    [
+        (0, 3, 64, "graph"),  # max_seq_len == max_seq_len_to_capture still fits
+        (1, 1, 10, "eager_prefill"),
+        (2, 5, 30, "eager_prefill"),  # mixed
+        (1, 40, 999, "eager_prefill"),  # prefill wins over the other reasons
+        (0, 17, 10, "eager_oversize"),
+        (0, 17, 999, "eager_oversize"),
+        (0, 4, 65, "eager_overlong"),
+    ],
+)
+def test_path_choice(num_prefills, num_seqs, max_seq_len, path):
+    got = choose_path(num_prefills=num_prefills, num_seqs=num_seqs, max_seq_len=max_seq_len, largest_size=16,
+                      max_seq_len_to_capture=64)
+    assert got == path
+
+
+def test_empty_batch_raises():
+    with pytest.raises(ValueError, match="empty"):
+        choose_path(num_prefills=0, num_seqs=0, max_seq_len=0, largest_size=8, max_seq_len_to_capture=64)
+
+
+# -------------------------------------------------------------------------------------------
+# TORCH_SDPA State on CPU
+
+TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+BLOCK_SIZE, NUM_BLOCKS, MAX_LEN = 4, 128, 40
+
+
+def cpu_spec(**kw) -> ca.AttentionSpec:
+    kw = {"max_seq_len_to_capture": MAX_LEN, **kw}
+    return TINY.attention_spec(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype=torch.float32, device="cpu", **kw)
+
+
+def sdpa_builder(spec: ca.AttentionSpec):
+    return ca.get_attn_backend(SDPA).get_builder_cls()(spec)
+
+
+def decode_md(spec: ca.AttentionSpec, seq_lens: list[int], seed: int = 0):
+    """Decode-only metadata with random distinct blocks per request."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randperm(spec.num_blocks, generator=g).tolist()
+    tables = []
+    for s in seq_lens:
+        need = -(-s // spec.block_size)
+        tables.append(blocks[:need])
+        blocks = blocks[need:]
+    return sdpa_builder(spec).build(seq_lens, [1] * len(seq_lens), tables)
+
+
+def captured(spec: ca.AttentionSpec, sizes: list[int]):
+    """{bs: (md_bs, bufs, graph_state)} from the State API in DESIGN.md's call order."""
+    state = ca.get_attn_backend(SDPA).get_state_cls()(spec)
+    out = {}
+    with state.graph_capture(max(sizes)):
+        for bs in sorted(sizes, reverse=True):
+            md_bs = state.graph_capture_get_metadata_for_batch(bs)
+            out[bs] = (md_bs, state.get_graph_input_buffers(md_bs), state.graph_clone(bs))
+    return state, out
+
+
+def test_static_buffers_have_the_pinned_shapes():
+    spec = cpu_spec()
+    _, graphs = captured(spec, [8, 2])
+    bufs = graphs[8][1]
+    width = -(-MAX_LEN // BLOCK_SIZE)
+    expect = {
+        "block_tables": (torch.int32, (8, width)),
+        "seq_lens_tensor": (torch.int32, (8,)),
+        "context_lens_tensor": (torch.int32, (8,)),
+        "slot_mapping": (torch.int64, (8,)),
+        "query_start_loc": (torch.int32, (9,)),
+    }
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in bufs.items()} == expect
+
+
+def test_metadata_for_batch_is_all_pads_over_the_static_buffers():
+    _, graphs = captured(cpu_spec(), [8, 4])
+    md_bs, bufs, _ = graphs[4]
+    big = graphs[8][1]
+    assert (md_bs.num_prefills, md_bs.num_prefill_tokens, md_bs.num_decode_tokens) == (0, 0, 4)
+    assert md_bs.num_decodes == 4 and md_bs.backend_name == SDPA
+    assert md_bs.slot_mapping.tolist() == [-1] * 4  # a warm-up on it writes nothing
+    assert md_bs.seq_lens_tensor.tolist() == [1] * 4
+    assert md_bs.block_tables.eq(0).all()
+    assert md_bs.query_start_loc.tolist() == list(range(5))
+    for name, t in bufs.items():  # views of the one set of buffers: the graph reads what prepare writes
+        assert t.data_ptr() == big[name].data_ptr(), name
+
+
+def test_prepare_copies_live_rows_and_pads_the_rest():
+    spec = cpu_spec()
+    _, graphs = captured(spec, [8])
+    _, bufs, graph_state = graphs[8]
+    graph_state.prepare_graph_input_buffers(bufs, decode_md(spec, [30, 7, 12, 22, 9, 5, 40, 3], seed=1))
+    md = decode_md(spec, [13, 2, 37], seed=2)  # fewer, shorter: old rows must not survive
+    graph_state.prepare_graph_input_buffers(bufs, md)
+    graph_state.begin_forward(md)
+    assert bufs["slot_mapping"].tolist() == md.slot_mapping.tolist() + [-1] * 5
+    assert bufs["seq_lens_tensor"].tolist() == [13, 2, 37] + [1] * 5
+    assert bufs["context_lens_tensor"].tolist() == [12, 1, 36] + [0] * 5
+    assert bufs["query_start_loc"].tolist() == list(range(9))
+    width = md.block_tables.shape[1]
+    assert torch.equal(bufs["block_tables"][:3, :width], md.block_tables)
+    assert bufs["block_tables"][3:].eq(0).all()
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens", "match"),
+    [
+        ([9], [9], "prefills"),
+        ([9, 5], [3, 1], "prefills"),  # mixed
+        ([5] * 5, [1] * 5, "do not fit"),
+        ([MAX_LEN + 1], [1], "max_seq_len_to_capture"),
+    ],
+)
+def test_prepare_rejects_steps_the_graph_cannot_serve(seq_lens, query_lens, match):
+    spec = cpu_spec()
+    _, graphs = captured(spec, [4])
+    _, bufs, graph_state = graphs[4]
+    tables = [list(range(i * 11, i * 11 + 11)) for i in range(len(seq_lens))]
+    with pytest.raises(ValueError, match=match):
+        graph_state.prepare_graph_input_buffers(bufs, sdpa_builder(spec).build(seq_lens, query_lens, tables))
+
+
+def test_prepare_rejects_metadata_of_another_backend():
+    spec = cpu_spec()
+    _, graphs = captured(spec, [2])
+    _, bufs, graph_state = graphs[2]
+    md = decode_md(spec, [5])
+    foreign = dataclasses.replace(md, backend_name="XFORMERS")
+    with pytest.raises(ValueError, match="builder"):
+        graph_state.prepare_graph_input_buffers(bufs, foreign)
+
+
+def test_metadata_for_batch_outside_graph_capture_raises():
+    state = ca.get_attn_backend(SDPA).get_state_cls()(cpu_spec())
+    with pytest.raises(RuntimeError, match="graph_capture"):
+        state.graph_capture_get_metadata_for_batch(1)
+
+
+def test_metadata_for_batch_above_the_maximum_raises():
+    state = ca.get_attn_backend(SDPA).get_state_cls()(cpu_spec())
+    with state.graph_capture(4), pytest.raises(ValueError, match="outside 1..4"):
+        state.graph_capture_get_metadata_for_batch(5)
+
+
+def test_state_captures_decoder_attention_only():
+    state = ca.get_attn_backend(SDPA).get_state_cls()(cpu_spec(attn_type=ca.AttentionType.ENCODER_ONLY))
+    with pytest.raises(NotImplementedError, match="DECODER"), state.graph_capture(4):
+        pass
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return build_model(TINY, seed=0, backend=SDPA)
+
+
+def random_caches(spec: ca.AttentionSpec, seed: int) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    return [c.normal_() for c in allocate_kv_caches(TINY, ca.get_attn_backend(SDPA), spec)]
+
+
+def test_warm_up_on_pad_metadata_writes_nothing(tiny_model):
+    spec = cpu_spec()
+    _, graphs = captured(spec, [4])
+    md_bs = graphs[4][0]
+    caches = random_caches(spec, 0)
+    before = [c.clone() for c in caches]
+    ids = torch.randint(TINY.vocab_size, (4,))
+    with ca.set_forward_context(md_bs):
+        out = tiny_model(ids, torch.zeros(4, dtype=torch.int64), caches)
+    assert torch.isfinite(out).all()
+    for a, b in zip(caches, before, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_step_over_prepared_buffers_matches_builder_metadata(tiny_model):
+    spec = cpu_spec()
+    _, graphs = captured(spec, [8])
+    md_bs, bufs, graph_state = graphs[8]
+    seq_lens = [13, 2, 37, 8, 21]
+    md = decode_md(spec, seq_lens, seed=3)
+    ids = torch.randint(TINY.vocab_size, (5,))
+    pos = torch.tensor(seq_lens) - 1
+    caches, padded_caches = random_caches(spec, 1), random_caches(spec, 1)
+    with ca.set_forward_context(md):
+        want = tiny_model(ids, pos, caches)
+    graph_state.prepare_graph_input_buffers(bufs, md)
+    pad = torch.zeros(3, dtype=torch.int64)
+    with ca.set_forward_context(md_bs):
+        got = tiny_model(torch.cat([ids, pad]), torch.cat([pos, pad]), padded_caches)
+    torch.testing.assert_close(got[:5], want, rtol=1e-5, atol=1e-5)
+    # the same slots written (up to the batch-size-dependent GEMM rounding of later layers), pads wrote nothing
+    for a, b in zip(padded_caches, caches, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# -------------------------------------------------------------------------------------------
+# Runner: the same padded static-buffer step without capture (CPU)
+
+
+@dataclasses.dataclass
+class Engine:
+    """Serves named requests step by step through `call(md, ids, pos)`, with its own blocks."""
+
+    spec: ca.AttentionSpec
+    call: Callable[[ca.AttentionMetadata, torch.Tensor, torch.Tensor], torch.Tensor]
+    backend_name: str = SDPA
+    requests: dict[str, Request] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.allocator = BlockAllocator(self.spec.num_blocks, self.spec.block_size)
+        self.builder = ca.get_attn_backend(self.backend_name).get_builder_cls()(self.spec)
+
+    def step(self, batch: dict[str, list[int]]) -> torch.Tensor:
+        """batch: name -> tokens to append before the step (the prompt for a new request).
+        Prefills must come first. Returns next-token logits [len(batch), vocab]."""
+        reqs = []
+        for name, tokens in batch.items():
+            r = self.requests.setdefault(name, Request(tokens=[]))
+            r.tokens.extend(tokens)
+            reqs.append(r)
+        seq_lens, query_lens, tables, ids, pos = schedule(reqs, self.allocator, self.spec.device)
+        md = self.builder.build(seq_lens, query_lens, tables)
+        logits = self.call(md, ids, pos)[last_token_rows(query_lens)]
+        for r in reqs:
+            r.num_computed = len(r.tokens)
+        return logits
+
+
+def direct(model, caches):
+    """The eager reference: the model under the step's own metadata."""
+    def call(md, ids, pos):
+        with ca.set_forward_context(md):
+            return model(ids, pos, caches)
+    return call
+
+
+def prompts(n: int, seed: int, vocab: int, lo: int = 3, hi: int = 20) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {f"r{seed}.{i}": [rng.randrange(vocab) for _ in range(rng.randrange(lo, hi))] for i in range(n)}
+
+
+def static_runner(model, spec, caches, **kw) -> CUDAGraphRunner:
+    runner = CUDAGraphRunner(model, ca.get_attn_backend(SDPA), spec, caches, use_cuda_graphs=False,
+                             progress=False, **kw)
+    runner.capture()
+    return runner
+
+
+def test_runner_refuses_cuda_graphs_on_cpu(tiny_model):
+    spec = cpu_spec()
+    with pytest.raises(ValueError, match="CUDA"):
+        CUDAGraphRunner(tiny_model, ca.get_attn_backend(SDPA), spec, random_caches(spec, 0))
+
+
+def test_run_before_capture_raises(tiny_model):
+    spec = cpu_spec()
+    runner = CUDAGraphRunner(tiny_model, ca.get_attn_backend(SDPA), spec, random_caches(spec, 0),
+                             use_cuda_graphs=False)
+    with pytest.raises(RuntimeError, match="capture"):
+        runner.run(decode_md(spec, [5]), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+
+
+def test_capture_twice_raises(tiny_model):
+    spec = cpu_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2])
+    with pytest.raises(RuntimeError, match="captured already"):
+        runner.capture()
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8, 5])
+def test_padded_static_decode_matches_eager(tiny_model, batch):
+    spec = cpu_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2, 4, 8], max_batch_size=8)
+    ref = Engine(spec, direct(tiny_model, random_caches(spec, 1)))
+    eng = Engine(spec, runner.run)
+    batch_prompts = prompts(batch, seed=batch, vocab=TINY.vocab_size)
+    step = dict(batch_prompts)
+    for _ in range(8):
+        want = ref.step(step)
+        got = eng.step(step)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        step = {name: [tok] for name, tok in zip(step, want.argmax(-1).tolist(), strict=True)}
+    assert runner.counts == {"graph": 7, "eager_prefill": 1, "eager_oversize": 0, "eager_overlong": 0}
+
+
+def test_fallbacks_run_eagerly_and_match(tiny_model):
+    spec = cpu_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2, 4], max_batch_size=4)
+    ref, eng = Engine(spec, direct(tiny_model, random_caches(spec, 1))), Engine(spec, runner.run)
+    a = prompts(6, seed=0, vocab=TINY.vocab_size)
+    long = {"long": list(range(MAX_LEN))}  # its first decode has seq_len MAX_LEN + 1
+    steps = [
+        {k: a[k] for k in list(a)[:3]},  # prefill
+        {**{k: a[k] for k in list(a)[3:]}, **{k: [1] for k in list(a)[:3]}},  # mixed
+        {k: [2] for k in a},  # 6 decodes > 4: oversize
+        long,
+        {**{k: [3] for k in list(a)[:2]}, "long": [4]},  # overlong
+        {k: [5] for k in list(a)[:3]},  # graph again
+    ]
+    for batch in steps:
+        torch.testing.assert_close(eng.step(batch), ref.step(batch), rtol=1e-4, atol=1e-4)
+    assert runner.counts == {"graph": 1, "eager_prefill": 3, "eager_oversize": 1, "eager_overlong": 1}
+
+
+def test_result_belongs_to_the_caller(tiny_model):
+    spec = cpu_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[2], max_batch_size=2)
+    md = decode_md(spec, [6, 9])
+    ids, pos = torch.tensor([3, 4]), torch.tensor([5, 8])
+    first = runner.run(md, ids, pos)
+    kept = first.clone()
+    runner.run(decode_md(spec, [7, 3], seed=1), torch.tensor([9, 1]), torch.tensor([6, 2]))
+    assert torch.equal(first, kept)
+
+
+def test_replay_on_reallocated_caches_raises(tiny_model):
+    spec = cpu_spec()
+    caches = random_caches(spec, 0)
+    runner = static_runner(tiny_model, spec, caches, capture_sizes=[1])
+    md, ids, pos = decode_md(spec, [5]), torch.tensor([3]), torch.tensor([4])
+    with pytest.raises(RuntimeError, match="captured with"):
+        runner.run(md, ids, pos, kv_caches=[c.clone() for c in caches])
+    caches[1] = caches[1].clone()  # the runner's own list, one layer replaced
+    with pytest.raises(RuntimeError, match="captured with"):
+        runner.run(md, ids, pos)
+
+
+@pytest.mark.parametrize(
+    ("ids", "match"),
+    [
+        (torch.tensor([3], dtype=torch.int32), "int64"),
+        (torch.tensor([3], device="meta"), "int64"),  # another device
+        (torch.tensor([3, 4]), "describes 1"),
+    ],
+)
+def test_bad_inputs_raise(tiny_model, ids, match):
+    spec = cpu_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1])
+    with pytest.raises(ValueError, match=match):
+        runner.run(decode_md(spec, [5]), ids, torch.tensor([4]))
+
+
+def test_metadata_of_another_backend_raises(tiny_model):
+    spec = cpu_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1])
+    foreign = dataclasses.replace(decode_md(spec, [5]), backend_name="FLASHINFER")
+    with pytest.raises(ValueError, match="TORCH_SDPA metadata"):
+        runner.run(foreign, torch.tensor([3]), torch.tensor([4]))
+
+
+# -------------------------------------------------------------------------------------------
+# GPU: real graphs, every available backend
+
+GPU_CONFIG = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,
+                         num_kv_heads=2)  # head_size 64: every backend's kernels take it
+GPU_MAX_LEN = 128
+GPU_SIZES = [1, 2, 4, 8, 16]
+DECODE_STEPS = 32
+
+
+@dataclasses.dataclass
+class GpuSetup:
+    name: str
+    backend: type[ca.AttentionBackend]
+    spec: ca.AttentionSpec
+    model: torch.nn.Module
+    runner: CUDAGraphRunner
+    ref_caches: list[torch.Tensor]
+
+    def engines(self) -> tuple[Engine, Engine]:
+        """(eager reference, graph runner), each serving its own copy of the requests."""
+        ref = Engine(self.spec, direct(self.model, self.ref_caches), backend_name=self.name)
+        return ref, Engine(self.spec, self.runner.run, backend_name=self.name)
+
+
+def gpu_spec(name: str) -> ca.AttentionSpec:
+    block_size = 16 if name != "XFORMERS" else 64  # xFormers' paged decode reads 64-key tiles
+    return GPU_CONFIG.attention_spec(block_size=block_size, num_blocks=8192 // block_size, dtype=torch.bfloat16,
+                                     device="cuda", max_seq_len_to_capture=GPU_MAX_LEN)
+
+
+@pytest.fixture(scope="module", params=["TORCH_SDPA", "FLASHINFER", "XFORMERS"])
+def gpu(request) -> GpuSetup:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    name, spec = request.param, gpu_spec(request.param)
+    try:
+        backend = ca.get_attn_backend(name, spec)
+    except (ca.BackendUnavailableError, NotImplementedError) as e:
+        pytest.skip(f"{name} unavailable here: {e}")
+    model = build_model(GPU_CONFIG, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
+    runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),
+                             capture_sizes=GPU_SIZES, max_batch_size=max(GPU_SIZES), progress=False)
+    runner.capture()
+    return GpuSetup(name, backend, spec, model, runner, allocate_kv_caches(GPU_CONFIG, backend, spec))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.gpu
+def test_capture_reports_time_and_pool_memory(gpu):
+    stats = gpu.runner.capture_stats
+    assert stats["num_graphs"] == len(GPU_SIZES) and stats["sizes"] == sorted(GPU_SIZES, reverse=True)
+    assert stats["seconds"] > 0
+    assert stats["pool_bytes"] is None or stats["pool_bytes"] > 0
+
+
+@pytest.mark.gpu
+def test_graph_decode_matches_eager_teacher_forced(gpu):
+    """Batch sizes hit exact (1, 8) and padded (3 -> 4, 13 -> 16) graphs."""
+    agree = total = 0
+    for batch in (1, 3, 8, 13):
+        ref, eng = gpu.engines()
+        counts = dict(gpu.runner.counts)
+        step = prompts(batch, seed=batch, vocab=GPU_CONFIG.vocab_size, hi=40)
+        for i in range(DECODE_STEPS + 1):
+            want, got = ref.step(step), eng.step(step)
+            err = rel_err(got, want)
+            assert err <= 2e-2, f"batch {batch}, step {i}: logits rel err {err:.3e}"
+            if i:  # decode steps
+                agree += (got.argmax(-1) == want.argmax(-1)).sum().item()
+                total += batch
+            step = {name: [tok] for name, tok in zip(step, want.argmax(-1).tolist(), strict=True)}
+        assert gpu.runner.counts["graph"] - counts["graph"] == DECODE_STEPS
+        assert gpu.runner.counts["eager_prefill"] - counts["eager_prefill"] == 1
+    assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
+
+
+@pytest.mark.gpu
+def test_fallbacks_take_the_eager_path_and_stay_correct(gpu):
+    ref, eng = gpu.engines()
+    counts = dict(gpu.runner.counts)
+    vocab = GPU_CONFIG.vocab_size
+    a = prompts(20, seed=100, vocab=vocab)
+    names = list(a)
+    steps = [
+        ("eager_prefill", {k: a[k] for k in names[:4]}),
+        ("eager_prefill", {**{k: a[k] for k in names[4:]}, **{k: [1] for k in names[:4]}}),  # mixed
+        ("eager_oversize", {k: [2] for k in names}),  # 20 decodes > 16
+        ("eager_prefill", {"long": [7] * GPU_MAX_LEN}),
+        ("eager_overlong", {**{k: [3] for k in names[:3]}, "long": [4]}),
+        ("graph", {k: [5] for k in names[:5]}),
+    ]
+    for path, batch in steps:
+        before = gpu.runner.counts[path]
+        err = rel_err(eng.step(batch), ref.step(batch))
+        assert gpu.runner.counts[path] == before + 1, path
+        assert err <= 2e-2, f"{path}: logits rel err {err:.3e}"
+    assert sum(gpu.runner.counts.values()) - sum(counts.values()) == len(steps)
+
+
+@pytest.mark.gpu
+def test_replays_with_changing_lengths_allocate_nothing(gpu):
+    spec, runner = gpu.spec, gpu.runner
+    builder = gpu.backend.get_builder_cls()(spec)
+    max_blocks = GPU_MAX_LEN // spec.block_size
+    tables = [list(range(i * max_blocks, (i + 1) * max_blocks)) for i in range(max(GPU_SIZES))]
+    rng = random.Random(0)
+
+    def step(seq_lens: list[int]) -> None:
+        n = len(seq_lens)
+        md = builder.build(seq_lens, [1] * n, tables[:n])
+        ids = torch.randint(GPU_CONFIG.vocab_size, (n,), device="cuda")
+        pos = torch.tensor(seq_lens, device="cuda") - 1
+        runner.run(md, ids, pos)
+
+    fixed = [GPU_MAX_LEN // 2] * 5
+    step(fixed)
+    torch.cuda.synchronize()
+    before, graphs = torch.cuda.memory_allocated(), runner.counts["graph"]
+    for _ in range(1000):
+        step([rng.randint(2, GPU_MAX_LEN) for _ in range(rng.randint(1, max(GPU_SIZES)))])
+    step(fixed)  # a state that keeps the last step's metadata holds one of the same size as before
+    torch.cuda.synchronize()
+    assert runner.counts["graph"] - graphs == 1001
+    assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.gpu
+def test_replay_on_other_caches_raises(gpu):
+    md = gpu.backend.get_builder_cls()(gpu.spec).build([5], [1], [[3]])
+    ids = pos = torch.tensor([4], device="cuda")
+    with pytest.raises(RuntimeError, match="captured with"):
+        gpu.runner.run(md, ids, pos, kv_caches=[c.clone() for c in gpu.runner.kv_caches])
+    with pytest.raises(ValueError, match="int64"):
+        gpu.runner.run(md, ids.cpu(), pos)
+
+
+@pytest.mark.gpu
+def test_compiled_model_under_graphs_matches_eager():
+    """The full stack: torch.compile(fullgraph=True, dynamic=True) captured by the runner."""
+    spec = gpu_spec(SDPA)
+    backend = ca.get_attn_backend(SDPA, spec)
+    model = build_model(GPU_CONFIG, seed=0, backend=SDPA, dtype=torch.bfloat16, device="cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    runner = CUDAGraphRunner(compiled, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),
+                             capture_sizes=[1, 2, 4], max_batch_size=4, progress=False)
+    runner.capture()
+    ref = Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec)))
+    eng = Engine(spec, runner.run)
+    step = prompts(3, seed=7, vocab=GPU_CONFIG.vocab_size)
+    for i in range(12):
+        want, got = ref.step(step), eng.step(step)
+        assert rel_err(got, want) <= 2e-2, f"step {i}"
+        step = {name: [tok] for name, tok in zip(step, want.argmax(-1).tolist(), strict=True)}
+    assert runner.counts["graph"] == 11
