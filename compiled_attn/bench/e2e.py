@@ -1,0 +1,131 @@
+"""End-to-end decode of a Llama-3-8B-shaped model: ours eager / compiled / compiled+graphs, and
+the gpt-fast-style peer (static contiguous cache, SDPA, `mode="reduce-overhead"`).
+
+MBU (model bandwidth utilisation) = (weight bytes + KV bytes read per step) / step time /
+nominal HBM bandwidth; tokens/s = batch / step time. Weights are random: speed does not care.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import compiled_attn as ca
+from compiled_attn.bench.timing import card_name, nominal_bandwidth
+from compiled_attn.graphs import CUDAGraphRunner
+from compiled_attn.models.llama import Llama, LlamaConfig, allocate_kv_caches, apply_rotary, build_model
+
+BLOCK_SIZE = 16
+
+
+def step_seconds(step, iters: int = 20) -> float:
+    """Median seconds of `step()` over `iters` runs, events around each (after 3 warm-ups)."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def decode_inputs(config: LlamaConfig, backend, batch: int, ctx: int, dtype: torch.dtype):
+    """A decode step of `batch` requests with `ctx` cached tokens each, caches of random values."""
+    blocks = -(-(ctx + 1) // BLOCK_SIZE)
+    spec = config.attention_spec(block_size=BLOCK_SIZE, num_blocks=batch * blocks, dtype=dtype, device="cuda",
+                                 max_seq_len_to_capture=ctx + 1)
+    caches = [c.normal_() for c in allocate_kv_caches(config, backend, spec)]
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
+    md = backend.get_builder_cls()(spec).build([ctx + 1] * batch, [1] * batch, tables)
+    ids = torch.randint(config.vocab_size, (batch,), device="cuda")
+    pos = torch.full((batch,), ctx, device="cuda")
+    return spec, caches, md, ids, pos
+
+
+class StaticCacheDecoder(nn.Module):
+    """gpt-fast's approach on the same weights: per-layer contiguous [B, Hkv, max_len, D] caches,
+    written with index_copy_, read whole by SDPA under a position mask."""
+
+    def __init__(self, model: Llama, batch: int, max_len: int) -> None:
+        super().__init__()
+        self.model = model
+        c = model.config
+        shape = (batch, c.num_kv_heads, max_len, c.head_size)
+        dtype, device = model.embed.weight.dtype, model.embed.weight.device
+        self.k_caches = [torch.randn(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
+        self.v_caches = [torch.randn(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
+        for t in self.k_caches + self.v_caches:
+            torch._dynamo.mark_static_address(t)
+
+    def forward(self, ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """ids [B], input_pos int64 [1] (one position for the whole batch, as in gpt-fast)."""
+        m, c = self.model, self.model.config
+        b = ids.shape[0]
+        x = m.embed(ids)
+        cos, sin = m.rope_cos[input_pos].expand(b, -1), m.rope_sin[input_pos].expand(b, -1)
+        mask = torch.arange(self.k_caches[0].shape[2], device=ids.device) <= input_pos
+        for layer, kc, vc in zip(m.layers, self.k_caches, self.v_caches, strict=True):
+            q, k, v = layer.qkv_proj(layer.attn_norm(x)).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+            q = apply_rotary(q.view(b, c.num_heads, c.head_size), cos, sin)
+            k = apply_rotary(k.view(b, c.num_kv_heads, c.head_size), cos, sin)
+            kc.index_copy_(2, input_pos, k.view(b, c.num_kv_heads, 1, c.head_size))
+            vc.index_copy_(2, input_pos, v.view(b, c.num_kv_heads, 1, c.head_size))
+            o = F.scaled_dot_product_attention(q.view(b, c.num_heads, 1, c.head_size), kc, vc,
+                                               attn_mask=mask, enable_gqa=True)
+            x = x + layer.o_proj(o.reshape(b, layer.q_size))
+            gate, up = layer.gate_up_proj(layer.mlp_norm(x)).chunk(2, dim=-1)
+            x = x + layer.down_proj(F.silu(gate) * up)
+        return m.lm_head(m.norm(x)).float()
+
+
+def run(quick: bool = False, backend_name: str | None = None) -> list[dict]:
+    config = LlamaConfig.llama3_8b()
+    dtype = torch.bfloat16
+    points = [(1, 1024), (64, 1024), (1, 4096)] if quick else [(b, c) for c in (1024, 4096) for b in (1, 8, 64)]
+    probe = config.attention_spec(block_size=BLOCK_SIZE, num_blocks=1, dtype=dtype, device="cuda")
+    backend = ca.get_attn_backend(backend_name, probe)
+    model = build_model(config, seed=0, backend=backend.get_name(), dtype=dtype, device="cuda", init_device="cuda")
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    bw = nominal_bandwidth() or float("nan")
+    rows = []
+    for batch, ctx in points:
+        kv_bytes = 2 * batch * ctx * config.num_layers * config.num_kv_heads * config.head_size * 2
+        row = {"card": card_name(), "backend": backend.get_name(), "batch": batch, "ctx": ctx}
+
+        def record(label: str, seconds: float) -> None:
+            row[f"{label} ms"] = seconds * 1e3
+            row[f"{label} tok/s"] = batch / seconds
+            row[f"{label} MBU"] = (weight_bytes + kv_bytes) / seconds / bw
+
+        spec, caches, md, ids, pos = decode_inputs(config, backend, batch, ctx, dtype)
+        for label, fn in (("eager", model), ("compiled", compiled)):
+            def step(fn=fn):
+                with ca.set_forward_context(md):
+                    torch._dynamo.decorators.mark_unbacked(ids, 0)
+                    torch._dynamo.decorators.mark_unbacked(pos, 0)
+                    fn(ids, pos, caches)
+            record(label, step_seconds(step, iters=5 if label == "eager" else 20))
+        runner = CUDAGraphRunner(compiled, backend, spec, caches, max_batch_size=batch, capture_sizes=[batch],
+                                 progress=False)
+        runner.capture()
+        record("graphs", step_seconds(lambda runner=runner, md=md: runner.run(md, ids, pos)))
+        del runner, caches, md
+        torch.cuda.empty_cache()
+        peer = StaticCacheDecoder(model, batch, ctx + 16)
+        peer_step = torch.compile(peer, mode="reduce-overhead", fullgraph=True)
+        input_pos = torch.tensor([ctx], device="cuda")
+        record("gpt-fast", step_seconds(lambda peer_step=peer_step: peer_step(ids, input_pos)))
+        row["graphs / gpt-fast"] = row["gpt-fast ms"] / row["graphs ms"]
+        rows.append(row)
+        del peer, peer_step
+        torch.cuda.empty_cache()
+    return rows

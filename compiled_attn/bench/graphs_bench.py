@@ -1,0 +1,145 @@
+"""Decode-step latency eager vs compiled vs compiled + CUDA graphs; graph capture time and memory.
+
+Latency: the reference model with 16 layers, hidden 1024 (16 query / 4 KV heads, head 64),
+vocab 32000, bf16, every request at `CONTEXT` tokens, batch 1 / 8 / 64, for each backend
+available here. "eager" and "compiled" call the model under `set_forward_context`;
+"compiled+graph" is `CUDAGraphRunner.run` (metadata copy into the static buffers, replay and
+the logits clone: what a server pays per step). Times are host wall time per step, synced.
+Capture: `CUDAGraphRunner.capture()` of the eager 32-layer model at the 35 default sizes
+(quick: 7 sizes), its wall time and the memory of the shared graph pool.
+
+TORCH_SDPA's graphs gather every row's whole table (`MAX_SEQ_LEN_TO_CAPTURE` keys) whatever
+the live lengths, so its graphed step reads twice the keys of its eager step here.
+
+    python -m compiled_attn.bench.graphs_bench [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+import torch
+
+import compiled_attn as ca
+from compiled_attn.bench.timing import card_name, eager_time_us
+from compiled_attn.graphs import DEFAULT_CAPTURE_SIZES, CUDAGraphRunner
+from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
+
+log = logging.getLogger(__name__)
+
+CONFIG = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=16, num_heads=16,
+                     num_kv_heads=4)
+CAPTURE_LAYERS = 32
+BACKENDS = ("FLASHINFER", "XFORMERS", "TORCH_SDPA")
+BATCHES = (1, 8, 64)
+CONTEXT = 512  # tokens per request in the timed decode step
+MAX_SEQ_LEN_TO_CAPTURE = 1024
+QUICK_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _spec(name: str, config: LlamaConfig, num_tokens: int) -> ca.AttentionSpec:
+    block_size = 64 if name == "XFORMERS" else 16  # xFormers' paged decode reads 64-key tiles
+    return config.attention_spec(block_size=block_size, num_blocks=-(-num_tokens // block_size) + 1,
+                                 dtype=torch.bfloat16, device="cuda", max_seq_len_to_capture=MAX_SEQ_LEN_TO_CAPTURE)
+
+
+def _backend(name: str, spec: ca.AttentionSpec) -> type[ca.AttentionBackend] | None:
+    try:
+        return ca.get_attn_backend(name, spec)
+    except (ca.BackendUnavailableError, NotImplementedError) as e:
+        log.info("graphs_bench: skipping %s: %s", name, e)
+        return None
+
+
+def _decode_step(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, batch: int):
+    """Metadata and inputs of one decode step: `batch` requests of CONTEXT tokens, distinct blocks."""
+    blocks = -(-CONTEXT // spec.block_size)
+    tables = torch.randperm(spec.num_blocks)[: batch * blocks].view(batch, blocks).tolist()
+    md = backend.get_builder_cls()(spec).build([CONTEXT] * batch, [1] * batch, tables)
+    ids = torch.randint(CONFIG.vocab_size, (batch,), device="cuda")
+    pos = torch.full((batch,), CONTEXT - 1, device="cuda")
+    torch._dynamo.decorators.mark_unbacked(ids, 0)  # one compiled graph for every batch size
+    torch._dynamo.decorators.mark_unbacked(pos, 0)
+    return md, ids, pos
+
+
+def _latency_rows(name: str, iters: int) -> list[dict]:
+    spec = _spec(name, CONFIG, max(BATCHES) * CONTEXT)
+    backend = _backend(name, spec)
+    if backend is None:
+        return []
+    model = build_model(CONFIG, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
+    caches = [c.normal_() for c in allocate_kv_caches(CONFIG, backend, spec)]
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    runner = CUDAGraphRunner(compiled, backend, spec, caches, capture_sizes=BATCHES, max_batch_size=max(BATCHES),
+                             progress=False)
+    runner.capture()
+    rows = []
+    for batch in BATCHES:
+        md, ids, pos = _decode_step(backend, spec, batch)
+
+        def direct(fn, md=md, ids=ids, pos=pos):
+            with ca.set_forward_context(md):
+                return fn(ids, pos, caches)
+
+        times = {
+            "eager": eager_time_us(lambda: direct(model), iters=iters),
+            "compiled": eager_time_us(lambda: direct(compiled), iters=iters),
+            "compiled+graph": eager_time_us(lambda md=md, ids=ids, pos=pos: runner.run(md, ids, pos), iters=iters),
+        }
+        for mode, us in times.items():
+            rows.append(_row(name, f"decode {mode}, {CONFIG.num_layers} layers, ctx {CONTEXT}", batch,
+                             us=us, x_eager=times["eager"] / us))
+    return rows  # the model, caches and graphs go with this frame; the caller empties the cache
+
+
+def _capture_row(name: str, sizes: tuple[int, ...]) -> list[dict]:
+    config = dataclasses.replace(CONFIG, num_layers=CAPTURE_LAYERS)
+    spec = _spec(name, config, 64 * 1024)
+    backend = _backend(name, spec)
+    if backend is None:
+        return []
+    model = build_model(config, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
+    runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(config, backend, spec), capture_sizes=sizes,
+                             max_batch_size=max(sizes), progress=False)
+    stats = runner.capture()
+    return [_row(name, f"capture {stats['num_graphs']} sizes, eager {CAPTURE_LAYERS} layers", max(sizes),
+               capture_s=stats["seconds"],
+               pool_mib=None if stats["pool_bytes"] is None else stats["pool_bytes"] / 2**20,
+               reserved_mib=stats["reserved_bytes"] / 2**20)]
+
+
+def _row(backend: str, what: str, batch: int, **values: float | None) -> dict:
+    row = {"card": card_name(), "backend": backend, "what": what, "batch": batch, "us": None, "x_eager": None,
+           "capture_s": None, "pool_mib": None, "reserved_mib": None}
+    row.update({k: None if v is None else round(v, 3) for k, v in values.items()})
+    return row
+
+
+def run(quick: bool) -> list[dict]:
+    """Latency rows (us per step, speed-up over eager) then capture rows (seconds, pool MiB)."""
+    iters = 20 if quick else 100
+    sizes = QUICK_CAPTURE_SIZES if quick else DEFAULT_CAPTURE_SIZES
+    rows = []
+    for name in BACKENDS:
+        rows += _latency_rows(name, iters)
+        torch._dynamo.reset()  # drop the compiled graphs (they hold the model)
+        torch.cuda.empty_cache()
+    for name in BACKENDS:
+        rows += _capture_row(name, sizes)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    from compiled_attn.__main__ import print_table
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    print_table(run(parser.parse_args().quick))
+
+
+if __name__ == "__main__":
+    main()
