@@ -145,8 +145,8 @@ def test_step_replans_a_wrapper_another_step_took_over(fake_flashinfer):
     assert len(first.step_plan.wrapper("decode").plans) == 3
 
 
-def test_decode_uses_tensor_cores_above_group_four(fake_flashinfer):
-    for heads, kv_heads, want in ((8, 2, False), (8, 1, True), (12, 2, True), (4, 4, False)):
+def test_decode_uses_tensor_cores_from_group_four(fake_flashinfer):
+    for heads, kv_heads, want in ((8, 2, True), (8, 1, True), (6, 2, False), (4, 4, False)):
         md = FlashInferBackend.get_builder_cls()(spec_of(num_heads=heads, num_kv_heads=kv_heads)).build(
             [5], [1], [[0]])
         md.step_plan.ensure_planned()
@@ -265,25 +265,33 @@ def test_unsupported_head_size_and_dtype():
     assert "dtypes" in FlashInferBackend.unsupported_reason(spec_of(dtype=torch.float32))
 
 
-def op_args(spec, num_tokens, device, **over):
+def layer_of(spec, k_scale=1.0, v_scale=1.0, **over):
+    """An impl of `spec`'s values (or `over`) registered as a layer: (name, record to keep alive)."""
+    opts = dict(scale=spec.softmax_scale, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
+                alibi_slopes=spec.alibi_slopes, attn_type=spec.attn_type)
+    opts.update(over)
+    attn_type = opts.pop("attn_type")
+    impl = FlashInferBackend.get_impl_cls()(spec.num_heads, spec.head_size, num_kv_heads=spec.num_kv_heads,
+                                            kv_cache_dtype=spec.kv_cache_dtype, **opts)
+    return impl.register(k_scale, v_scale, attn_type)
+
+
+def op_args(spec, num_tokens, device, layer_name="unused"):
     q = torch.randn(num_tokens, spec.num_heads, spec.head_size, device=device).to(spec.dtype)
     kv = torch.randn(num_tokens, spec.num_kv_heads, spec.head_size, device=device).to(spec.dtype)
     cache = torch.randn(FlashInferBackend.get_kv_cache_shape(
         spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size), device=device).to(spec.cache_dtype)
-    args = dict(query=q, key=kv, value=kv.clone(), kv_cache=cache, output=torch.empty_like(q),
-                scale=spec.softmax_scale, sliding_window=spec.sliding_window or 0,
-                logits_soft_cap=spec.logits_soft_cap or 0.0, use_alibi=spec.alibi_slopes is not None,
-                k_scale=1.0, v_scale=1.0, attn_type=spec.attn_type.value)
-    return {**args, **over}
+    return dict(query=q, key=kv, value=kv.clone(), kv_cache=cache, output=torch.empty_like(q), layer_name=layer_name)
 
 
 @pytest.mark.parametrize("over", [dict(scale=0.5), dict(sliding_window=7), dict(logits_soft_cap=3.0),
-                                  dict(use_alibi=True), dict(attn_type="encoder_only")])
+                                  dict(alibi_slopes=alibi_slopes(8)), dict(attn_type=KINDS.ENCODER_ONLY)])
 def test_layer_values_differing_from_the_spec_raise_at_forward(over):
     spec = spec_of()
     md = mixed_md(spec)
+    name, _keep = layer_of(spec, **over)
     with ca.set_forward_context(md), pytest.raises(ValueError, match="spec|planned"):
-        torch.ops.compiled_attn.flashinfer_attention(**op_args(spec, md.num_tokens, "cpu", **over))
+        torch.ops.compiled_attn.flashinfer_attention(**op_args(spec, md.num_tokens, "cpu", name))
 
 
 def test_fake_kernel_on_cuda_fake_tensors():
@@ -412,6 +420,7 @@ def capture(state, spec, impl, kv_cache, sizes):
     k = torch.randn(top, hkv * d, device="cuda", dtype=spec.dtype)
     v = torch.randn_like(k)
     graphs = {}
+    name, keep = impl.register(1.0, 1.0, KINDS.DECODER)
     with state.graph_capture(top):
         for bs in sizes:
             md_bs = state.graph_capture_get_metadata_for_batch(bs)
@@ -420,7 +429,7 @@ def capture(state, spec, impl, kv_cache, sizes):
 
             def step(bs=bs, md_bs=md_bs):
                 with ca.set_forward_context(md_bs):
-                    return impl.run(q[:bs], k[:bs], v[:bs], kv_cache, 1.0, 1.0, KINDS.DECODER, None)
+                    return impl.run(q[:bs], k[:bs], v[:bs], kv_cache, KINDS.DECODER, name)
 
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -430,7 +439,7 @@ def capture(state, spec, impl, kv_cache, sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = step()
-            graphs[bs] = (graph, bufs, graph_state, out)
+            graphs[bs] = (graph, bufs, graph_state, out, keep)
     return graphs, q, k, v
 
 
@@ -447,7 +456,7 @@ def test_replayed_decode_equals_eager_for_100_steps(case):
     rng = random.Random(5)
     for step in range(100):
         bs = (8, 4)[step % 2]
-        graph, bufs, graph_state, out = graphs[bs]
+        graph, bufs, graph_state, out, _ = graphs[bs]
         n = rng.randint(1, bs)
         seq_lens = [rng.randint(2, 1024) for _ in range(n)]
         blocks = (torch.randperm(spec.num_blocks - 1) + 1).tolist()  # block 0 is the pads' scratch block
@@ -472,7 +481,8 @@ def test_replayed_decode_equals_eager_for_100_steps(case):
 def test_capturing_builder_metadata_raises_naming_the_state():
     spec = case_spec(FEATURE_CASES[0])
     md = FlashInferBackend.get_builder_cls()(spec).build([40, 9], [1, 1], [[1, 2, 3], [4]])
-    args = op_args(spec, 2, "cuda")
+    name, _keep = layer_of(spec)
+    args = op_args(spec, 2, "cuda", name)
     with ca.set_forward_context(md):
         torch.ops.compiled_attn.flashinfer_attention(**args)  # plans eagerly
         graph = torch.cuda.CUDAGraph()
@@ -507,7 +517,8 @@ def test_opcheck_flashinfer_attention():
     spec = case_spec(FEATURE_CASES[0])
     batch = make_batch(spec, [30, 50, 7], [30, 4, 1], seed=7)
     md = batch.build(FlashInferBackend)
-    args = op_args(spec, md.num_tokens, "cuda")
+    name, _keep = layer_of(spec)
+    args = op_args(spec, md.num_tokens, "cuda", name)
     args["kv_cache"] = batch.kv_cache.nan_to_num()
     with ca.set_forward_context(md):
         torch.library.opcheck(torch.ops.compiled_attn.flashinfer_attention.default, (), args,

@@ -323,6 +323,14 @@ def test_run_before_capture_raises(tiny_model):
         runner.run(decode_md(spec, [5]), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
 
 
+def test_capture_stats_name_the_sizes(tiny_model):
+    spec = cpu_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[4, 1, 2], max_batch_size=3)
+    stats = runner.capture_stats
+    assert (stats["num_graphs"], stats["sizes"]) == (2, [2, 1])
+    assert stats["pool_bytes"] is None  # no graphs, no pool
+
+
 def test_capture_twice_raises(tiny_model):
     spec = cpu_spec()
     runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2])

@@ -48,9 +48,11 @@ NAME = "FLASHINFER"
 # row at 32 x 128, so 128 MiB covers ~8K split rows. tests/test_flashinfer.py measures the
 # largest captured decode plan against it (`FlashInferWrapper.workspace_size`).
 WORKSPACE_BYTES = 128 << 20
-# The CUDA-core decode kernel is templated on the GQA group (1,2,3,4,6,8,16); above 4 queries
-# per KV head the tensor-core kernel (FlashInfer's prefill kernel) is faster (bench: 32 q / 8 kv).
-MAX_CUDA_CORE_GROUP = 4
+# The CUDA-core decode kernel is templated on the GQA group (1,2,3,4,6,8,16). Measured on H200
+# (bench/decode_flashinfer.py, 32 q / 8 kv heads, d 128, bf16): at group 4 the tensor-core kernel
+# (FlashInfer's prefill kernel) is 1.05-1.7x faster at every batch and context (0.92 vs 0.59 of
+# HBM bandwidth at 256 x 16384), so it serves groups >= 4; smaller groups stay on CUDA cores.
+MAX_CUDA_CORE_GROUP = 3
 # Prefill through FlashInfer's FA2 kernels on every card: FA3 lacks ALiBi and fp8 KV with 16-bit
 # queries, and each FA3 variant is a separate multi-minute JIT build.
 PREFILL_BACKEND = "fa2"
@@ -193,7 +195,7 @@ def _forbid_capture(what: str) -> None:
 
 
 def decode_uses_tensor_cores(spec: AttentionSpec) -> bool:
-    """Tensor-core decode for large GQA groups (also the only kernel for groups 5, 7, > 8)."""
+    """Tensor-core decode from GQA group 4 up (measured faster; the only kernel for 5, 7, > 8)."""
     return spec.num_heads // spec.num_kv_heads > MAX_CUDA_CORE_GROUP
 
 
@@ -268,13 +270,13 @@ class _PlanChecks:
         query: torch.Tensor,
         kv_cache: torch.Tensor | None,
         scale: float,
-        sliding_window: int,
-        logits_soft_cap: float,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
         use_alibi: bool,
         attn_type: AttentionType,
     ) -> None:
         spec = self.spec
-        layer = (float(scale), sliding_window or None, logits_soft_cap or None, use_alibi)
+        layer = (float(scale), sliding_window, logits_soft_cap, use_alibi)
         planned = (spec.softmax_scale, spec.sliding_window, spec.logits_soft_cap, spec.alibi_slopes is not None)
         if not math.isclose(layer[0], planned[0], rel_tol=1e-6) or layer[1:] != planned[1:]:
             raise ValueError(
@@ -614,8 +616,5 @@ class FlashInferImpl(CommonImpl):
         if reason:
             raise NotImplementedError(reason)
 
-    def attention(self, query, key, value, kv_cache, output, k_scale, v_scale, attn_type, alibi_slopes):
-        torch.ops.compiled_attn.flashinfer_attention(
-            query, key, value, kv_cache, output, self.scale, self.sliding_window or 0,
-            self.logits_soft_cap or 0.0, self.alibi_slopes is not None, k_scale, v_scale, attn_type.value,
-        )
+    def attention(self, query, key, value, kv_cache, output, layer_name):
+        torch.ops.compiled_attn.flashinfer_attention(query, key, value, kv_cache, output, layer_name)

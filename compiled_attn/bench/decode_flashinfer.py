@@ -42,14 +42,14 @@ def _our_op(spec: ca.AttentionSpec, md, q, kv_cache, out) -> Callable[[], None]:
         graph_state = state.graph_clone(batch)
     graph_state.prepare_graph_input_buffers(bufs, md)
     graph_state.begin_forward(md)
+    impl = FlashInferBackend.get_impl_cls()(NUM_HEADS, HEAD_SIZE, spec.softmax_scale, num_kv_heads=NUM_KV_HEADS)
+    name, layer = impl.register(1.0, 1.0, ca.AttentionType.DECODER)
 
     def step() -> None:
         with ca.set_forward_context(md_bs):
-            torch.ops.compiled_attn.flashinfer_attention(
-                q, None, None, kv_cache, out, spec.softmax_scale, 0, 0.0, False, 1.0, 1.0, "decoder"
-            )
+            torch.ops.compiled_attn.flashinfer_attention(q, None, None, kv_cache, out, name)
 
-    step.keep_alive = graph_state  # the graph wrapper and its buffers
+    step.keep_alive = (graph_state, layer)  # the graph wrapper, its buffers and the layer record
     return step
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 
 from compiled_attn.abstract import AttentionType
-from compiled_attn.ops.common import current_metadata
+from compiled_attn.forward_context import get_layer
+from compiled_attn.ops.common import check_query_rows, current_metadata
+from compiled_attn.ops.library import define_op, register_fake
 
 NAME = "FLASHINFER"
 
@@ -23,42 +25,37 @@ def stream_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-@torch.library.custom_op("compiled_attn::flashinfer_attention", mutates_args=("output",))
+@define_op(
+    "flashinfer_attention(Tensor query, Tensor? key, Tensor? value, Tensor? kv_cache, Tensor(a!) output, "
+    "str layer_name) -> ()"
+)
 def flashinfer_attention(
     query: torch.Tensor,
     key: torch.Tensor | None,
     value: torch.Tensor | None,
     kv_cache: torch.Tensor | None,
     output: torch.Tensor,
-    scale: float,
-    sliding_window: int,
-    logits_soft_cap: float,
-    use_alibi: bool,
-    k_scale: float,
-    v_scale: float,
-    attn_type: str,
+    layer_name: str,
 ) -> None:
     """Attention for the forward context's batch, written into `output`.
 
     query/output: [num_tokens, num_heads, head_size] (spec dtype); key/value: [num_tokens,
     num_kv_heads, head_size] (read only by ENCODER_ONLY; DECODER reads the cache, which
     `kv_cache_update` has already written); kv_cache: [2, num_blocks, block_size, num_kv_heads,
-    head_size] of the spec's cache dtype, or None for ENCODER_ONLY. scale / sliding_window (<= 0:
-    off) / logits_soft_cap (<= 0: off) / use_alibi are the calling layer's values; they must
-    equal the spec's, which the step was planned with. k_scale / v_scale: fp8 cache scales.
+    head_size] of the spec's cache dtype, or None for ENCODER_ONLY. The layer `layer_name` gives
+    scale / window / soft-cap / ALiBi (which must equal the spec's: the step was planned with
+    those), the attention type and the fp8 cache scales.
 
     Capturable when the metadata comes from `FlashInferState.graph_capture_get_metadata_for_batch`
     (decode-only, `use_cuda_graph=True` wrapper): then it launches kernels only.
     """
+    call = get_layer(layer_name)
+    impl, kind = call.impl, call.attn_type
     md = current_metadata(NAME)
     step = md.step_plan
-    kind = AttentionType(attn_type)
-    step.check_call(query, kv_cache, scale, sliding_window, logits_soft_cap, use_alibi, kind)
-    if query.shape[0] != md.num_tokens:
-        raise ValueError(
-            f"{kind.name} attention got {query.shape[0]} query tokens but the metadata describes "
-            f"{md.num_tokens}: build the metadata for this batch"
-        )
+    step.check_call(query, kv_cache, impl.scale, impl.sliding_window, impl.logits_soft_cap,
+                    impl.alibi_slopes is not None, kind)
+    check_query_rows(query, md, kind)
     if stream_capturing() and not step.graph_safe:
         raise RuntimeError(
             "FLASHINFER: capturing a CUDA graph with metadata from the builder, whose wrappers were "
@@ -69,7 +66,7 @@ def flashinfer_attention(
     if kind == AttentionType.ENCODER_ONLY:
         step.wrapper("ragged").run(query, key, value, out=output)
         return
-    scales = dict(k_scale=k_scale, v_scale=v_scale) if kv_cache.dtype.itemsize == 1 else {}
+    scales = dict(k_scale=call.k_scale, v_scale=call.v_scale) if kv_cache.dtype.itemsize == 1 else {}
     cache = (kv_cache[0], kv_cache[1])  # [num_blocks, block_size, num_kv_heads, head_size] each
     n_pre = md.num_prefill_tokens
     if md.num_prefills:
@@ -78,7 +75,6 @@ def flashinfer_attention(
         step.wrapper("decode").run(query[n_pre:], cache, out=output[n_pre:], **scales)
 
 
-@flashinfer_attention.register_fake
-def _(query, key, value, kv_cache, output, scale, sliding_window, logits_soft_cap, use_alibi,
-      k_scale, v_scale, attn_type) -> None:
+@register_fake("flashinfer_attention")
+def _(query, key, value, kv_cache, output, layer_name) -> None:
     return None
