@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="serve the reference model eagerly and compiled, and compare")
     demo.add_argument("--backend", default=None, help="TORCH_SDPA | FLASHINFER | XFORMERS (default: best here)")
     demo.add_argument("--steps", type=int, default=16)
+    demo.add_argument("--tp", type=int, default=1,
+                      help="shard the model over N processes (N GPUs with NCCL if there are N, else CPU with gloo)")
     bench = sub.add_parser("bench", help="benchmark suites (see BENCHMARKS.md)")
     bench.add_argument("--backend", action="append", default=None, help="repeat to select several")
     bench.add_argument("--quick", action="store_true")
@@ -32,10 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from compiled_attn.demo import run_demo
 
-        row = run_demo(steps=args.steps, backend_name=args.backend)
+        if args.tp < 1:
+            parser.error(f"--tp must be >= 1, got {args.tp}")
+        row = run_demo(steps=args.steps, backend_name=args.backend, tp=args.tp)
         print_table([row], [k for k in row if k != "agree"])
         print(
-            f"summary: {row['backend']} on {row['device']}: {row['compiled tok/s']:.1f} tok/s compiled, "
+            f"summary: {row['backend']} on {row['device']} (tp={row['tp']}): "
+            f"{row['compiled tok/s']:.1f} tok/s compiled, "
             f"{row['compiled tok/s'] / row['eager tok/s']:.2f}x eager; {row['check']}"
         )
         return 0 if row["agree"] else 1

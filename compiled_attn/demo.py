@@ -3,6 +3,10 @@
 A batch of requests goes through prefill and greedy decode steps on the best backend of this
 machine; the compiled model (`fullgraph=True, dynamic=True`) must agree with eager: the same
 greedy tokens in fp32, teacher-forced logits within tolerance in bf16.
+
+With `tp` > 1 the demo runs on `tp` spawned processes (one per GPU with NCCL, or gloo on CPU),
+each serving its shard of the model; the sharded model is also checked against the unsharded
+one (teacher-forced logits), and rank 0 reports.
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ import dataclasses
 import time
 
 import torch
+import torch.distributed as dist
 
 import compiled_attn as ca
+from compiled_attn.models import tp as tpm
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 from compiled_attn.models.paging import BlockAllocator, Request, last_token_rows, schedule
 
@@ -69,23 +75,36 @@ def generate(
     return out
 
 
-def run_demo(*, steps: int = 16, num_requests: int = 6, seed: int = 0, backend_name: str | None = None) -> dict:
-    """Run the demo and return its summary row (also used by tests)."""
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
+def run_demo(*, steps: int = 16, num_requests: int = 6, seed: int = 0, backend_name: str | None = None,
+             tp: int = 1) -> dict:
+    """Run the demo and return its summary row (also used by tests); `tp` > 1 shards the model
+    over that many spawned processes (GPUs with NCCL when there are enough, else CPU with gloo)."""
+    if tp == 1:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return _demo(None, device, steps, num_requests, seed, backend_name)
+    return tpm.run_ranks(_demo, tp, steps, num_requests, seed, backend_name)[0]
+
+
+def _demo(group: dist.ProcessGroup | None, device: torch.device, steps: int, num_requests: int, seed: int,
+          backend_name: str | None) -> dict:
+    """The demo on one process: the whole model, or this rank's shard of it."""
+    cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     config = (LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_layers=8,
                           num_heads=16, num_kv_heads=4) if cuda else
               LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                           num_heads=4, num_kv_heads=2))
-    spec = config.attention_spec(block_size=16, num_blocks=512, dtype=dtype, device=device)
+    tp_size = tpm.layout_of(group).size
+    spec = config.attention_spec(block_size=16, num_blocks=512, dtype=dtype, device=device, tp_size=tp_size)
     backend = ca.get_attn_backend(backend_name, spec)
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(4, 48, (num_requests,), generator=g).tolist()
     prompts = [torch.randint(config.vocab_size, (n,), generator=g).tolist() for n in lens]
-    model = build_model(config, seed=seed, backend=backend.get_name(), dtype=dtype, device=device)
+    model = build_model(config, seed=seed, backend=backend.get_name(), dtype=dtype, device=device, tp_group=group)
 
     eager = generate(model, backend, spec, prompts, steps)
+    if tp_size > 1:
+        sharding_err = _sharding_error(config, backend, dtype, device, seed, prompts, eager)
     torch._dynamo.reset()
     compiled_model = torch.compile(model, fullgraph=True, dynamic=True)
     exact = dtype == torch.float32
@@ -97,9 +116,16 @@ def run_demo(*, steps: int = 16, num_requests: int = 6, seed: int = 0, backend_n
         errs = [((c - e).norm() / e.norm()).item() for c, e in zip(compiled.logits, eager.logits, strict=True)]
         agree = max(errs) <= 2e-2
         check = f"teacher-forced logits max rel err {max(errs):.2e}"
+    if tp_size > 1:
+        # fp32: only the all-reduce order differs from the unsharded model; bf16: also the
+        # rounding of the partial sums
+        limit = 1e-4 if exact else 2e-2
+        agree = agree and sharding_err <= limit
+        check += f"; sharded vs unsharded logits max rel err {sharding_err:.2e}"
     return {
         "backend": backend.get_name(),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "tp": tp_size,
         "dtype": str(dtype).removeprefix("torch."),
         "requests": num_requests,
         "steps": steps,
@@ -109,3 +135,13 @@ def run_demo(*, steps: int = 16, num_requests: int = 6, seed: int = 0, backend_n
         "check": check,
         "agree": agree,
     }
+
+
+def _sharding_error(config: LlamaConfig, backend: type[ca.AttentionBackend], dtype: torch.dtype,
+                    device: torch.device, seed: int, prompts: list[list[int]], sharded: RunResult) -> float:
+    """Max relative error of the sharded eager logits against the unsharded model of the same
+    seed on this rank's device, teacher-forced on the sharded run's tokens."""
+    spec = config.attention_spec(block_size=16, num_blocks=512, dtype=dtype, device=device)
+    model = build_model(config, seed=seed, backend=backend.get_name(), dtype=dtype, device=device)
+    full = generate(model, backend, spec, prompts, len(sharded.logits) - 1, forced=sharded.tokens)
+    return max(((s - f).norm() / f.norm()).item() for s, f in zip(sharded.logits, full.logits, strict=True))

@@ -166,10 +166,11 @@ def make_batch(
     v_hist = [rnd(s, hkv, d) for s in seq_lens]
 
     def store(table: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        for pos in range(k.shape[0]):
-            blk, off = table[pos // bs], pos % bs
-            cache[0, blk, off] = stored(k[pos], cache_dtype, k_scale)
-            cache[1, blk, off] = stored(v[pos], cache_dtype, v_scale)
+        # one indexed write per half, not one per token: 32k-token batches stay fast
+        pos = torch.arange(k.shape[0])
+        blk, off = torch.tensor(table, dtype=torch.int64)[pos // bs], pos % bs
+        cache[0, blk, off] = stored(k, cache_dtype, k_scale)
+        cache[1, blk, off] = stored(v, cache_dtype, v_scale)
 
     for table, s, q, k, v in zip(block_tables, seq_lens, query_lens, k_hist, v_hist, strict=True):
         store(table, k[: s - q], v[: s - q])

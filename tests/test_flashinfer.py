@@ -117,7 +117,7 @@ def mixed_md(spec, builder=None):
 
 
 def test_mixed_step_plans_prefill_and_rebased_decode_once(fake_flashinfer):
-    spec = spec_of(sliding_window=32, logits_soft_cap=30.0, alibi_slopes=alibi_slopes(8))
+    spec = spec_of(sliding_window=32, logits_soft_cap=30.0)
     md = mixed_md(spec)
     for _ in range(3):  # three layers, one plan
         md.step_plan.ensure_planned()
@@ -130,7 +130,10 @@ def test_mixed_step_plans_prefill_and_rebased_decode_once(fake_flashinfer):
     (kv_indptr, indices, last, *dims), kw = dec.plans[0]
     assert (kv_indptr.tolist(), indices.tolist(), last.tolist()) == ([0, 2, 3], [6, 7, 8], [1, 2])
     assert kw["window_left"] == 31 and kw["logits_soft_cap"] == 30.0
-    assert kw["pos_encoding_mode"] == "ALIBI" and kw["q_data_type"] == torch.bfloat16
+    assert kw["pos_encoding_mode"] == "NONE" and kw["q_data_type"] == torch.bfloat16
+    alibi = mixed_md(spec_of(alibi_slopes=alibi_slopes(8)))
+    alibi.step_plan.ensure_planned()
+    assert alibi.step_plan.wrapper("prefill").plans[0][1]["pos_encoding_mode"] == "ALIBI"
 
 
 def test_step_replans_a_wrapper_another_step_took_over(fake_flashinfer):
@@ -246,6 +249,14 @@ def test_nonstandard_alibi_slopes_are_not_implemented_naming_torch_sdpa():
     assert "TORCH_SDPA" in FlashInferBackend.unsupported_reason(spec_of("cuda", alibi_slopes=slopes))
 
 
+def test_alibi_with_soft_cap_is_not_implemented_naming_torch_sdpa():
+    with pytest.raises(NotImplementedError, match="TORCH_SDPA"):
+        FlashInferBackend.get_impl_cls()(8, 64, 0.125, num_kv_heads=2, alibi_slopes=alibi_slopes(8),
+                                         logits_soft_cap=30.0)
+    assert "TORCH_SDPA" in FlashInferBackend.unsupported_reason(
+        spec_of("cuda", alibi_slopes=alibi_slopes(8), logits_soft_cap=30.0))
+
+
 def test_standard_alibi_slopes_include_non_power_of_two_heads():
     assert torch.allclose(fib.standard_alibi_slopes(8), alibi_slopes(8).float())
     want12 = [2 ** (-i) for i in range(1, 9)] + [2 ** (-0.5 * i) for i in (1, 3, 5, 7)]
@@ -313,13 +324,13 @@ FEATURE_CASES = [
     ("fp16_d64_mha_window", torch.float16, 64, "auto", 4, 4, 256, None, False),
     ("d256_mqa_tensorcore_softcap", torch.bfloat16, 256, "auto", 8, 1, None, 30.0, False),
     ("fp16_alibi_window", torch.float16, 128, "auto", 8, 2, 200, None, True),
-    ("fp8e4m3_d64_softcap_alibi", torch.bfloat16, 64, "fp8_e4m3", 8, 8, None, 20.0, True),
+    ("fp8e4m3_d64_alibi", torch.bfloat16, 64, "fp8_e4m3", 8, 8, None, None, True),
     ("fp8e5m2_fp16_tensorcore_window", torch.float16, 128, "fp8_e5m2", 16, 2, 300, None, False),
     ("fp8e4m3_d128", torch.bfloat16, 128, "fp8_e4m3", 8, 2, None, None, False),
 ]
 
 
-def case_spec(case, num_blocks=2048, **kw):
+def case_spec(case, num_blocks=4096, **kw):
     _, dtype, d, kv, hq, hkv, window, cap, alibi = case
     return ca.AttentionSpec(num_heads=hq, num_kv_heads=hkv, head_size=d, block_size=16, num_blocks=num_blocks,
                             dtype=dtype, device="cuda", kv_cache_dtype=kv, sliding_window=window,
@@ -444,7 +455,7 @@ def capture(state, spec, impl, kv_cache, sizes):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [FEATURE_CASES[0], FEATURE_CASES[2]], ids=["cuda_core", "tensor_core"])
+@pytest.mark.parametrize("case", [FEATURE_CASES[1], FEATURE_CASES[0]], ids=["cuda_core", "tensor_core"])
 def test_replayed_decode_equals_eager_for_100_steps(case):
     spec = case_spec(case, num_blocks=1200, max_seq_len_to_capture=1024)
     impl = impl_for(spec)

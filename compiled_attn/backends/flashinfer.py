@@ -87,6 +87,14 @@ def nonstandard_alibi_reason(alibi_slopes: torch.Tensor | None, num_heads: int) 
     )
 
 
+def alibi_with_soft_cap_reason(alibi: bool, logits_soft_cap: float | None) -> str | None:
+    """FlashInfer puts ALiBi inside the soft-cap's tanh (and applies the scale twice there);
+    the contract adds ALiBi to the capped scores, so the pair is refused."""
+    if alibi and logits_soft_cap is not None:
+        return f"{NAME} cannot combine ALiBi with logits_soft_cap (it caps the biased scores); use TORCH_SDPA"
+    return None
+
+
 class FlashInferBackend(AttentionBackend):
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -132,7 +140,11 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
-        return super().unsupported_reason(spec) or nonstandard_alibi_reason(spec.alibi_slopes, spec.num_heads)
+        return (
+            super().unsupported_reason(spec)
+            or nonstandard_alibi_reason(spec.alibi_slopes, spec.num_heads)
+            or alibi_with_soft_cap_reason(spec.alibi_slopes is not None, spec.logits_soft_cap)
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,7 +375,8 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
-        reason = nonstandard_alibi_reason(spec.alibi_slopes, spec.num_heads)
+        reason = nonstandard_alibi_reason(spec.alibi_slopes, spec.num_heads) or alibi_with_soft_cap_reason(
+            spec.alibi_slopes is not None, spec.logits_soft_cap)
         if reason:
             raise NotImplementedError(reason)
         self._pool = _WrapperPool(spec)
@@ -612,7 +625,8 @@ class FlashInferImpl(CommonImpl):
 
     def check_supported(self) -> None:
         super().check_supported()
-        reason = nonstandard_alibi_reason(self.alibi_slopes, self.num_heads)
+        reason = nonstandard_alibi_reason(self.alibi_slopes, self.num_heads) or alibi_with_soft_cap_reason(
+            self.alibi_slopes is not None, self.logits_soft_cap)
         if reason:
             raise NotImplementedError(reason)
 

@@ -3,6 +3,9 @@
 RMSNorm, rotary embeddings, SwiGLU and GQA, random weights from a seed. The model is plain eager
 PyTorch; `torch.compile` is applied by the caller at one call site. It takes a flat batch of
 tokens (prefills first, then decodes) and never sees attention metadata as an argument.
+
+Given a process group, the model is sharded Megatron-style over its ranks (see models/tp.py);
+without one (or with a 1-rank group) it is the plain single-device model.
 """
 
 from __future__ import annotations
@@ -10,9 +13,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import compiled_attn as ca
+from compiled_attn.models import tp as tpm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +43,11 @@ class LlamaConfig:
                    num_heads=32, num_kv_heads=8)
 
     def attention_spec(self, *, block_size: int, num_blocks: int, dtype: torch.dtype,
-                       device: str | torch.device, **kw: object) -> ca.AttentionSpec:
-        """The spec all decoder layers of this model share."""
-        return ca.AttentionSpec(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                       device: str | torch.device, tp_size: int = 1, **kw: object) -> ca.AttentionSpec:
+        """The spec all decoder layers of this model share; with `tp_size` ranks, one rank's
+        (its local num_heads and num_kv_heads, see `tp.local_head_counts`)."""
+        num_heads, num_kv_heads = tpm.local_head_counts(self.num_heads, self.num_kv_heads, tp_size)
+        return ca.AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads,
                                 head_size=self.head_size, block_size=block_size, num_blocks=num_blocks,
                                 dtype=dtype, device=device, **kw)
 
@@ -72,18 +79,32 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, backend: str | None) -> None:
+    """One block; on a tensor-parallel rank it holds its heads and MLP columns (sizes below are local)."""
+
+    def __init__(self, config: LlamaConfig, backend: str | None, tp: tpm.TPLayout = tpm.NO_TP) -> None:
         super().__init__()
-        h, d = config.hidden_size, config.head_size
-        self.q_size, self.kv_size = config.num_heads * d, config.num_kv_heads * d
+        h, d, inter = config.hidden_size, config.head_size, config.intermediate_size
+        num_heads, num_kv_heads = tpm.local_head_counts(config.num_heads, config.num_kv_heads, tp.size)
+        self.q_size, self.kv_size = num_heads * d, num_kv_heads * d
+        full_q, full_kv = config.num_heads * d, config.num_kv_heads * d
+        q0, kv0 = tp.rank * self.q_size, tpm.first_kv_head(config.num_kv_heads, tp) * d
+        local_inter = tpm.check_divisible("intermediate_size", inter, tp.size)
+        i0 = tp.rank * local_inter
         self.attn_norm = RMSNorm(h, config.norm_eps)
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=False)  # one matmul for q, k, v
-        self.attn = ca.Attention(config.num_heads, d, d**-0.5, num_kv_heads=config.num_kv_heads, backend=backend)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        # one matmul for q, k, v: this rank's rows of each of the full weight's three parts
+        self.qkv_proj = tpm.ColumnParallelLinear(h, full_q + 2 * full_kv, [
+            (q0, q0 + self.q_size),
+            (full_q + kv0, full_q + kv0 + self.kv_size),
+            (full_q + full_kv + kv0, full_q + full_kv + kv0 + self.kv_size),
+        ])
+        self.attn = ca.Attention(num_heads, d, d**-0.5, num_kv_heads=num_kv_heads, backend=backend)
+        self.o_proj = tpm.RowParallelLinear(full_q, h, tp)
         self.mlp_norm = RMSNorm(h, config.norm_eps)
-        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
-        self.num_heads, self.num_kv_heads, self.head_size = config.num_heads, config.num_kv_heads, d
+        self.gate_up_proj = tpm.ColumnParallelLinear(h, 2 * inter, [
+            (i0, i0 + local_inter), (inter + i0, inter + i0 + local_inter),
+        ])
+        self.down_proj = tpm.RowParallelLinear(inter, h, tp)
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, d
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -98,15 +119,24 @@ class DecoderLayer(nn.Module):
 
 class Llama(nn.Module):
     """input_ids, positions: int64 [num_tokens]; kv_caches: one [2, num_blocks, block_size,
-    num_kv_heads, head_size] per layer. Returns logits [num_tokens, vocab_size] (fp32)."""
+    num_kv_heads, head_size] per layer (this rank's KV heads when sharded). Returns logits
+    [num_tokens, vocab_size] (fp32), the full vocab on every rank (when sharded, a transposed
+    view of the gathered [vocab_size, num_tokens]).
 
-    def __init__(self, config: LlamaConfig, backend: str | None = None) -> None:
+    tp_group: shard over this process group's ranks (every rank builds the model with the same
+    config and feeds the same inputs and metadata); None: unsharded.
+    """
+
+    def __init__(self, config: LlamaConfig, backend: str | None = None,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.tp_group = tp_group
+        self.tp = tp = tpm.layout_of(tp_group)
+        self.embed = tpm.VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = tpm.VocabParallelLMHead(config.hidden_size, config.vocab_size, tp)
         cos, sin = rotary_tables(config.head_size, config.max_position, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -126,20 +156,29 @@ def build_model(
     backend: str | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    tp_group: dist.ProcessGroup | None = None,
 ) -> Llama:
     """A model with random weights drawn from `seed` (std 1/sqrt(fan_in), so logits spread and
-    greedy tokens are not ties)."""
+    greedy tokens are not ties).
+
+    With `tp_group`, this rank's shard: every weight is drawn at its full size in the unsharded
+    model's order and sliced, so all ranks together hold exactly the unsharded model of `seed`.
+    The group must suit `device` (NCCL for CUDA, gloo for CPU).
+    """
+    tpm.check_group_device(tp_group, device)
     with torch.device("meta"):
-        model = Llama(config, backend)
+        model = Llama(config, backend, tp_group)
     model = model.to_empty(device=device)
     g = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            owner = model.get_submodule(name.rpartition(".")[0])
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
-                fan_in = p.shape[1] if p.dim() == 2 and "embed" not in name else 1
-                p.copy_(torch.randn(p.shape, generator=g) / fan_in**0.5)
+                full_shape = tpm.full_shape_of(owner, p)
+                fan_in = full_shape[1] if p.dim() == 2 and "embed" not in name else 1
+                p.copy_(tpm.shard_of(owner, torch.randn(full_shape, generator=g) / fan_in**0.5))
     model = model.to(dtype).requires_grad_(False)
     # rotary tables stay fp32 whatever the model dtype: positions up to 8k need the mantissa
     cos, sin = rotary_tables(config.head_size, config.max_position, config.rope_theta)
