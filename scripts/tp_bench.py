@@ -36,7 +36,7 @@ def bench_rank(group: dist.ProcessGroup, device: torch.device, batches: list[int
     backend = ca.get_attn_backend(None, spec)
     t0 = time.perf_counter()
     model = build_model(config, seed=0, backend=backend.get_name(), dtype=torch.bfloat16, device=device,
-                        tp_group=group)
+                        tp_group=group, init_device=device)  # seconds, not minutes, for 8B
     init_s = time.perf_counter() - t0
     step = torch.compile(model, fullgraph=True, dynamic=True) if compile_model else model
     caches = [c.normal_() for c in allocate_kv_caches(config, backend, spec)]

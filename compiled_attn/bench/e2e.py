@@ -86,6 +86,39 @@ class StaticCacheDecoder(nn.Module):
         return m.lm_head(m.norm(x)).float()
 
 
+def measure_point(model: Llama, compiled, backend, batch: int, ctx: int, weight_bytes: int) -> dict:
+    """One (batch, ctx) point: ours eager / compiled / compiled+graphs, then the gpt-fast peer."""
+    config = model.config
+    kv_bytes = 2 * batch * ctx * config.num_layers * config.num_kv_heads * config.head_size * 2
+    bw = nominal_bandwidth() or float("nan")
+    row = {"card": card_name(), "backend": backend.get_name(), "batch": batch, "ctx": ctx}
+
+    def record(label: str, seconds: float) -> None:
+        row[f"{label} ms"] = seconds * 1e3
+        row[f"{label} tok/s"] = batch / seconds
+        row[f"{label} MBU"] = (weight_bytes + kv_bytes) / seconds / bw
+
+    spec, caches, md, ids, pos = decode_inputs(config, backend, batch, ctx, model.embed.weight.dtype)
+    torch._dynamo.decorators.mark_unbacked(ids, 0)
+    torch._dynamo.decorators.mark_unbacked(pos, 0)
+    for label, fn, iters in (("eager", model, 5), ("compiled", compiled, 20)):
+        def step(fn=fn) -> None:
+            with ca.set_forward_context(md):
+                fn(ids, pos, caches)
+        record(label, step_seconds(step, iters))
+    runner = CUDAGraphRunner(compiled, backend, spec, caches, max_batch_size=batch, capture_sizes=[batch],
+                             progress=False)
+    runner.capture()
+    record("graphs", step_seconds(lambda: runner.run(md, ids, pos)))
+    runner = caches = None  # free the paged caches before the peer allocates its own
+    torch.cuda.empty_cache()
+    peer = torch.compile(StaticCacheDecoder(model, batch, ctx + 16), mode="reduce-overhead", fullgraph=True)
+    input_pos = torch.tensor([ctx], device="cuda")
+    record("gpt-fast", step_seconds(lambda: peer(ids, input_pos)))
+    row["graphs / gpt-fast speed"] = row["gpt-fast ms"] / row["graphs ms"]
+    return row
+
+
 def run(quick: bool = False, backend_name: str | None = None) -> list[dict]:
     config = LlamaConfig.llama3_8b()
     dtype = torch.bfloat16
@@ -95,37 +128,8 @@ def run(quick: bool = False, backend_name: str | None = None) -> list[dict]:
     model = build_model(config, seed=0, backend=backend.get_name(), dtype=dtype, device="cuda", init_device="cuda")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
-    bw = nominal_bandwidth() or float("nan")
     rows = []
     for batch, ctx in points:
-        kv_bytes = 2 * batch * ctx * config.num_layers * config.num_kv_heads * config.head_size * 2
-        row = {"card": card_name(), "backend": backend.get_name(), "batch": batch, "ctx": ctx}
-
-        def record(label: str, seconds: float) -> None:
-            row[f"{label} ms"] = seconds * 1e3
-            row[f"{label} tok/s"] = batch / seconds
-            row[f"{label} MBU"] = (weight_bytes + kv_bytes) / seconds / bw
-
-        spec, caches, md, ids, pos = decode_inputs(config, backend, batch, ctx, dtype)
-        for label, fn in (("eager", model), ("compiled", compiled)):
-            def step(fn=fn):
-                with ca.set_forward_context(md):
-                    torch._dynamo.decorators.mark_unbacked(ids, 0)
-                    torch._dynamo.decorators.mark_unbacked(pos, 0)
-                    fn(ids, pos, caches)
-            record(label, step_seconds(step, iters=5 if label == "eager" else 20))
-        runner = CUDAGraphRunner(compiled, backend, spec, caches, max_batch_size=batch, capture_sizes=[batch],
-                                 progress=False)
-        runner.capture()
-        record("graphs", step_seconds(lambda runner=runner, md=md: runner.run(md, ids, pos)))
-        del runner, caches, md
-        torch.cuda.empty_cache()
-        peer = StaticCacheDecoder(model, batch, ctx + 16)
-        peer_step = torch.compile(peer, mode="reduce-overhead", fullgraph=True)
-        input_pos = torch.tensor([ctx], device="cuda")
-        record("gpt-fast", step_seconds(lambda peer_step=peer_step: peer_step(ids, input_pos)))
-        row["graphs / gpt-fast"] = row["gpt-fast ms"] / row["graphs ms"]
-        rows.append(row)
-        del peer, peer_step
+        rows.append(measure_point(model, compiled, backend, batch, ctx, weight_bytes))
         torch.cuda.empty_cache()
     return rows

@@ -59,7 +59,7 @@ class SoakReport:
     checks: int = 0
     worst_rel_err: float = 0.0
     top1_agreement: float = 1.0
-    nonfinite_steps: int = 0
+    nonfinite_requests: int = 0  # live rows whose next-token logits were not all finite
     memory_samples: list[int] = dataclasses.field(default_factory=list)  # memory_allocated at each check
     failures: list[str] = dataclasses.field(default_factory=list)
 
@@ -218,9 +218,9 @@ def run_soak(
         report.steps += 1
     report.counts = dict(runner.counts)
     report.requests_served = traffic.served
-    report.nonfinite_steps = int(nonfinite)
-    if report.nonfinite_steps:
-        report.failures.append(f"{report.nonfinite_steps} requests got non-finite logits")
+    report.nonfinite_requests = int(nonfinite)
+    if report.nonfinite_requests:
+        report.failures.append(f"{report.nonfinite_requests} request steps got non-finite logits")
     if report.memory_growth > config.memory_slack_bytes:
         report.failures.append(f"live GPU memory moved by {report.memory_growth} bytes over the checks "
                                f"(samples {report.memory_samples[:3]} ... {report.memory_samples[-3:]})")
