@@ -17,7 +17,7 @@ import compiled_attn as ca
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf."""
-    out, ref = out.double(), ref.double()
+    out, ref = out.double().cpu(), ref.double().cpu()
     if not torch.isfinite(out).all():
         return math.inf
     return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()

@@ -9,6 +9,7 @@ the reference model (teacher-forced), the fallbacks, and memory over 1000+ repla
 from __future__ import annotations
 
 import dataclasses
+import gc
 import random
 from collections.abc import Callable
 
@@ -539,11 +540,13 @@ def test_replays_with_changing_lengths_allocate_nothing(gpu):
 
     fixed = [GPU_MAX_LEN // 2] * 5
     step(fixed)
+    gc.collect()  # earlier tests' garbage must not be freed inside the measured window
     torch.cuda.synchronize()
     before, graphs = torch.cuda.memory_allocated(), runner.counts["graph"]
     for _ in range(1000):
         step([rng.randint(2, GPU_MAX_LEN) for _ in range(rng.randint(1, max(GPU_SIZES)))])
     step(fixed)  # a state that keeps the last step's metadata holds one of the same size as before
+    gc.collect()
     torch.cuda.synchronize()
     assert runner.counts["graph"] - graphs == 1001
     assert torch.cuda.memory_allocated() == before

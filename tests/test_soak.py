@@ -33,13 +33,13 @@ def soak(name: str, config: LlamaConfig, soak_config: SoakConfig, *, device: str
 def test_soak_driver_on_cpu_static_buffers():
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2)
-    traffic = SoakConfig(steps=300, check_every=25, capture_sizes=(1, 2, 4, 8), max_live=10, join_probability=0.1,
+    traffic = SoakConfig(steps=150, check_every=15, capture_sizes=(1, 2, 4, 8), max_live=10, join_probability=0.1,
                          prompt_lens=(2, 12), output_lens=(4, 40), long_len=70, long_probability=0.1, rel_tol=1e-4)
     report = soak("TORCH_SDPA", config, traffic, device="cpu", dtype=torch.float32, max_seq_len_to_capture=64)
     assert report.ok, report.failures
-    assert report.steps == 300 and report.checks >= 8
-    # traffic reached every path: graph-shaped steps, prefills, oversize and overlong batches
-    assert report.counts["graph"] > 150 and report.counts["eager_prefill"] > 10, report.counts
+    assert report.steps == 150 and report.checks >= 8
+    # traffic reached the graph-shaped step, prefills and overlong batches
+    assert report.counts["graph"] > 100 and report.counts["eager_prefill"] > 5, report.counts
     assert report.counts["eager_overlong"] > 0, report.counts
     assert report.requests_served > 10
     assert report.top1_agreement == 1.0
@@ -63,4 +63,4 @@ def test_soak_10000_decode_steps(name, record_property):
     assert report.ok, report.failures
     assert report.steps == steps and report.checks >= steps // SoakConfig.check_every - 1
     assert report.counts["graph"] >= 0.8 * steps, report.counts
-    assert report.top1_agreement >= 0.9  # per check; a bf16 near-tie may flip one of ~9 picks
+    assert report.top1_agreement >= 0.99  # over every checked row: bf16 near-ties may flip a few

@@ -241,7 +241,7 @@ class TorchSDPAState(AttentionState):
         """
         md, bufs = attn_metadata, input_buffers
         bs = bufs["slot_mapping"].shape[0]
-        self._check_step(md, bs, bufs["block_tables"].shape[1])
+        self._check_step(md, bs, bufs["block_tables"])
         n, width = md.num_seqs, md.block_tables.shape[1]
         bufs["slot_mapping"][:n].copy_(md.slot_mapping, non_blocking=True)
         bufs["seq_lens_tensor"][:n].copy_(md.seq_lens_tensor, non_blocking=True)
@@ -252,7 +252,8 @@ class TorchSDPAState(AttentionState):
         bufs["block_tables"][:n, :width].copy_(md.block_tables, non_blocking=True)
         fill_pads(bufs, n, bs)
 
-    def _check_step(self, md: TorchSDPAMetadata, bs: int, max_blocks: int) -> None:
+    def _check_step(self, md: TorchSDPAMetadata, bs: int, tables: torch.Tensor) -> None:
+        max_blocks = tables.shape[1]
         if getattr(md, "backend_name", None) != NAME or not isinstance(md, TorchSDPAMetadata):
             raise ValueError(f"{NAME} graphs replay metadata from {NAME}'s builder, got {type(md).__name__}")
         if md.num_prefills:
@@ -271,8 +272,8 @@ class TorchSDPAState(AttentionState):
                 f"metadata for num_blocks={md.num_blocks}, block_size={md.block_size} does not match the "
                 f"state's spec ({self.spec.num_blocks}, {self.spec.block_size})"
             )
-        if md.slot_mapping.device != self.spec.device:
-            raise ValueError(f"metadata on {md.slot_mapping.device}, graph buffers on {self.spec.device}")
+        if md.slot_mapping.device != tables.device:  # the buffers' device is concrete ("cuda:0", not "cuda")
+            raise ValueError(f"metadata on {md.slot_mapping.device}, graph buffers on {tables.device}")
 
     def begin_forward(self, attn_metadata: TorchSDPAMetadata) -> None:
         """Nothing to plan: the op reads lengths and tables from the static buffers at replay."""
