@@ -85,6 +85,10 @@ class AttentionSpec:
             if getattr(self, name) < 1:
                 raise ValueError(f"AttentionSpec.{name} must be >= 1, got {getattr(self, name)}")
         check_head_counts(self.num_heads, self.num_kv_heads)
+        if not self.dtype.is_floating_point:
+            raise ValueError(f"AttentionSpec.dtype must be a floating dtype, got {self.dtype}")
+        if self.max_seq_len_to_capture < 1:
+            raise ValueError(f"AttentionSpec.max_seq_len_to_capture must be >= 1, got {self.max_seq_len_to_capture}")
         kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
         check_impl_options(self.num_heads, self.sliding_window, self.logits_soft_cap, self.alibi_slopes)
         object.__setattr__(self, "attn_type", AttentionType(self.attn_type))
@@ -114,8 +118,9 @@ def check_impl_options(
     alibi_slopes: torch.Tensor | None,
 ) -> None:
     """The per-layer options shared by the spec and every impl, validated in one place."""
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or >= 1 (an int), got {sliding_window!r}")
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be None or > 0, got {logits_soft_cap}")
     if alibi_slopes is not None and tuple(alibi_slopes.shape) != (num_heads,):

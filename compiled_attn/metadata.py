@@ -148,6 +148,8 @@ def check_block_tables(
                 f"of block_size={block_size}"
             )
         for block in table[:need]:
+            if not isinstance(block, int | np.integer) or isinstance(block, bool):
+                raise ValueError(f"{what}[{i}] holds block id {block!r}: block ids are ints")
             if not 0 <= block < num_blocks:
                 raise ValueError(
                     f"{what}[{i}] names block {block}, outside the cache's 0..{num_blocks - 1}"

@@ -7,6 +7,7 @@ entry point of the contract: it sets the context to the metadata it was given an
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import torch
@@ -20,7 +21,7 @@ from compiled_attn.abstract import (
     kv_cache_torch_dtype,
 )
 from compiled_attn.forward_context import LayerCall, register_layer, set_forward_context
-from compiled_attn.ops.common import check_query_rows
+from compiled_attn.ops.common import check_layer_matches_spec, check_metadata_backend, check_query_rows
 
 CACHE_WRITING_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
 
@@ -60,6 +61,10 @@ class CommonImpl(AttentionImpl):
     ) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         check_head_counts(num_heads, num_kv_heads)
+        if head_size < 1:
+            raise ValueError(f"head_size must be >= 1, got {head_size}")
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale must be finite and > 0, got {scale}")
         if alibi_slopes is not None:
             alibi_slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32)
         check_impl_options(num_heads, sliding_window, logits_soft_cap, alibi_slopes)
@@ -86,6 +91,9 @@ class CommonImpl(AttentionImpl):
 
     def register(self, k_scale: float, v_scale: float, attn_type: AttentionType) -> tuple[str, LayerCall]:
         """A layer name for the ops, and the record to keep alive as long as the name is used."""
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not math.isfinite(x) or x <= 0:  # fp8 caches store K / k_scale
+                raise ValueError(f"{name} must be finite and > 0, got {x}")
         call = LayerCall(self, float(k_scale), float(v_scale), self.check_attn_type(attn_type))
         return register_layer(call), call
 
@@ -148,8 +156,13 @@ class CommonImpl(AttentionImpl):
         if key_ not in self._eager_calls:
             self._eager_calls[key_] = self.register(*key_)
         layer_name = self._eager_calls[key_][0]
-        # the attention op checks this too, but only after the cache write: check before it
+        # everything the ops would check, checked before the first op writes the cache
+        self.check_inputs(query, key, value, kv_cache, key_[2])
+        if not isinstance(attn_metadata, AttentionMetadata):
+            raise ValueError(f"attn_metadata must be AttentionMetadata from a builder, got {type(attn_metadata)}")
+        check_metadata_backend(attn_metadata, self.backend_cls.get_name())
         check_query_rows(query, attn_metadata, key_[2])
+        check_layer_matches_spec(self, attn_metadata)
         with set_forward_context(attn_metadata):
             return self.run(query, key, value, kv_cache, key_[2], layer_name)
 
@@ -182,13 +195,15 @@ class CommonImpl(AttentionImpl):
         kv_cache: torch.Tensor | None,
         attn_type: AttentionType,
     ) -> None:
-        """Shape checks that need no metadata (so they run at trace time too)."""
+        """Shape, dtype and device checks that need no metadata (they run at trace time too)."""
         q_width = self.num_heads * self.head_size
         kv_width = self.num_kv_heads * self.head_size
         if query.dim() != 2 or query.shape[1] != q_width:
             raise ValueError(
                 f"query must be [num_tokens, num_heads * head_size = {q_width}], got {tuple(query.shape)}"
             )
+        if not query.dtype.is_floating_point:
+            raise ValueError(f"query/key/value dtype {query.dtype} must be one float dtype")
         if (key is None) != (value is None):
             raise ValueError("key and value must both be tensors or both be None")
         if key is None:
@@ -203,6 +218,8 @@ class CommonImpl(AttentionImpl):
                     )
                 if t.dtype != query.dtype:
                     raise ValueError(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
+                if t.device != query.device:
+                    raise ValueError(f"{name} is on {t.device}, query on {query.device}: move them to one device")
         if attn_type in CACHE_WRITING_TYPES:
             if kv_cache is None:
                 raise ValueError(f"{attn_type.name} attention needs a kv_cache")
@@ -210,6 +227,13 @@ class CommonImpl(AttentionImpl):
                 raise ValueError(
                     f"kv_cache must be [2, num_blocks, block_size, {self.num_kv_heads}, "
                     f"{self.head_size}], got {tuple(kv_cache.shape)}"
+                )
+            if kv_cache.device != query.device:
+                raise ValueError(f"kv_cache is on {kv_cache.device}, query on {query.device}: move them to one device")
+            if kv_cache.dtype != query.dtype and kv_cache.dtype.itemsize != 1:  # fp8 caches hold a narrower type
+                raise ValueError(
+                    f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}: allocate the cache with "
+                    "kv_cache_torch_dtype(kv_cache_dtype, model dtype)"
                 )
 
     def attention(
