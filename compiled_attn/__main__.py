@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmark suites (see BENCHMARKS.md)")
     bench.add_argument("--backend", action="append", default=None, help="repeat to select several")
     bench.add_argument("--quick", action="store_true")
+    bench.add_argument("--suite", action="append", default=None,
+                       help="run only these suites (overhead, decode_flashinfer, decode_xformers, graphs_bench, e2e)")
     bench.add_argument("--out", default=".", help="folder for bench-results.json and plots")
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if row["agree"] else 1
     from compiled_attn.bench.suite import run_bench
 
-    return run_bench(backends=args.backend, quick=args.quick, out=args.out)
+    return run_bench(backends=args.backend, quick=args.quick, out=args.out, suites=args.suite)
 
 
 if __name__ == "__main__":

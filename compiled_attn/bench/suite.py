@@ -24,13 +24,14 @@ SUITES = [
 ]
 
 
-def run_bench(*, backends: list[str] | None, quick: bool, out: str) -> int:
+def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list[str] | None = None) -> int:
     from compiled_attn.__main__ import print_table
 
     cuda = torch.cuda.is_available()
     wanted = {b.upper() for b in backends} if backends else None
     chosen = [(m, b) for m, needs_cuda, b in SUITES
-              if (cuda or not needs_cuda) and (wanted is None or b is None or b in wanted)]
+              if (cuda or not needs_cuda) and (wanted is None or b is None or b in wanted)
+              and (suites is None or m.rsplit(".", 1)[1] in suites)]
     results: dict[str, list[dict] | str] = {"card": card_name(), "nominal_bw": nominal_bandwidth() or 0}
     failed = 0
     for module, _ in tqdm(chosen, desc="bench suites"):
@@ -45,6 +46,7 @@ def run_bench(*, backends: list[str] | None, quick: bool, out: str) -> int:
         print(f"\n== {module} ({card_name()})")
         print_table(rows)
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "bench-results.json"), "w") as f:
+    name = "bench-results.json" if suites is None else f"bench-results-{'-'.join(suites)}.json"
+    with open(os.path.join(out, name), "w") as f:
         json.dump(results, f, indent=1, default=str)
     return 1 if failed else 0

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from compiled_attn.abstract import AttentionType
 from compiled_attn.forward_context import get_layer
-from compiled_attn.ops.common import check_query_rows, current_metadata
+from compiled_attn.ops.common import alibi_bias, check_query_rows, current_metadata
 from compiled_attn.ops.library import define_op, register_fake
 
 NAME = "TORCH_SDPA"
@@ -60,8 +60,7 @@ def attend(
     if logits_soft_cap <= 0:
         attn_mask: torch.Tensor = mask[:, None]  # [B, 1, Lq, Lk]
         if alibi_slopes is not None:
-            bias = alibi_slopes.to(torch.float32)[None, :, None, None] * rel[:, None].to(torch.float32)
-            attn_mask = bias.masked_fill(~attn_mask, float("-inf")).to(q.dtype)
+            attn_mask = alibi_bias(alibi_slopes[None, :, None, None], rel[:, None], attn_mask).to(q.dtype)
         out = F.scaled_dot_product_attention(
             qt, kt, vt, attn_mask=attn_mask, scale=scale, enable_gqa=hq != hkv
         )

@@ -23,7 +23,7 @@ import torch
 
 from compiled_attn.abstract import AttentionType
 from compiled_attn.forward_context import get_layer
-from compiled_attn.ops.common import check_query_rows, current_metadata
+from compiled_attn.ops.common import alibi_bias, check_query_rows, current_metadata
 from compiled_attn.ops.library import define_op, register_fake
 
 NAME = "XFORMERS"
@@ -202,7 +202,7 @@ def alibi_attention(
             allowed &= rel > -sliding_window
         # cutlass wants the bias rows 8-aligned (16-byte loads): allocate padded, use a slice
         bias = torch.empty(1, g, hpg, lq, -(-lk // 8) * 8, device=query.device, dtype=query.dtype)[..., :lk]
-        bias.copy_((slopes * rel).masked_fill(~allowed, float("-inf")))
+        bias.copy_(alibi_bias(slopes, rel, allowed))
         out = run_xformers(grouped(query[q_lo:q_hi], g), expanded(k, hpg), expanded(v, hpg), bias, scale,
                            ("cutlass",))
         output[q_lo:q_hi].copy_(out.view(lq, *output.shape[1:]))
