@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class SoakConfig:
-    """Traffic and checks of one soak run (defaults: ~16 requests live; measured on CPU, ~95% of steps take the graph path)."""
+    """Traffic and checks of one soak run (defaults: ~16 requests live; on CPU ~95% of steps took graphs)."""
 
     steps: int = 10_000
     check_every: int = 100
