@@ -151,3 +151,18 @@ class GraphModule(torch.nn.Module):
         view_3: "f32[s5, 64]" = output.view(s5, 64);  output = s5 = None
         return (view_3,)
 """)
+
+
+@pytest.mark.parametrize("op", ["kv_cache_update", "torch_sdpa_attention", "flashinfer_attention", "xformers_attention"])
+def test_context_reading_ops_are_cudagraph_unsafe(op):
+    # reduce-overhead's CUDA graphs copy only graph inputs: a captured op reading the forward
+    # context would replay stale metadata, so Inductor must split its graphs around these ops
+    import compiled_attn.backends.flashinfer  # noqa: F401  (registers the op)
+    import compiled_attn.backends.xformers  # noqa: F401
+
+    assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.compiled_attn, op).default.tags
+
+
+@pytest.mark.parametrize("op", ["copy_blocks", "swap_blocks"])
+def test_block_ops_may_be_captured(op):
+    assert torch.Tag.cudagraph_unsafe not in getattr(torch.ops.compiled_attn, op).default.tags

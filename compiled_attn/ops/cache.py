@@ -86,7 +86,8 @@ def write_kv_cache(
         flat[slots] = _to_cache_dtype(x[valid], scale, kv_cache.dtype)
 
 
-@define_op("kv_cache_update(Tensor key, Tensor value, Tensor(a!) kv_cache, str layer_name) -> ()")
+@define_op("kv_cache_update(Tensor key, Tensor value, Tensor(a!) kv_cache, str layer_name) -> ()",
+           reads_forward_context=True)
 def kv_cache_update(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer_name: str) -> None:
     """Write this step's new K/V into `kv_cache` at the forward context's slots.
 
@@ -127,7 +128,7 @@ def _check_block_pairs(pairs: torch.Tensor, src_cache: torch.Tensor, dst_cache: 
             )
 
 
-@define_op("copy_blocks(Tensor(a!)[] kv_caches, Tensor src_to_dists) -> ()")
+@define_op("copy_blocks(Tensor(a!)[] kv_caches, Tensor src_to_dists) -> ()", reads_forward_context=False)
 def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor) -> None:
     """Copy whole blocks src -> dst inside each cache (all layers at once).
 
@@ -146,7 +147,8 @@ def _(kv_caches, src_to_dists) -> None:
     return None
 
 
-@define_op("swap_blocks(Tensor src_kv_cache, Tensor(a!) dst_kv_cache, Tensor src_to_dst) -> ()")
+@define_op("swap_blocks(Tensor src_kv_cache, Tensor(a!) dst_kv_cache, Tensor src_to_dst) -> ()",
+           reads_forward_context=False)
 def swap_blocks(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: torch.Tensor) -> None:
     """Copy blocks from one cache into another, across devices too (CPU <-> CUDA offload).
 

@@ -27,7 +27,8 @@ def stream_capturing() -> bool:
 
 @define_op(
     "flashinfer_attention(Tensor query, Tensor? key, Tensor? value, Tensor? kv_cache, Tensor(a!) output, "
-    "str layer_name) -> ()"
+    "str layer_name) -> ()",
+    reads_forward_context=True,
 )
 def flashinfer_attention(
     query: torch.Tensor,

@@ -16,16 +16,24 @@ import torch
 LIB = torch.library.Library("compiled_attn", "FRAGMENT")
 
 
-def define_op(schema: str) -> Callable[[Callable], Callable]:
+def define_op(schema: str, *, reads_forward_context: bool) -> Callable[[Callable], Callable]:
     """Define `compiled_attn::<schema>` with the decorated function as its kernel on every device.
 
     Mutated arguments are annotated in the schema (`Tensor(a!) output`); the fake kernel is
     registered right below the op with `register_fake(name)`.
+
+    An op that reads the forward context is tagged `cudagraph_unsafe`: PyTorch's own CUDA graphs
+    (`torch.compile(mode="reduce-overhead")`) copy only graph inputs before a replay, so a captured
+    call would replay the metadata of the step it was captured in. With the tag Inductor splits
+    its graphs around these ops and runs them eagerly, reading each step's metadata.
+    `compiled_attn.graphs.CUDAGraphRunner` captures them safely: its State refills the static
+    metadata buffers the captured kernels read.
     """
+    tags = (torch.Tag.cudagraph_unsafe,) if reads_forward_context else ()
 
     def register(kernel: Callable) -> Callable:
         name = schema.split("(", 1)[0]
-        LIB.define(schema)
+        LIB.define(schema, tags=tags)
         LIB.impl(name, kernel, "CompositeExplicitAutograd")
         return kernel
 

@@ -80,7 +80,8 @@ def attend(
 
 @define_op(
     "torch_sdpa_attention(Tensor query, Tensor? key, Tensor? value, Tensor? kv_cache, Tensor(a!) output, "
-    "str layer_name) -> ()"
+    "str layer_name) -> ()",
+    reads_forward_context=True,
 )
 def torch_sdpa_attention(
     query: torch.Tensor,

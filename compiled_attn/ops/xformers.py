@@ -104,7 +104,8 @@ def paged_kv(kv_cache: torch.Tensor, heads_per_group: int) -> tuple[torch.Tensor
 
 @define_op(
     "xformers_attention(Tensor query, Tensor? key, Tensor? value, Tensor? kv_cache, Tensor(a!) output, "
-    "str layer_name) -> ()"
+    "str layer_name) -> ()",
+    reads_forward_context=True,
 )
 def xformers_attention(
     query: torch.Tensor,
