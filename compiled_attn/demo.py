@@ -2,7 +2,8 @@
 
 A batch of requests goes through prefill and greedy decode steps on the best backend of this
 machine; the compiled model (`fullgraph=True, dynamic=True`) must agree with eager: the same
-greedy tokens in fp32, teacher-forced logits within tolerance in bf16.
+greedy tokens in fp32, teacher-forced logits within tolerance in bf16. On CUDA the compiled
+model also serves the decode steps through `CUDAGraphRunner` (teacher-forced, checked the same way).
 
 With `tp` > 1 the demo runs on `tp` spawned processes (one per GPU with NCCL, or gloo on CPU),
 each serving its shard of the model; the sharded model is also checked against the unsharded
@@ -30,6 +31,7 @@ class RunResult:
     decode_seconds: float  # wall time of the decode steps (after the first, which may compile)
     decode_tokens: int
     first_step_seconds: float  # the prefill step: includes compilation for a compiled model
+    capture_seconds: float = 0.0  # CUDA-graph capture (graphs=True)
 
 
 def generate(
@@ -40,14 +42,25 @@ def generate(
     steps: int,
     *,
     forced: list[list[int]] | None = None,
+    graphs: bool = False,
 ) -> RunResult:
     """Prefill `prompts`, then `steps` greedy decode steps; `forced` feeds given tokens instead
-    of the model's own (teacher forcing), so two runs see identical inputs."""
+    of the model's own (teacher forcing), so two runs see identical inputs. `graphs` serves the
+    steps through a `CUDAGraphRunner` (decodes replay graphs, the prefill runs eagerly)."""
     caches = allocate_kv_caches(model.config, backend, spec)
+    runner, capture_seconds = None, 0.0
+    if graphs:
+        from compiled_attn.graphs import CUDAGraphRunner
+
+        sizes = [n for n in (1, 2, 4, 8, 16, 32) if n < 2 * len(prompts)]
+        # off CUDA the runner replays the same padded static-buffer step without capturing it
+        runner = CUDAGraphRunner(model, backend, spec, caches, capture_sizes=sizes, max_batch_size=max(sizes),
+                                 use_cuda_graphs=spec.device.type == "cuda", progress=False)
+        capture_seconds = runner.capture()["seconds"]
     allocator = BlockAllocator(spec.num_blocks, spec.block_size)
     builder = backend.get_builder_cls()(spec)
     requests = [Request(tokens=list(p)) for p in prompts]
-    out = RunResult([[] for _ in prompts], [], 0.0, 0, 0.0)
+    out = RunResult([[] for _ in prompts], [], 0.0, 0, 0.0, capture_seconds)
     sync = torch.cuda.synchronize if spec.device.type == "cuda" else (lambda: None)
     for step in range(steps + 1):
         seq_lens, query_lens, tables, ids, pos = schedule(requests, allocator, spec.device)
@@ -57,8 +70,11 @@ def generate(
         torch._dynamo.decorators.mark_unbacked(pos, 0)
         sync()
         t0 = time.perf_counter()
-        with ca.set_forward_context(md):
-            logits = model(ids, pos, caches)[last_token_rows(query_lens)]
+        if runner is not None:
+            logits = runner.run(md, ids, pos)[last_token_rows(query_lens)]
+        else:
+            with ca.set_forward_context(md):
+                logits = model(ids, pos, caches)[last_token_rows(query_lens)]
         next_tokens = logits.argmax(-1).tolist()  # the host needs the tokens: this syncs
         elapsed = time.perf_counter() - t0
         if step == 0:
@@ -122,7 +138,7 @@ def _demo(group: dist.ProcessGroup | None, device: torch.device, steps: int, num
         limit = 1e-4 if exact else 2e-2
         agree = agree and sharding_err <= limit
         check += f"; sharded vs unsharded logits max rel err {sharding_err:.2e}"
-    return {
+    row = {
         "backend": backend.get_name(),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "tp": tp_size,
@@ -132,9 +148,15 @@ def _demo(group: dist.ProcessGroup | None, device: torch.device, steps: int, num
         "eager tok/s": eager.decode_tokens / eager.decode_seconds,
         "compiled tok/s": compiled.decode_tokens / compiled.decode_seconds,
         "compile s": compiled.first_step_seconds,
-        "check": check,
-        "agree": agree,
     }
+    if cuda and tp_size == 1:
+        graphed = generate(compiled_model, backend, spec, prompts, steps, forced=eager.tokens, graphs=True)
+        errs = [((c - e).norm() / e.norm()).item() for c, e in zip(graphed.logits, eager.logits, strict=True)]
+        agree = agree and max(errs) <= 2e-2
+        check += f"; graphs vs eager logits max rel err {max(errs):.2e}"
+        row["graphs tok/s"] = graphed.decode_tokens / graphed.decode_seconds
+        row["capture s"] = graphed.capture_seconds
+    return row | {"check": check, "agree": agree}
 
 
 def _sharding_error(config: LlamaConfig, backend: type[ca.AttentionBackend], dtype: torch.dtype,
