@@ -49,4 +49,11 @@ def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list
     name = "bench-results.json" if suites is None else f"bench-results-{'-'.join(suites)}.json"
     with open(os.path.join(out, name), "w") as f:
         json.dump(results, f, indent=1, default=str)
+    try:
+        from compiled_attn.bench.plots import write_plots
+
+        for path in write_plots(results, out):
+            print(f"plot: {path}")
+    except ImportError:
+        log.warning("matplotlib is not installed: no plots (pip install 'compiled_attn[bench]')")
     return 1 if failed else 0
