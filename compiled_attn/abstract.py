@@ -170,11 +170,14 @@ class AttentionBackend(ABC):
         """The CUDA-graph state class."""
 
     @staticmethod
-    @abstractmethod
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        """Shape of one layer's KV cache."""
+        """Shape of one layer's KV cache: K half, then V half, NHD inside a block.
+
+        Every backend shares it, so one set of cache ops (write, copy, swap) serves all three.
+        """
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def swap_blocks(

@@ -124,12 +124,6 @@ class FlashInferBackend(AttentionBackend):
     def get_state_cls() -> type[FlashInferState]:
         return FlashInferState
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
     @classmethod
     def unavailable_reason(cls) -> str | None:
         return cuda_unavailable_reason("flashinfer")

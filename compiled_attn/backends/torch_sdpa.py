@@ -56,12 +56,6 @@ class TorchSDPABackend(AttentionBackend):
     def get_state_cls() -> type[TorchSDPAState]:
         return TorchSDPAState
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
 
 @dataclasses.dataclass
 class TorchSDPAMetadata(CommonMetadata):

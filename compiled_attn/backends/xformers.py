@@ -74,12 +74,6 @@ class XFormersBackend(AttentionBackend):
     def get_state_cls() -> type[XFormersState]:
         return XFormersState
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
     @classmethod
     def unavailable_reason(cls) -> str | None:
         from compiled_attn.registry import cuda_unavailable_reason

@@ -15,7 +15,7 @@ import torch
 from compiled_attn.abstract import AttentionType
 from compiled_attn.forward_context import get_layer
 from compiled_attn.ops.common import check_query_rows, current_metadata
-from compiled_attn.ops.library import define_op, register_fake
+from compiled_attn.ops.library import define_attention_op, register_fake
 
 NAME = "FLASHINFER"
 
@@ -25,11 +25,7 @@ def stream_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-@define_op(
-    "flashinfer_attention(Tensor query, Tensor? key, Tensor? value, Tensor? kv_cache, Tensor(a!) output, "
-    "str layer_name) -> ()",
-    reads_forward_context=True,
-)
+@define_attention_op("flashinfer_attention")
 def flashinfer_attention(
     query: torch.Tensor,
     key: torch.Tensor | None,

@@ -43,3 +43,15 @@ def define_op(schema: str, *, reads_forward_context: bool) -> Callable[[Callable
 def register_fake(name: str) -> Callable[[Callable], Callable]:
     """Register the fake (shape-only) kernel of `compiled_attn::<name>`."""
     return torch.library.register_fake(f"compiled_attn::{name}", lib=LIB)
+
+
+def define_attention_op(name: str) -> Callable[[Callable], Callable]:
+    """A backend's attention op: one signature for all backends (reads the forward context).
+
+    query/output: [num_tokens, num_heads, head_size]; key/value: [num_tokens, num_kv_heads,
+    head_size] or None; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size] or None.
+    """
+    return define_op(
+        f"{name}(Tensor query, Tensor? key, Tensor? value, Tensor? kv_cache, Tensor(a!) output, str layer_name) -> ()",
+        reads_forward_context=True,
+    )

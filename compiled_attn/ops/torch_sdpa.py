@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from compiled_attn.abstract import AttentionType
 from compiled_attn.forward_context import get_layer
 from compiled_attn.ops.common import alibi_bias, check_query_rows, current_metadata
-from compiled_attn.ops.library import define_op, register_fake
+from compiled_attn.ops.library import define_attention_op, register_fake
 
 NAME = "TORCH_SDPA"
 
@@ -78,11 +78,7 @@ def attend(
     return out.reshape(batch, hq, lq, d).transpose(1, 2).to(q.dtype)
 
 
-@define_op(
-    "torch_sdpa_attention(Tensor query, Tensor? key, Tensor? value, Tensor? kv_cache, Tensor(a!) output, "
-    "str layer_name) -> ()",
-    reads_forward_context=True,
-)
+@define_attention_op("torch_sdpa_attention")
 def torch_sdpa_attention(
     query: torch.Tensor,
     key: torch.Tensor | None,

@@ -24,7 +24,7 @@ import torch
 from compiled_attn.abstract import AttentionType
 from compiled_attn.forward_context import get_layer
 from compiled_attn.ops.common import alibi_bias, check_query_rows, current_metadata
-from compiled_attn.ops.library import define_op, register_fake
+from compiled_attn.ops.library import define_attention_op, register_fake
 
 NAME = "XFORMERS"
 # The one not_supported_reason we override: an xFormers wheel whose C++ extension does not load
@@ -102,11 +102,7 @@ def paged_kv(kv_cache: torch.Tensor, heads_per_group: int) -> tuple[torch.Tensor
     return expanded(k, heads_per_group), expanded(v, heads_per_group)
 
 
-@define_op(
-    "xformers_attention(Tensor query, Tensor? key, Tensor? value, Tensor? kv_cache, Tensor(a!) output, "
-    "str layer_name) -> ()",
-    reads_forward_context=True,
-)
+@define_attention_op("xformers_attention")
 def xformers_attention(
     query: torch.Tensor,
     key: torch.Tensor | None,
