@@ -34,27 +34,29 @@ def normalize(graph: str) -> str:
     return re.sub(r"'(\w+Impl\.\w+)\.\d+'", r"'\1.N'", graph)
 
 
-def step_inputs(mix, seed: int):
+CPU_SPEC = TINY.attention_spec(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype=torch.float32, device="cpu")
+
+
+def step_inputs(mix, seed: int, spec: ca.AttentionSpec = CPU_SPEC, backend: str = "TORCH_SDPA"):
     """(metadata, input_ids, positions) for one batch mix: decodes get random past tokens."""
     g = torch.Generator().manual_seed(seed)
     prompts, contexts = mix
-    spec = TINY.attention_spec(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype=torch.float32, device="cpu")
     reqs = [Request(tokens=torch.randint(TINY.vocab_size, (n,), generator=g).tolist()) for n in prompts]
     for n in contexts:
         tokens = torch.randint(TINY.vocab_size, (n + 1,), generator=g).tolist()
         reqs.append(Request(tokens=tokens, num_computed=n))
-    seq_lens, query_lens, tables, ids, pos = schedule(reqs, BlockAllocator(NUM_BLOCKS, BLOCK_SIZE), "cpu")
-    md = ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(spec).build(seq_lens, query_lens, tables)
+    allocator = BlockAllocator(spec.num_blocks, spec.block_size)
+    seq_lens, query_lens, tables, ids, pos = schedule(reqs, allocator, spec.device)
+    md = ca.get_attn_backend(backend).get_builder_cls()(spec).build(seq_lens, query_lens, tables)
     torch._dynamo.decorators.mark_unbacked(ids, 0)
     torch._dynamo.decorators.mark_unbacked(pos, 0)
     return md, ids, pos
 
 
-def random_caches(seed: int) -> list[torch.Tensor]:
-    backend = ca.get_attn_backend("TORCH_SDPA")
-    spec = TINY.attention_spec(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype=torch.float32, device="cpu")
+def random_caches(seed: int, spec: ca.AttentionSpec = CPU_SPEC) -> list[torch.Tensor]:
     torch.manual_seed(seed)
-    return [c.normal_() for c in allocate_kv_caches(TINY, backend, spec)]
+    caches = allocate_kv_caches(TINY, ca.get_attn_backend("TORCH_SDPA"), spec)  # one cache shape for all backends
+    return [c.normal_() for c in caches]
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +168,37 @@ def test_context_reading_ops_are_cudagraph_unsafe(op):
 @pytest.mark.parametrize("op", ["copy_blocks", "swap_blocks"])
 def test_block_ops_may_be_captured(op):
     assert torch.Tag.cudagraph_unsafe not in getattr(torch.ops.compiled_attn, op).default.tags
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["TORCH_SDPA", "FLASHINFER", "XFORMERS"])
+def test_batch_mixes_compile_once_on_cuda(name):
+    """Each backend's op on the device: one graph, no breaks, no recompiles over the batch mixes."""
+    from compiled_attn.registry import BACKEND_CLASSES
+
+    backend = BACKEND_CLASSES()[name]
+    if backend.unavailable_reason() is not None:
+        pytest.skip(f"{name}: {backend.unavailable_reason()}")
+    config = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_layers=2, num_heads=4,
+                         num_kv_heads=2)  # head size 64: every backend takes it
+    block_size = next(b for b in (16, 64) if backend.supports_block_size(b))
+    spec = config.attention_spec(block_size=block_size, num_blocks=64, dtype=torch.bfloat16, device="cuda")
+    model = build_model(config, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
+    md, ids, pos = step_inputs(MIXES[1], seed=0, spec=spec, backend=name)
+    with ca.set_forward_context(md):
+        explained = torch._dynamo.explain(model)(ids, pos, allocate_kv_caches(config, backend, spec))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    for i, mix in enumerate(MIXES):
+        md, ids, pos = step_inputs(mix, seed=i, spec=spec, backend=name)
+        caches = [c.normal_() for c in allocate_kv_caches(config, backend, spec)]
+        eager_caches = [c.clone() for c in caches]
+        with ca.set_forward_context(md):
+            want = model(ids, pos, eager_caches)
+            got = compiled(ids, pos, caches)
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
+        if i == 0:
+            first = counter.frame_count
+    assert counter.frame_count == first, f"{counter.frame_count - first} recompiles over {len(MIXES)} batch mixes"
