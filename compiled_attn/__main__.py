@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--backend", action="append", default=None, help="repeat to select several")
     bench.add_argument("--quick", action="store_true")
     bench.add_argument("--suite", action="append", default=None,
-                       help="run only these suites (overhead, decode_flashinfer, decode_xformers, graphs_bench, e2e)")
+                       help="run only these suites (ceilings, overhead, compile_bench, decode_flashinfer, "
+                       "decode_xformers, graphs_bench, e2e)")
     bench.add_argument("--out", default=".", help="folder for bench-results.json and plots")
     args = parser.parse_args(argv)
     if args.command == "demo":

@@ -16,7 +16,9 @@ log = logging.getLogger(__name__)
 
 # (module, needs CUDA, backend it measures or None): run in this order
 SUITES = [
+    ("compiled_attn.bench.ceilings", True, None),
     ("compiled_attn.bench.overhead", False, None),
+    ("compiled_attn.bench.compile_bench", False, None),
     ("compiled_attn.bench.decode_flashinfer", True, "FLASHINFER"),
     ("compiled_attn.bench.decode_xformers", True, "XFORMERS"),
     ("compiled_attn.bench.graphs_bench", True, None),
