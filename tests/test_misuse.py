@@ -200,11 +200,7 @@ def test_runner_after_a_cache_is_reallocated_in_place_raises(runner):
 
 
 # -------------------------------------------------------------------------------------------
-# Not validated yet: strict xfails, each naming where its check belongs
-
-
-def gap(reason: str):
-    return pytest.mark.xfail(strict=True, reason=f"not validated yet: {reason}")
+# Inputs the validation once let through (each used to write the cache, or crash, before an error)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
@@ -230,6 +226,23 @@ def test_flashinfer_layer_heads_unlike_the_spec_raise():
     md = FlashInferBackend.get_builder_cls()(spec).build(b.seq_lens, b.query_lens, b.block_tables)
     with Untouched(b.kv_cache), pytest.raises(ValueError, match="num_heads"):
         impl.forward(b.query, b.key, b.value, b.kv_cache, md)
+
+
+@pytest.mark.parametrize("kw", [{"scale": 0.5}, {"sliding_window": 4}, {"logits_soft_cap": 5.0}],
+                         ids=["scale", "window", "soft_cap"])
+def test_flashinfer_layer_options_unlike_the_spec_raise_before_writing(kw):
+    # FlashInfer plans these per step from the spec; the layer's must match before anything runs
+    spec = make_spec(head_size=64, dtype=torch.bfloat16)
+    b = make_batch(spec, [9, 6, 13], [9, 2, 1], seed=15)
+    impl = FlashInferBackend.get_impl_cls()(**(dict(num_heads=HQ, head_size=64, scale=64**-0.5, num_kv_heads=HKV) | kw))
+    with Untouched(b.kv_cache), pytest.raises(ValueError, match="from the spec"):
+        impl.forward(b.query, b.key, b.value, b.kv_cache, b.build(FlashInferBackend))
+
+
+def test_fp8_cache_for_an_auto_layer_raises_before_writing(batch):
+    cache = batch.kv_cache.to(torch.float8_e4m3fn)
+    with Untouched(cache), pytest.raises(ValueError, match="kv_cache dtype"):
+        sdpa_impl().forward(batch.query, batch.key, batch.value, cache, batch.build(SDPA))
 
 
 def test_query_on_another_device_than_the_cache_raises(batch):

@@ -162,9 +162,17 @@ class CommonImpl(AttentionImpl):
             raise ValueError(f"attn_metadata must be AttentionMetadata from a builder, got {type(attn_metadata)}")
         check_metadata_backend(attn_metadata, self.backend_cls.get_name())
         check_query_rows(query, attn_metadata, key_[2])
-        check_layer_matches_spec(self, attn_metadata)
+        self.check_matches_metadata(query, kv_cache, attn_metadata, key_[2])
         with set_forward_context(attn_metadata):
             return self.run(query, key, value, kv_cache, key_[2], layer_name)
+
+    def check_matches_metadata(
+        self, x: torch.Tensor, kv_cache: torch.Tensor | None, md: AttentionMetadata, attn_type: AttentionType
+    ) -> None:
+        """The layer fits what the metadata was built (and planned) for. Runs before the cache
+        write, in `forward` and in `kv_cache_update`; `x` is any input in the model's dtype.
+        Backends that plan per step add their checks (scale, window, soft-cap, ALiBi)."""
+        check_layer_matches_spec(self, md)
 
     def run(
         self,
@@ -230,10 +238,11 @@ class CommonImpl(AttentionImpl):
                 )
             if kv_cache.device != query.device:
                 raise ValueError(f"kv_cache is on {kv_cache.device}, query on {query.device}: move them to one device")
-            if kv_cache.dtype != query.dtype and kv_cache.dtype.itemsize != 1:  # fp8 caches hold a narrower type
+            want = kv_cache_torch_dtype(self.kv_cache_dtype, query.dtype)
+            if kv_cache.dtype != want:
                 raise ValueError(
-                    f"kv_cache dtype {kv_cache.dtype} != query dtype {query.dtype}: allocate the cache with "
-                    "kv_cache_torch_dtype(kv_cache_dtype, model dtype)"
+                    f"kv_cache dtype {kv_cache.dtype} != {want} (kv_cache_dtype={self.kv_cache_dtype!r}, query "
+                    f"{query.dtype}): allocate the cache with kv_cache_torch_dtype(kv_cache_dtype, model dtype)"
                 )
 
     def attention(

@@ -624,5 +624,10 @@ class FlashInferImpl(CommonImpl):
         if reason:
             raise NotImplementedError(reason)
 
+    def check_matches_metadata(self, x, kv_cache, md, attn_type) -> None:
+        super().check_matches_metadata(x, kv_cache, md, attn_type)
+        md.step_plan.check_call(x, kv_cache, self.scale, self.sliding_window, self.logits_soft_cap,
+                                self.alibi_slopes is not None, attn_type)
+
     def attention(self, query, key, value, kv_cache, output, layer_name):
         torch.ops.compiled_attn.flashinfer_attention(query, key, value, kv_cache, output, layer_name)

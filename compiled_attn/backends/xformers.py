@@ -291,6 +291,10 @@ class XFormersImpl(CommonImpl):
 
     backend_cls = XFormersBackend
 
+    def check_matches_metadata(self, x, kv_cache, md, attn_type) -> None:
+        super().check_matches_metadata(x, kv_cache, md, attn_type)
+        md.check_options(self.sliding_window or 0, self.alibi_slopes is not None)
+
     def attention(self, query, key, value, kv_cache, output, layer_name):
         torch.ops.compiled_attn.xformers_attention(query, key, value, kv_cache, output, layer_name)
 

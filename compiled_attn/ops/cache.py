@@ -11,7 +11,7 @@ import torch
 
 from compiled_attn.abstract import AttentionType
 from compiled_attn.forward_context import get_layer
-from compiled_attn.ops.common import check_layer_matches_spec, current_metadata
+from compiled_attn.ops.common import current_metadata
 from compiled_attn.ops.library import define_op, register_fake
 
 KV_CACHE_DIMS = ("kv", "num_blocks", "block_size", "num_kv_heads", "head_size")
@@ -98,7 +98,7 @@ def kv_cache_update(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tens
     call = get_layer(layer_name)
     # the attention op's backend check, made here too so that foreign metadata writes nothing
     md = current_metadata(call.impl.backend_cls.get_name())
-    check_layer_matches_spec(call.impl, md)
+    call.impl.check_matches_metadata(key, kv_cache, md, call.attn_type)
     cross = call.attn_type == AttentionType.ENCODER_DECODER
     slot_mapping = md.cross_slot_mapping if cross else md.slot_mapping
     if slot_mapping is None:
