@@ -37,7 +37,7 @@ from compiled_attn.abstract import (
     AttentionType,
 )
 from compiled_attn.backends.common import CommonImpl
-from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, prefix_sums
+from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, check_graph_step, prefix_sums
 from compiled_attn.ops.flashinfer import stream_capturing  # importing registers the op
 from compiled_attn.registry import cuda_unavailable_reason
 
@@ -543,25 +543,17 @@ class FlashInferState(AttentionState):
                  "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
         return {name: getattr(md, name) for name in names}
 
-    def _check_step(self, md: FlashInferMetadata, batch_size: int) -> None:
-        if getattr(md, "backend_name", None) != NAME or md.paged_kv_indptr is None:
+    def _check_step(self, md: FlashInferMetadata, batch_size: int, device: torch.device) -> None:
+        check_graph_step(md, self.spec, NAME, batch_size, device)
+        if md.paged_kv_indptr is None:
             raise ValueError(f"{NAME} graphs replay metadata from {NAME}'s builder, got {type(md).__name__}")
-        if md.num_prefills:
-            raise ValueError(f"graphs replay decode-only steps; this one has {md.num_prefills} prefills")
-        if md.num_seqs > batch_size:
-            raise ValueError(f"{md.num_seqs} decodes do not fit the graph of batch size {batch_size}")
-        if md.max_seq_len > self.spec.max_seq_len_to_capture:
-            raise ValueError(
-                f"max_seq_len={md.max_seq_len} > spec.max_seq_len_to_capture={self.spec.max_seq_len_to_capture}: "
-                "run this step eagerly"
-            )
 
     def prepare_graph_input_buffers(
         self, input_buffers: dict[str, torch.Tensor], attn_metadata: FlashInferMetadata
     ) -> None:
         md, bufs = attn_metadata, input_buffers
         bs = bufs["slot_mapping"].shape[0]
-        self._check_step(md, bs)
+        self._check_step(md, bs, bufs["slot_mapping"].device)
         n, nnz = md.num_seqs, md.paged_kv_indices.shape[0]
         bufs["slot_mapping"][:n].copy_(md.slot_mapping, non_blocking=True)
         bufs["seq_lens_tensor"][:n].copy_(md.seq_lens_tensor, non_blocking=True)
@@ -587,9 +579,8 @@ class FlashInferState(AttentionState):
         )
         if bs not in self._slots:
             raise RuntimeError(f"no captured batch size holds {md.num_seqs} decodes; capture one first")
-        if self._prepared is not md:
+        if self._prepared is not md:  # prepare checked md (check_graph_step) and filled the buffers
             raise RuntimeError("call prepare_graph_input_buffers(bufs, md) before begin_forward(md)")
-        self._check_step(md, bs)
         self._plan(self._slots[bs], self._padded_plan_inputs(md, bs))
 
     def _padded_plan_inputs(self, md: FlashInferMetadata | None, bs: int) -> tuple[torch.Tensor, ...]:

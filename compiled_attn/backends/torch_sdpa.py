@@ -21,7 +21,7 @@ from compiled_attn.abstract import (
     AttentionType,
 )
 from compiled_attn.backends.common import CommonImpl
-from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder
+from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, check_graph_step
 from compiled_attn.ops import torch_sdpa as _ops  # noqa: F401  (registers the op)
 
 NAME = "TORCH_SDPA"
@@ -247,27 +247,9 @@ class TorchSDPAState(AttentionState):
         fill_pads(bufs, n, bs)
 
     def _check_step(self, md: TorchSDPAMetadata, bs: int, tables: torch.Tensor) -> None:
-        max_blocks = tables.shape[1]
-        if getattr(md, "backend_name", None) != NAME or not isinstance(md, TorchSDPAMetadata):
-            raise ValueError(f"{NAME} graphs replay metadata from {NAME}'s builder, got {type(md).__name__}")
-        if md.num_prefills:
-            raise ValueError(
-                f"graphs replay decode-only steps; this one has {md.num_prefills} prefills: run it eagerly"
-            )
-        if not 1 <= md.num_seqs <= bs:
-            raise ValueError(f"{md.num_seqs} decodes do not fit the graph of batch size {bs}: run it eagerly")
-        if md.max_seq_len > self.spec.max_seq_len_to_capture or md.block_tables.shape[1] > max_blocks:
-            raise ValueError(
-                f"max_seq_len={md.max_seq_len} > spec.max_seq_len_to_capture={self.spec.max_seq_len_to_capture}: "
-                "run this step eagerly"
-            )
-        if md.num_blocks != self.spec.num_blocks or md.block_size != self.spec.block_size:
-            raise ValueError(
-                f"metadata for num_blocks={md.num_blocks}, block_size={md.block_size} does not match the "
-                f"state's spec ({self.spec.num_blocks}, {self.spec.block_size})"
-            )
-        if md.slot_mapping.device != tables.device:  # the buffers' device is concrete ("cuda:0", not "cuda")
-            raise ValueError(f"metadata on {md.slot_mapping.device}, graph buffers on {tables.device}")
+        check_graph_step(md, self.spec, NAME, bs, tables.device)
+        if not isinstance(md, TorchSDPAMetadata) or md.block_tables.shape[1] > tables.shape[1]:
+            raise ValueError(f"{NAME} graphs replay metadata from {NAME}'s builder for this spec")
 
     def begin_forward(self, attn_metadata: TorchSDPAMetadata) -> None:
         """Nothing to plan: the op reads lengths and tables from the static buffers at replay."""

@@ -35,6 +35,7 @@ from compiled_attn.metadata import (
     CACHELESS_TYPES,
     CommonMetadata,
     CommonMetadataBuilder,
+    check_graph_step,
     prefix_sums,
     slots_for,
 )
@@ -434,19 +435,10 @@ class XFormersState(AttentionState):
     def _check_fits(self, md: XFormersMetadata, input_buffers: dict[str, torch.Tensor]) -> None:
         if not isinstance(md, XFormersMetadata):
             raise ValueError(f"{NAME} state got {type(md).__name__}; build it with {NAME}'s builder")
-        capacity = input_buffers["seq_lens"].shape[0]
-        if md.num_prefills or md.num_seqs > capacity:
-            raise ValueError(
-                f"a captured graph serves decode-only batches of <= {capacity} requests, got "
-                f"{md.num_prefills} prefills and {md.num_seqs} requests: run this step eagerly"
-            )
+        check_graph_step(md, self.spec, NAME, input_buffers["seq_lens"].shape[0], input_buffers["seq_lens"].device)
         max_len = input_buffers["block_tables"].shape[1] * self.spec.block_size
-        longest = max(md.seq_lens + (md.encoder_seq_lens or []))
-        if longest > max_len:
-            raise ValueError(
-                f"a request of {longest} tokens exceeds the captured {max_len} "
-                "(max_seq_len_to_capture): run this step eagerly"
-            )
+        if max(md.seq_lens + (md.encoder_seq_lens or [])) > max_len:
+            raise ValueError(f"a request exceeds the captured {max_len} tokens: run this step eagerly")
         if "cross_block_tables" in input_buffers and md.cross_block_tables is None:
             raise ValueError("this graph was captured for cross attention: build the metadata with cross_block_tables")
 
