@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
-from compiled_attn.abstract import AttentionType
-from compiled_attn.registry import get_attn_backend
+from compiled_attn.abstract import AttentionSpec, AttentionType
+from compiled_attn.registry import ENV_VAR, get_attn_backend
 
 
 class Attention(nn.Module):
@@ -44,7 +46,21 @@ class Attention(nn.Module):
         v_scale: float = 1.0,
     ) -> None:
         super().__init__()
-        self.backend = get_attn_backend(backend)
+        if backend is None and not os.environ.get(ENV_VAR):
+            # pick by what this layer needs (heads, head size, features, attention type); the
+            # model's dtype is not known here: bf16 on CUDA, fp32 on CPU is assumed
+            cuda = torch.cuda.is_available()
+            probe = AttentionSpec(
+                num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads, head_size=head_size,
+                block_size=64, num_blocks=1, dtype=torch.bfloat16 if cuda else torch.float32,
+                device="cuda" if cuda else "cpu", kv_cache_dtype=kv_cache_dtype, scale=scale,
+                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                alibi_slopes=None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float32),
+                attn_type=attn_type,
+            )
+            self.backend = get_attn_backend(None, probe)
+        else:
+            self.backend = get_attn_backend(backend)
         self.impl = self.backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
             kv_cache_dtype, logits_soft_cap,

@@ -35,8 +35,15 @@ def test_auto_with_cpu_spec_picks_torch_sdpa():
     assert ca.get_attn_backend(spec=spec()).get_name() == "TORCH_SDPA"
 
 
-def test_layer_without_backend_uses_auto_selection():
-    assert ca.Attention(8, 64, 0.125, 2).backend.get_name() == "TORCH_SDPA"
+def test_layer_without_backend_picks_one_that_supports_the_layer(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    cuda = torch.cuda.is_available()
+    spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=64, num_blocks=1,
+                            dtype=torch.bfloat16 if cuda else torch.float32, device="cuda" if cuda else "cpu")
+    assert ca.Attention(8, 64, 0.125, 2).backend is ca.get_attn_backend(None, spec)
+    # soft-cap with cross attention: only TORCH_SDPA has both, wherever this runs
+    layer = ca.Attention(8, 64, 0.125, 2, logits_soft_cap=5.0, attn_type=ca.AttentionType.ENCODER_DECODER)
+    assert layer.backend.get_name() == "TORCH_SDPA"
 
 
 @pytest.mark.parametrize("value", ["TORCH_SDPA", "torch_sdpa"])
