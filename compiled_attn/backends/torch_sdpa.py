@@ -154,11 +154,9 @@ class TorchSDPAState(AttentionState):
         graph.replay()
     """
 
-    def __init__(self, spec: AttentionSpec, buffers: dict[str, torch.Tensor] | None = None,
-                 batch_size: int | None = None) -> None:
+    def __init__(self, spec: AttentionSpec, buffers: dict[str, torch.Tensor] | None = None) -> None:
         super().__init__(spec)
         self._buffers = buffers  # full-size static buffers, shared by every clone
-        self._batch_size = batch_size  # set on clones: the size they were made for
         self._capturing = False
         self.max_blocks_per_seq = -(-spec.max_seq_len_to_capture // spec.block_size)
 
@@ -217,7 +215,7 @@ class TorchSDPAState(AttentionState):
         """A state for the graph of `batch_size`: shares the static buffers (keeping them alive)."""
         if self._buffers is None:
             raise RuntimeError(f"graph_clone({batch_size}) before graph_capture allocated the buffers")
-        return TorchSDPAState(self.spec, self._buffers, batch_size)
+        return TorchSDPAState(self.spec, self._buffers)  # the buffers are all a size's graph reads
 
     def get_graph_input_buffers(self, attn_metadata: TorchSDPAMetadata) -> dict[str, torch.Tensor]:
         """The static views `attn_metadata` (from graph_capture_get_metadata_for_batch) is made of."""
