@@ -68,7 +68,7 @@ def spec_unsupported_reason(cls: type[AttentionBackend], spec: AttentionSpec) ->
 
 
 def _supporters(spec: AttentionSpec) -> list[str]:
-    return [n for n, c in BACKEND_CLASSES().items() if spec_unsupported_reason(c, spec) is None]
+    return [n for n, c in BACKEND_CLASSES().items() if c.unsupported_reason(spec) is None]
 
 
 def get_attn_backend(name: str | None = None, spec: AttentionSpec | None = None) -> type[AttentionBackend]:
@@ -98,7 +98,7 @@ def get_attn_backend(name: str | None = None, spec: AttentionSpec | None = None)
         if reason is not None:
             raise BackendUnavailableError(f"{key} cannot run here: {reason}")
         if spec is not None:
-            reason = spec_unsupported_reason(cls, spec)
+            reason = cls.unsupported_reason(spec)  # a backend may add reasons of its own
             if reason is not None:
                 others = [n for n in _supporters(spec) if n != key]
                 hint = f"; {' or '.join(others)} supports this spec" if others else ""
@@ -106,7 +106,7 @@ def get_attn_backend(name: str | None = None, spec: AttentionSpec | None = None)
         return cls
     reasons = []
     for key, cls in classes.items():
-        reason = cls.unavailable_reason() or (spec and spec_unsupported_reason(cls, spec))
+        reason = cls.unavailable_reason() or (spec and cls.unsupported_reason(spec))
         if not reason:
             return cls
         reasons.append(f"{key}: {reason}")

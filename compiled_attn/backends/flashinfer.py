@@ -95,6 +95,12 @@ def alibi_with_soft_cap_reason(alibi: bool, logits_soft_cap: float | None) -> st
     return None
 
 
+def options_reason(alibi_slopes: torch.Tensor | None, num_heads: int, logits_soft_cap: float | None) -> str | None:
+    """Why FlashInfer cannot serve these layer options (checked by spec, builder and impl alike)."""
+    return nonstandard_alibi_reason(alibi_slopes, num_heads) or alibi_with_soft_cap_reason(
+        alibi_slopes is not None, logits_soft_cap)
+
+
 class FlashInferBackend(AttentionBackend):
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -134,11 +140,8 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
-        return (
-            super().unsupported_reason(spec)
-            or nonstandard_alibi_reason(spec.alibi_slopes, spec.num_heads)
-            or alibi_with_soft_cap_reason(spec.alibi_slopes is not None, spec.logits_soft_cap)
-        )
+        return super().unsupported_reason(spec) or options_reason(spec.alibi_slopes, spec.num_heads,
+                                                                   spec.logits_soft_cap)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,8 +372,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
-        reason = nonstandard_alibi_reason(spec.alibi_slopes, spec.num_heads) or alibi_with_soft_cap_reason(
-            spec.alibi_slopes is not None, spec.logits_soft_cap)
+        reason = options_reason(spec.alibi_slopes, spec.num_heads, spec.logits_soft_cap)
         if reason:
             raise NotImplementedError(reason)
         self._pool = _WrapperPool(spec)
@@ -610,8 +612,7 @@ class FlashInferImpl(CommonImpl):
 
     def check_supported(self) -> None:
         super().check_supported()
-        reason = nonstandard_alibi_reason(self.alibi_slopes, self.num_heads) or alibi_with_soft_cap_reason(
-            self.alibi_slopes is not None, self.logits_soft_cap)
+        reason = options_reason(self.alibi_slopes, self.num_heads, self.logits_soft_cap)
         if reason:
             raise NotImplementedError(reason)
 
