@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from compiled_attn.abstract import AttentionBackend, AttentionSpec
+from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionType
 
 ENV_VAR = "COMPILED_ATTN_BACKEND"
 # Auto-selection order: fastest first.
@@ -41,30 +41,57 @@ def BACKEND_CLASSES() -> dict[str, type[AttentionBackend]]:  # noqa: N802  (a co
     return out
 
 
+def capability_reason(
+    cls: type[AttentionBackend],
+    *,
+    dtype: torch.dtype | None = None,
+    kv_cache_dtype: str = "auto",
+    attn_type: AttentionType | None = None,
+    head_size: int | None = None,
+    block_size: int | None = None,
+    alibi: bool = False,
+    sliding_window: bool = False,
+    logits_soft_cap: bool = False,
+    device: torch.device | None = None,
+) -> str | None:
+    """Why `cls` lacks one of these needs (None: unknown, not checked), naming what it supports.
+
+    The one place capabilities are checked: specs (`spec_unsupported_reason`) and impls
+    (`CommonImpl.check_supported`) both come here."""
+    name = cls.get_name()
+    heads = cls.supported_head_sizes()
+    checks = (
+        (dtype is not None and dtype not in cls.supported_dtypes,
+         f"supports dtypes {cls.supported_dtypes}, not {dtype}"),
+        (kv_cache_dtype not in cls.supported_kv_cache_dtypes,
+         f"does not support kv_cache_dtype={kv_cache_dtype!r} (only {cls.supported_kv_cache_dtypes})"),
+        (attn_type is not None and attn_type not in cls.supported_attn_types,
+         f"does not support {getattr(attn_type, 'name', attn_type)} attention"),
+        (head_size is not None and heads is not None and head_size not in heads,
+         f"supports head sizes {heads}, not {head_size}"),
+        (block_size is not None and not cls.supports_block_size(block_size),
+         f"does not support block_size={block_size}"),
+        (alibi and not cls.supports_alibi, "does not support ALiBi"),
+        (sliding_window and not cls.supports_sliding_window, "does not support sliding_window"),
+        (logits_soft_cap and not cls.supports_logits_soft_cap, "does not support logits_soft_cap"),
+        (device is not None and cls.requires_cuda and device.type != "cuda", f"runs on CUDA only, not {device}"),
+    )
+    return next((f"{name} {why}" for failed, why in checks if failed), None)
+
+
+def backends_with(**needs: object) -> list[str]:
+    """Names of the backends that have every one of `needs` (see `capability_reason`)."""
+    return [n for n, c in BACKEND_CLASSES().items() if capability_reason(c, **needs) is None]
+
+
 def spec_unsupported_reason(cls: type[AttentionBackend], spec: AttentionSpec) -> str | None:
     """Why `cls` cannot serve `spec`, naming what it does support; None if it can."""
-    name = cls.get_name()
-    if spec.dtype not in cls.supported_dtypes:
-        return f"{name} supports dtypes {cls.supported_dtypes}, not {spec.dtype}"
-    if spec.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
-        return f"{name} supports kv_cache_dtype {cls.supported_kv_cache_dtypes}, not {spec.kv_cache_dtype!r}"
-    if spec.attn_type not in cls.supported_attn_types:
-        return f"{name} does not support {spec.attn_type.name} attention"
-    heads = cls.supported_head_sizes()
-    if heads is not None and spec.head_size not in heads:
-        return f"{name} supports head sizes {heads}, not {spec.head_size}"
-    if not cls.supports_block_size(spec.block_size):
-        return f"{name} does not support block_size={spec.block_size}"
-    for wanted, flag, label in (
-        (spec.alibi_slopes is not None, cls.supports_alibi, "ALiBi"),
-        (spec.sliding_window is not None, cls.supports_sliding_window, "sliding_window"),
-        (spec.logits_soft_cap is not None, cls.supports_logits_soft_cap, "logits_soft_cap"),
-    ):
-        if wanted and not flag:
-            return f"{name} does not support {label}"
-    if cls.requires_cuda and spec.device.type != "cuda":
-        return f"{name} runs on CUDA only, the spec's device is {spec.device}"
-    return None
+    return capability_reason(
+        cls, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype, attn_type=spec.attn_type,
+        head_size=spec.head_size, block_size=spec.block_size, alibi=spec.alibi_slopes is not None,
+        sliding_window=spec.sliding_window is not None, logits_soft_cap=spec.logits_soft_cap is not None,
+        device=spec.device,
+    )
 
 
 def _supporters(spec: AttentionSpec) -> list[str]:

@@ -26,23 +26,6 @@ from compiled_attn.ops.common import check_layer_matches_spec, check_metadata_ba
 CACHE_WRITING_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
 
 
-def backends_supporting(feature: str) -> str:
-    """Names of the backends that support `feature` (a capability attribute), for error messages."""
-    from compiled_attn.registry import BACKEND_CLASSES
-
-    names = [name for name, cls in BACKEND_CLASSES().items() if _has(cls, feature)]
-    return " or ".join(names) if names else "no backend"
-
-
-def _has(cls: type, feature: str) -> bool:
-    kind, _, value = feature.partition(":")
-    if kind == "kv_cache_dtype":
-        return value in cls.supported_kv_cache_dtypes
-    if kind == "attn_type":
-        return AttentionType(value) in cls.supported_attn_types
-    return bool(getattr(cls, feature))
-
-
 class CommonImpl(AttentionImpl):
     """Shared constructor and forward; a backend sets `backend_cls` and implements `run`."""
 
@@ -99,33 +82,21 @@ class CommonImpl(AttentionImpl):
 
     def check_supported(self) -> None:
         """NotImplementedError for options this backend lacks, naming backends that have them."""
-        cls = self.backend_cls
-        name = cls.get_name()
-        wants = [
-            (self.alibi_slopes is not None, "supports_alibi", "ALiBi"),
-            (self.sliding_window is not None, "supports_sliding_window", "sliding_window"),
-            (self.logits_soft_cap is not None, "supports_logits_soft_cap", "logits_soft_cap"),
-            (True, f"kv_cache_dtype:{self.kv_cache_dtype}", f"kv_cache_dtype={self.kv_cache_dtype!r}"),
-        ]
-        for wanted, feature, label in wants:
-            if wanted and not _has(cls, feature):
-                raise NotImplementedError(
-                    f"{name} does not support {label}; use {backends_supporting(feature)}"
-                )
-        heads = cls.supported_head_sizes()
-        if heads is not None and self.head_size not in heads:
-            raise NotImplementedError(
-                f"{name} supports head sizes {heads}, not {self.head_size}"
-            )
+        self._require(head_size=self.head_size, kv_cache_dtype=self.kv_cache_dtype,
+                      alibi=self.alibi_slopes is not None, sliding_window=self.sliding_window is not None,
+                      logits_soft_cap=self.logits_soft_cap is not None)
+
+    def _require(self, **needs: object) -> None:
+        from compiled_attn.registry import backends_with, capability_reason
+
+        reason = capability_reason(self.backend_cls, **needs)
+        if reason is not None:
+            others = backends_with(**needs)
+            raise NotImplementedError(f"{reason}; use {' or '.join(others) if others else 'no backend has it'}")
 
     def check_attn_type(self, attn_type: AttentionType) -> AttentionType:
         attn_type = AttentionType(attn_type)
-        if attn_type not in self.backend_cls.supported_attn_types:
-            feature = f"attn_type:{attn_type.value}"
-            raise NotImplementedError(
-                f"{self.backend_cls.get_name()} does not support {attn_type.name} attention; "
-                f"use {backends_supporting(feature)}"
-            )
+        self._require(attn_type=attn_type)
         # Window and ALiBi are defined over query/key positions of one sequence; no backend
         # gives them a meaning across the encoder/decoder boundary or without causality.
         if self.sliding_window is not None and attn_type != AttentionType.DECODER:
