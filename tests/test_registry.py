@@ -85,7 +85,8 @@ def test_named_cuda_backend_on_cpu_says_why(name):
 
 
 def test_named_backend_that_cannot_serve_spec():
-    with pytest.raises(NotImplementedError, match=r"TORCH_SDPA does not support kv_cache_dtype='fp8' \(only \('auto',\)\)"):
+    message = r"TORCH_SDPA does not support kv_cache_dtype='fp8' \(only \('auto',\)\)"
+    with pytest.raises(NotImplementedError, match=message):
         ca.get_attn_backend("TORCH_SDPA", spec(kv_cache_dtype="fp8"))
 
 
