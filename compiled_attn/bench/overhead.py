@@ -7,11 +7,14 @@ replay: this matters for eager serving and for the first (planning) call only.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 import compiled_attn as ca
 from compiled_attn.bench.timing import card_name, eager_time_us
 from compiled_attn.ops.cache import write_kv_cache
+from compiled_attn.registry import BACKEND_CLASSES
 
 _lib = torch.library.Library("compiled_attn_bench", "FRAGMENT")
 _lib.define("noop_lib(Tensor(a!) x) -> ()")
@@ -32,7 +35,8 @@ def noop_custom(x: torch.Tensor) -> None:
 
 
 def run(quick: bool = False) -> list[dict]:
-    """Rows: op, path, us per call (median), overhead over the direct call."""
+    """Rows: op, us per call (median), overhead of the dispatcher call over calling the op's
+    Python kernel directly (the op's own checks and lookups are inside both)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     iters = 200 if quick else 1000
     x = torch.empty(8, device=device)
@@ -43,17 +47,39 @@ def run(quick: bool = False) -> list[dict]:
         t = eager_time_us(fn, iters=iters)
         rows.append({"card": card_name(), "what": f"no-op via {name}", "us/call": t, "overhead us": t - direct})
 
-    spec = ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, num_blocks=256,
-                            dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
-    backend = ca.get_attn_backend("TORCH_SDPA")
+    for backend_name, backend in BACKEND_CLASSES().items():
+        if backend.unavailable_reason() is None:
+            rows += backend_rows(backend_name, backend, device, iters)
+    return rows
+
+
+def backend_rows(backend_name: str, backend: type[ca.AttentionBackend], device: str, iters: int) -> list[dict]:
+    """The cache-write op and this backend's attention op: dispatcher call vs the Python kernel."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    k = torch.randn(8, 8, 128, device=device).to(dtype)
+    q = torch.randn(8, 32, 128, device=device).to(dtype)
+    block_size = 16 if backend.supports_block_size(16) else 64
+    spec = ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=block_size, num_blocks=256,
+                            dtype=dtype, device=device)
     md = backend.get_builder_cls()(spec).build([100] * 8, [1] * 8, [[i * 8 + j for j in range(7)] for i in range(8)])
     impl = backend.get_impl_cls()(32, 128, 128**-0.5, num_kv_heads=8)
     name, keep = impl.register(1.0, 1.0, ca.AttentionType.DECODER)
-    cache = torch.randn(backend.get_kv_cache_shape(256, 16, 8, 128), device=device).to(spec.dtype)
-    k = torch.randn(8, 8, 128, device=device).to(spec.dtype)
-    raw = eager_time_us(lambda: write_kv_cache(k, k, cache, md.slot_mapping, 1.0, 1.0), iters=iters)
+    cache = torch.randn(backend.get_kv_cache_shape(256, block_size, 8, 128), device=device).to(dtype)
+    out = torch.empty_like(q)
+    op_name = f"{backend_name.lower()}_attention"
+    kernel = getattr(importlib.import_module(f"compiled_attn.ops.{backend_name.lower()}"), op_name)
+    op = getattr(torch.ops.compiled_attn, op_name)
+    rows = []
     with ca.set_forward_context(md):
-        op = eager_time_us(lambda: torch.ops.compiled_attn.kv_cache_update(k, k, cache, name), iters=iters)
-    rows.append({"card": card_name(), "what": "kv_cache_update (8 tokens)", "us/call": op, "overhead us": op - raw})
+        kernel(q, k, k, cache, out, name)  # first call: lazy planning stays out of the timings
+        for what, raw_fn, op_fn in (
+            ("kv_cache_update (8 tokens)", lambda: write_kv_cache(k, k, cache, md.slot_mapping, 1.0, 1.0),
+             lambda: torch.ops.compiled_attn.kv_cache_update(k, k, cache, name)),
+            (f"{op_name} (8 decodes, ctx 100)", lambda: kernel(q, k, k, cache, out, name),
+             lambda: op(q, k, k, cache, out, name)),
+        ):
+            raw_us, op_us = eager_time_us(raw_fn, iters=iters), eager_time_us(op_fn, iters=iters)
+            rows.append({"card": card_name(), "what": f"{backend_name}: {what}", "us/call": op_us,
+                         "overhead us": op_us - raw_us})
     del keep
     return rows
