@@ -324,8 +324,9 @@ class XFormersState(AttentionState):
 
     def __init__(self, spec: AttentionSpec, buffers: _GraphBuffers | None = None, batch_size: int = 0) -> None:
         super().__init__(spec)
-        self._buffers = buffers
-        self._batch_size = batch_size
+        self._buffers = buffers  # shared by every clone
+        self._batch_size = batch_size  # a clone's graph size (begin_forward checks steps against it)
+        self._capturing = False
 
     @property
     def max_blocks(self) -> int:
@@ -339,15 +340,28 @@ class XFormersState(AttentionState):
                 f"{NAME} runs ALiBi eagerly only (a per-request tensor bias); for ALiBi under CUDA graphs "
                 "use FLASHINFER"
             )
+        if self.spec.attn_type not in (AttentionType.DECODER, AttentionType.ENCODER_DECODER):
+            raise NotImplementedError(
+                f"graphs capture decode steps: a {self.spec.attn_type.name} spec has none (run it eagerly)"
+            )
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if self._buffers is None or self._buffers.seq_lens.shape[0] < max_batch_size:
+            self._buffers = self._allocate(max_batch_size)  # once: graphs keep reading these tensors
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    def _allocate(self, max_batch_size: int) -> _GraphBuffers:
         dev, n, w = self.spec.device, max_batch_size, self.max_blocks
         cross = self.spec.attn_type == AttentionType.ENCODER_DECODER
 
         def i32(*shape: int, fill: int) -> torch.Tensor:
             return torch.full(shape, fill, dtype=torch.int32, device=dev)
 
-        self._buffers = _GraphBuffers(
+        return _GraphBuffers(
             seq_lens=i32(n, fill=1),
             context_lens=i32(n, fill=0),
             block_tables=i32(n, w, fill=0),
@@ -357,7 +371,6 @@ class XFormersState(AttentionState):
             encoder_seq_lens=i32(n, fill=1) if cross else None,
             cross_block_tables=i32(n, w, fill=0) if cross else None,
         )
-        yield
 
     def _require_buffers(self) -> _GraphBuffers:
         if self._buffers is None:
@@ -366,6 +379,10 @@ class XFormersState(AttentionState):
 
     def graph_capture_get_metadata_for_batch(self, batch_size: int) -> XFormersMetadata:
         buf = self._require_buffers()
+        if not self._capturing:
+            raise RuntimeError(
+                f"{NAME}: call graph_capture_get_metadata_for_batch inside `with state.graph_capture(...)`"
+            )
         if not 1 <= batch_size <= buf.seq_lens.shape[0]:
             raise ValueError(f"batch_size {batch_size} outside 1..{buf.seq_lens.shape[0]} (graph_capture's maximum)")
         n, spec = batch_size, self.spec
