@@ -315,6 +315,18 @@ class AttentionImpl(ABC):
         logits_soft_cap: float | None = None,
     ) -> None: ...
 
+    def check_matches_metadata(
+        self, x: torch.Tensor, kv_cache: torch.Tensor | None, md: AttentionMetadata, attn_type: AttentionType
+    ) -> None:
+        """The layer fits what `md` was built (and planned) for; raises ValueError otherwise.
+
+        Called before anything is written (eager `forward`, and `kv_cache_update` in the compiled
+        path); `x` is any input in the model's dtype. Backends that plan per step add their checks.
+        """
+        from compiled_attn.ops.common import check_layer_matches_spec
+
+        check_layer_matches_spec(self, md)
+
     @abstractmethod
     def forward(
         self,

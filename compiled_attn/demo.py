@@ -92,11 +92,11 @@ def generate(
 
 
 def run_demo(*, steps: int = 16, num_requests: int = 6, seed: int = 0, backend_name: str | None = None,
-             tp: int = 1) -> dict:
+             tp: int = 1, device: str | None = None) -> dict:
     """Run the demo and return its summary row (also used by tests); `tp` > 1 shards the model
     over that many spawned processes (GPUs with NCCL when there are enough, else CPU with gloo)."""
     if tp == 1:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         return _demo(None, device, steps, num_requests, seed, backend_name)
     return tpm.run_ranks(_demo, tp, steps, num_requests, seed, backend_name)[0]
 
@@ -111,7 +111,10 @@ def _demo(group: dist.ProcessGroup | None, device: torch.device, steps: int, num
               LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                           num_heads=4, num_kv_heads=2))
     tp_size = tpm.layout_of(group).size
-    spec = config.attention_spec(block_size=16, num_blocks=512, dtype=dtype, device=device, tp_size=tp_size)
+    # graphs serve sequences up to max_seq_len_to_capture: the longest prompt (47) plus the steps
+    # (TORCH_SDPA's graph reads that many keys per request whatever the live lengths)
+    spec = config.attention_spec(block_size=16, num_blocks=512, dtype=dtype, device=device, tp_size=tp_size,
+                                 max_seq_len_to_capture=-(-(48 + steps) // 16) * 16)
     backend = ca.get_attn_backend(backend_name, spec)
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(4, 48, (num_requests,), generator=g).tolist()

@@ -26,6 +26,6 @@ def test_runner_generation_matches_eager_teacher_forced():
 
 
 def test_demo_on_cpu_agrees_and_reports():
-    row = run_demo(steps=3, num_requests=3)
+    row = run_demo(steps=3, num_requests=3, device="cpu")
     assert row["agree"], row["check"]
     assert row["backend"] == "TORCH_SDPA" and row["eager tok/s"] > 0 and row["compiled tok/s"] > 0

@@ -21,7 +21,7 @@ from compiled_attn.abstract import (
     kv_cache_torch_dtype,
 )
 from compiled_attn.forward_context import LayerCall, register_layer, set_forward_context
-from compiled_attn.ops.common import check_layer_matches_spec, check_metadata_backend, check_query_rows
+from compiled_attn.ops.common import check_metadata_backend, check_query_rows
 
 CACHE_WRITING_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
 
@@ -136,14 +136,6 @@ class CommonImpl(AttentionImpl):
         self.check_matches_metadata(query, kv_cache, attn_metadata, key_[2])
         with set_forward_context(attn_metadata):
             return self.run(query, key, value, kv_cache, key_[2], layer_name)
-
-    def check_matches_metadata(
-        self, x: torch.Tensor, kv_cache: torch.Tensor | None, md: AttentionMetadata, attn_type: AttentionType
-    ) -> None:
-        """The layer fits what the metadata was built (and planned) for. Runs before the cache
-        write, in `forward` and in `kv_cache_update`; `x` is any input in the model's dtype.
-        Backends that plan per step add their checks (scale, window, soft-cap, ALiBi)."""
-        check_layer_matches_spec(self, md)
 
     def run(
         self,

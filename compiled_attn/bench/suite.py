@@ -36,21 +36,20 @@ def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list
               and (suites is None or m.rsplit(".", 1)[1] in suites)]
     results: dict[str, list[dict] | str] = {"card": card_name(), "nominal_bw": nominal_bandwidth() or 0}
     failed = 0
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "bench-results.json" if suites is None else f"bench-results-{'-'.join(suites)}.json")
     for module, _ in tqdm(chosen, desc="bench suites"):
         try:
-            rows = importlib.import_module(module).run(quick)
+            results[module] = importlib.import_module(module).run(quick)
         except Exception as e:  # a broken suite must not hide the others' numbers
             log.exception("suite %s failed", module)
             results[module] = f"FAILED: {type(e).__name__}: {e}"
             failed += 1
-            continue
-        results[module] = rows
-        print(f"\n== {module} ({card_name()})")
-        print_table(rows)
-    os.makedirs(out, exist_ok=True)
-    name = "bench-results.json" if suites is None else f"bench-results-{'-'.join(suites)}.json"
-    with open(os.path.join(out, name), "w") as f:
-        json.dump(results, f, indent=1, default=str)
+        else:
+            print(f"\n== {module} ({card_name()})")
+            print_table(results[module])
+        with open(path, "w") as f:  # after every suite: a run cut off by a timeout keeps what it measured
+            json.dump(results, f, indent=1, default=str)
     try:
         from compiled_attn.bench.plots import write_plots
 
