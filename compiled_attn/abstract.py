@@ -143,6 +143,7 @@ class AttentionBackend(ABC):
     supports_sliding_window: ClassVar[bool]
     supports_logits_soft_cap: ClassVar[bool]
     requires_cuda: ClassVar[bool]
+    package: ClassVar[str | None] = None  # the pip package a CUDA-only backend needs
 
     @staticmethod
     @abstractmethod
@@ -194,7 +195,11 @@ class AttentionBackend(ABC):
     @classmethod
     def unavailable_reason(cls) -> str | None:
         """Why this backend cannot run on this machine at all (package, device), or None."""
-        return None
+        if cls.package is None:
+            return None
+        from compiled_attn.registry import cuda_unavailable_reason
+
+        return cuda_unavailable_reason(cls.package)
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:

@@ -77,6 +77,11 @@ class CommonMetadata(AttentionMetadata):
         return self.num_seqs - self.num_prefills
 
     @property
+    def longest_seq_len(self) -> int:
+        """The longest sequence any request reads: decoder tokens or, for cross attention, encoder tokens."""
+        return max(self.max_seq_len, self.max_encoder_seq_len)
+
+    @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 
@@ -343,9 +348,8 @@ def check_graph_step(md: CommonMetadata, spec: AttentionSpec, backend_name: str,
         raise ValueError(f"graphs replay decode-only steps; this one has {md.num_prefills} prefills: run it eagerly")
     if not 1 <= md.num_seqs <= batch_size:
         raise ValueError(f"{md.num_seqs} decodes do not fit the graph of batch size {batch_size}: run it eagerly")
-    longest = max(md.seq_lens + (md.encoder_seq_lens or []))
-    if longest > spec.max_seq_len_to_capture:
-        raise ValueError(f"a sequence of {longest} tokens > spec.max_seq_len_to_capture="
+    if md.longest_seq_len > spec.max_seq_len_to_capture:
+        raise ValueError(f"a sequence of {md.longest_seq_len} tokens > spec.max_seq_len_to_capture="
                          f"{spec.max_seq_len_to_capture}: run this step eagerly")
     if (md.num_blocks, md.block_size) != (spec.num_blocks, spec.block_size):
         raise ValueError(f"metadata for num_blocks={md.num_blocks}, block_size={md.block_size} does not match "

@@ -39,7 +39,6 @@ from compiled_attn.abstract import (
 from compiled_attn.backends.common import CommonImpl
 from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, check_graph_step, prefix_sums
 from compiled_attn.ops.flashinfer import stream_capturing  # importing registers the op
-from compiled_attn.registry import cuda_unavailable_reason
 
 NAME = "FLASHINFER"
 # FlashInfer's recommended float workspace. It holds split-kv partial outputs (fp32): decode
@@ -109,6 +108,7 @@ class FlashInferBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     requires_cuda = True
+    package = "flashinfer"
 
     @staticmethod
     def get_name() -> str:
@@ -129,10 +129,6 @@ class FlashInferBackend(AttentionBackend):
     @staticmethod
     def get_state_cls() -> type[FlashInferState]:
         return FlashInferState
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        return cuda_unavailable_reason("flashinfer")
 
     @classmethod
     def supported_head_sizes(cls) -> tuple[int, ...]:

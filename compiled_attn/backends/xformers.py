@@ -54,6 +54,7 @@ class XFormersBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = False
     requires_cuda = True
+    package = "xformers"
 
     @staticmethod
     def get_name() -> str:
@@ -74,12 +75,6 @@ class XFormersBackend(AttentionBackend):
     @staticmethod
     def get_state_cls() -> type[XFormersState]:
         return XFormersState
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        from compiled_attn.registry import cuda_unavailable_reason
-
-        return cuda_unavailable_reason("xformers")
 
     @classmethod
     def supported_head_sizes(cls) -> tuple[int, ...]:
@@ -454,7 +449,7 @@ class XFormersState(AttentionState):
             raise ValueError(f"{NAME} state got {type(md).__name__}; build it with {NAME}'s builder")
         check_graph_step(md, self.spec, NAME, input_buffers["seq_lens"].shape[0], input_buffers["seq_lens"].device)
         max_len = input_buffers["block_tables"].shape[1] * self.spec.block_size
-        if max(md.seq_lens + (md.encoder_seq_lens or [])) > max_len:
+        if md.longest_seq_len > max_len:
             raise ValueError(f"a request exceeds the captured {max_len} tokens: run this step eagerly")
         if "cross_block_tables" in input_buffers and md.cross_block_tables is None:
             raise ValueError("this graph was captured for cross attention: build the metadata with cross_block_tables")

@@ -200,7 +200,7 @@ class CUDAGraphRunner:
         caches = self.kv_caches if kv_caches is None else kv_caches
         path = choose_path(
             num_prefills=md.num_prefills, num_seqs=md.num_seqs,
-            max_seq_len=max(md.max_seq_len, getattr(md, "max_encoder_seq_len", 0)),  # cross attention reads both
+            max_seq_len=md.longest_seq_len,
             largest_size=self.sizes[0], max_seq_len_to_capture=self.spec.max_seq_len_to_capture,
         )
         self.counts[path] += 1
