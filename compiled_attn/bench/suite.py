@@ -6,6 +6,7 @@ import importlib
 import json
 import logging
 import os
+import time
 
 import torch
 from tqdm import tqdm
@@ -39,6 +40,7 @@ def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "bench-results.json" if suites is None else f"bench-results-{'-'.join(suites)}.json")
     for module, _ in tqdm(chosen, desc="bench suites"):
+        start = time.perf_counter()
         try:
             results[module] = importlib.import_module(module).run(quick)
         except Exception as e:  # a broken suite must not hide the others' numbers
@@ -46,8 +48,9 @@ def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list
             results[module] = f"FAILED: {type(e).__name__}: {e}"
             failed += 1
         else:
-            print(f"\n== {module} ({card_name()})")
+            print(f"\n== {module} ({card_name()}, {time.perf_counter() - start:.0f} s)")
             print_table(results[module])
+        results.setdefault("suite seconds", {})[module] = round(time.perf_counter() - start, 1)
         with open(path, "w") as f:  # after every suite: a run cut off by a timeout keeps what it measured
             json.dump(results, f, indent=1, default=str)
     try:
