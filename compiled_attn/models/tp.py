@@ -233,7 +233,7 @@ class VocabParallelLMHead(nn.Linear):
         # functional all-gather concatenates along dim 0 only, so gather the transposed shards
         # ([vocab_size, num_tokens]): reshaping a gathered [tp * num_tokens, ...] would need a
         # guard on the token count, which is unbacked under compile
-        gathered = funcol.all_gather_single(local.t().contiguous(), 0, self.tp.group_name)
+        gathered = funcol.all_gather_tensor(local.t().contiguous(), 0, self.tp.group_name)
         return gathered.t()  # a transposed view: [num_tokens, vocab_size]
 
 
