@@ -555,6 +555,26 @@ def test_replays_with_changing_lengths_allocate_nothing(gpu):
 
 
 @pytest.mark.gpu
+def test_reduce_overhead_compile_never_replays_stale_metadata(gpu):
+    """PyTorch's own CUDA graphs (mode="reduce-overhead") copy only graph inputs: our
+    context-reading ops are cudagraph_unsafe, so Inductor keeps them out of its graphs and every
+    step attends with its own lengths and tables (eager == compiled while both change)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(gpu.model, mode="reduce-overhead", fullgraph=True)
+    ref = Engine(gpu.spec, direct(gpu.model, gpu.ref_caches), backend_name=gpu.name)
+    eng = Engine(gpu.spec, direct(compiled, allocate_kv_caches(GPU_CONFIG, gpu.backend, gpu.spec)),
+                 backend_name=gpu.name)
+    for batch in (3, 5):
+        step = prompts(batch, seed=200 + batch, vocab=GPU_CONFIG.vocab_size, hi=40)
+        for i in range(9):  # a prefill, then decodes whose lengths and tables change every step
+            want, got = ref.step(step), eng.step(step)
+            err = rel_err(got, want)
+            assert err <= 2e-2, f"batch {batch}, step {i}: logits rel err {err:.3e}"
+            step = {name: [tok] for name, tok in zip(step, want.argmax(-1).tolist(), strict=True)}
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
 def test_replay_on_other_caches_raises(gpu):
     md = gpu.backend.get_builder_cls()(gpu.spec).build([5], [1], [[3]])
     ids = pos = torch.tensor([4], device="cuda")
