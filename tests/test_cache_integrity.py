@@ -21,7 +21,7 @@ import dataclasses
 import pytest
 import torch
 from hypothesis import given
-from reference import make_batch, stored
+from reference import make_batch, rel_err, stored
 from test_differential import (
     PROFILES,
     SDPA,
@@ -30,6 +30,7 @@ from test_differential import (
     cases,
     differential_settings,
     prepare,
+    request_rows,
 )
 
 import compiled_attn as ca
@@ -96,7 +97,15 @@ def check_garbage_never_reaches_outputs(case, backend, device) -> None:
     out_nan = prep.forward()
     out_noise = prep.forward(kv_cache=other)
     assert torch.isfinite(out_nan).all(), f"NaN from outside the requests reached an output: {case}"
-    assert torch.equal(out_nan, out_noise), f"what lies outside the requests changed an output: {case}"
+    if device == "cpu":
+        assert torch.equal(out_nan, out_noise), f"what lies outside the requests changed an output: {case}"
+        return
+    # CUDA kernels are not all bit-reproducible: on an H200 two identical TORCH_SDPA calls (fp16,
+    # head 256) came out 1.5e-5 apart. A key of the +-100..400 noise that reached a softmax would
+    # move its request by far more than 1e-3 (and a NaN one would have failed the check above).
+    for i, (a, b) in enumerate(zip(out_noise.split(request_rows(case)), out_nan.split(request_rows(case)),
+                                   strict=True)):
+        assert rel_err(a, b) <= 1e-3, f"request {i}: what lies outside the requests changed its output: {case}"
 
 
 # -------------------------------------------------------------------------------------------
