@@ -6,7 +6,8 @@ available here. "eager" and "compiled" call the model under `set_forward_context
 "compiled+graph" is `CUDAGraphRunner.run` (metadata copy into the static buffers, replay and
 the logits clone: what a server pays per step). Times are host wall time per step, synced.
 Capture: `CUDAGraphRunner.capture()` of the eager 32-layer model at the 35 default sizes
-(quick: 7 sizes), its wall time and the memory of the shared graph pool.
+(quick: 7 sizes), its wall time and the memory of the shared graph pool; captured twice, the
+first time JIT-compiling kernels this process has not run yet (reported apart).
 
 TORCH_SDPA's graphs gather every row's whole table (`MAX_SEQ_LEN_TO_CAPTURE` keys) whatever
 the live lengths, so its graphed step reads twice the keys of its eager step here.
@@ -102,18 +103,24 @@ def _capture_row(name: str, sizes: tuple[int, ...]) -> list[dict]:
     if backend is None:
         return []
     model = build_model(config, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
-    runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(config, backend, spec), capture_sizes=sizes,
-                             max_batch_size=max(sizes), progress=False)
-    stats = runner.capture()
+    caches = allocate_kv_caches(config, backend, spec)
+
+    def capture() -> dict:
+        return CUDAGraphRunner(model, backend, spec, caches, capture_sizes=sizes, max_batch_size=max(sizes),
+                               progress=False).capture()
+
+    first = capture()  # JIT-compiles what this process has not run yet (Triton, FlashInfer)
+    torch.cuda.empty_cache()
+    stats = capture()  # what a server restarted on warm kernel caches pays
     return [_row(name, f"capture {stats['num_graphs']} sizes, eager {CAPTURE_LAYERS} layers", max(sizes),
-               capture_s=stats["seconds"],
+               capture_s=stats["seconds"], first_capture_s=first["seconds"],
                pool_mib=None if stats["pool_bytes"] is None else stats["pool_bytes"] / 2**20,
                reserved_mib=stats["reserved_bytes"] / 2**20)]
 
 
 def _row(backend: str, what: str, batch: int, **values: float | None) -> dict:
     row = {"card": card_name(), "backend": backend, "what": what, "batch": batch, "us": None, "x_eager": None,
-           "capture_s": None, "pool_mib": None, "reserved_mib": None}
+           "capture_s": None, "first_capture_s": None, "pool_mib": None, "reserved_mib": None}
     row.update({k: None if v is None else round(v, 3) for k, v in values.items()})
     return row
 
