@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command the device tool runs: GPU-marked tests, then benchmarks; results under $OUT.
 #   device run:  source .whl/setup.sh && bash scripts/gpu_check.sh; save_jit_cache   (carry [".whl"])
-# PARTS selects what runs (default: "tests bench"); PYTEST_ARGS narrows the tests.
+# PARTS selects what runs (default: "tests bench"; "hunt" looks for the differential example that
+# faults or mismatches on HUNT_BACKEND); PYTEST_ARGS narrows the tests.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PARTS=${PARTS:-"tests bench"}
@@ -18,5 +19,19 @@ if [[ " $PARTS " == *" bench "* ]]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 -m compiled_attn bench ${BENCH_ARGS:---quick} --out "$OUT" \
     2>&1 | tee "$OUT/bench.log" | tail -60
   status=$(( status || PIPESTATUS[0] ))
+fi
+if [[ " $PARTS " == *" hunt "* ]]; then
+  backend=${HUNT_BACKEND:-XFORMERS}
+  timeout "${HUNT_TIMEOUT:-200}" python3 -u scripts/fault_hunt.py "$backend" 2>&1 | tee "$OUT/hunt.log" \
+    | grep -E "FAULT|mismatch|no fault" | head -20
+  sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  for case in culprit previous; do
+    if [[ -f "$OUT/culprit.json" && -n "$sanitizer" ]]; then
+      timeout 120 "$sanitizer" --print-limit 3 python3 scripts/fault_hunt.py "$backend" --replay "$OUT/$case.json" \
+        > "$OUT/sanitizer-$case.log" 2>&1
+      grep -m 6 -E "Invalid|ERROR SUMMARY|replay passed" "$OUT/sanitizer-$case.log"
+    fi
+  done
+  [[ -f "$OUT/culprit.json" ]] && status=1
 fi
 exit "$status"
