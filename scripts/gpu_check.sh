@@ -32,6 +32,6 @@ if [[ " $PARTS " == *" hunt "* ]]; then
       grep -m 6 -E "Invalid|ERROR SUMMARY|replay passed" "$OUT/sanitizer-$case.log"
     fi
   done
-  [[ -f "$OUT/culprit.json" ]] && status=1
+  if [[ -f "$OUT/culprit.json" ]] || grep -q "^mismatch" "$OUT/hunt.log"; then status=1; fi
 fi
 exit "$status"
