@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import unittest.mock
+
 import pytest
 import torch
+from hypothesis import given
 from reference import make_batch, reference_forward, rel_err
+from test_differential import PROFILES, cases, check_against_reference, differential_settings
 
 import compiled_attn as ca
 from compiled_attn.backends.xformers import XFormersBackend, XFormersMetadata
 from compiled_attn.forward_context import set_forward_context
 from compiled_attn.metadata import CommonMetadataBuilder
+from compiled_attn.ops import xformers as xformers_ops
 
 T = ca.AttentionType
+ALIBI_LIMITS = dataclasses.replace(PROFILES["ci"], max_examples=15)
 OPCHECK_UTILS = (
     "test_schema",
     "test_autograd_registration",
@@ -166,6 +173,25 @@ def test_metadata_rejects_a_layer_window_unlike_the_spec():
     md = _biases(make_spec(sliding_window=8), [5], [5], [[0]])
     with pytest.raises(ValueError, match="sliding_window"):
         md.check_options(0, False)
+
+
+def dense_float64_kernel(query, key, value, bias, scale, ops):
+    """A stand-in for `run_xformers` on tensor biases: softmax(q k^T * scale + bias) v in float64.
+    query/key/value [1, M, G, Hpg, D] or [1, M, H, D]; bias [1, G, Hpg, Mq, Mk] or [1, H, Mq, Mk]."""
+    assert isinstance(bias, torch.Tensor) and ops == ("cutlass",)
+    q, k, v = (x.double().movedim(1, -2) for x in (query, key, value))  # [..., M, D]
+    probs = torch.softmax(q @ k.transpose(-1, -2) * scale + bias.double(), dim=-1)
+    return (probs @ v).movedim(-2, 1).to(query.dtype)
+
+
+@given(case=cases(XFormersBackend, "cuda", ALIBI_LIMITS).filter(lambda c: c.alibi))
+@differential_settings(ALIBI_LIMITS)
+def test_alibi_host_path_matches_reference_with_a_float64_kernel(case):
+    """Everything of the per-request ALiBi path but the kernel, on CPU: cache slots, positions,
+    causality, the bias, the per-group calls under GQA and where each output row goes."""
+    pytest.importorskip("xformers.ops.fmha")
+    with unittest.mock.patch.object(xformers_ops, "run_xformers", dense_float64_kernel):
+        check_against_reference(dataclasses.replace(case, dtype="float32"), XFormersBackend, "cpu")
 
 
 # ---------------------------------------------------------------- GPU: against the float64 reference
