@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from reference import make_batch, reference_forward, rel_err
-from test_differential import PROFILES, cases, check_against_reference, differential_settings
+from test_differential import CI_LIMITS, cases, check_against_reference, differential_settings
 
 import compiled_attn as ca
 from compiled_attn.backends.xformers import XFormersBackend, XFormersMetadata
@@ -18,7 +18,6 @@ from compiled_attn.metadata import CommonMetadataBuilder
 from compiled_attn.ops import xformers as xformers_ops
 
 T = ca.AttentionType
-ALIBI_LIMITS = dataclasses.replace(PROFILES["ci"], max_examples=15)
 OPCHECK_UTILS = (
     "test_schema",
     "test_autograd_registration",
@@ -175,20 +174,45 @@ def test_metadata_rejects_a_layer_window_unlike_the_spec():
         md.check_options(0, False)
 
 
+def dense_bias(bias, mq: int, mk: int) -> torch.Tensor:
+    """Any bias the op passes, as a dense float64 [.., Mq, Mk] additive mask. Paged biases
+    address keys by cache slot: request i sees the slots of its positions [start, seqlen)."""
+    if isinstance(bias, torch.Tensor):
+        return bias.double()
+    name = type(bias).__name__
+    if not name.startswith("Paged"):
+        return bias.materialize((mq, mk), dtype=torch.float64)
+    tables, page = bias.block_tables.long(), bias.page_size
+    n = tables.shape[0]
+    ends = bias.k_seqinfo.seqlen.tolist()
+    starts = bias.k_seqinfo.seqstart.tolist()[:n] if "Gappy" in name else [0] * n
+    mask = torch.full((mq, mk), float("-inf"), dtype=torch.float64)
+    for i in range(n):
+        pos = torch.arange(starts[i], ends[i])
+        mask[i, tables[i, pos // page] * page + pos % page] = 0
+    return mask
+
+
 def dense_float64_kernel(query, key, value, bias, scale, ops):
-    """A stand-in for `run_xformers` on tensor biases: softmax(q k^T * scale + bias) v in float64.
-    query/key/value [1, M, G, Hpg, D] or [1, M, H, D]; bias [1, G, Hpg, Mq, Mk] or [1, H, Mq, Mk]."""
-    assert isinstance(bias, torch.Tensor) and ops == ("cutlass",)
-    q, k, v = (x.double().movedim(1, -2) for x in (query, key, value))  # [..., M, D]
-    probs = torch.softmax(q @ k.transpose(-1, -2) * scale + bias.double(), dim=-1)
-    return (probs @ v).movedim(-2, 1).to(query.dtype)
+    """A stand-in for `run_xformers`: softmax(q k^T * scale + bias) v in float64, for
+    [1, M, G, Hpg, D] or [1, M, H, D] inputs (NaN in cache slots no bias lets through is zeroed,
+    as the kernels never load them)."""
+    grouped_input = query.dim() == 5
+    if not grouped_input:
+        query, key, value = query[:, :, None], key[:, :, None], value[:, :, None]
+        bias = bias[:, None] if isinstance(bias, torch.Tensor) else bias
+    q, k, v = (x.double().nan_to_num(0.0).movedim(1, -2) for x in (query, key, value))  # [1, G, Hpg, M, D]
+    probs = torch.softmax(q @ k.transpose(-1, -2) * scale + dense_bias(bias, q.shape[-2], k.shape[-2]), dim=-1)
+    out = (probs @ v).movedim(-2, 1).to(query.dtype)
+    return out if grouped_input else out[:, :, 0]
 
 
-@given(case=cases(XFormersBackend, "cuda", ALIBI_LIMITS).filter(lambda c: c.alibi))
-@differential_settings(ALIBI_LIMITS)
-def test_alibi_host_path_matches_reference_with_a_float64_kernel(case):
-    """Everything of the per-request ALiBi path but the kernel, on CPU: cache slots, positions,
-    causality, the bias, the per-group calls under GQA and where each output row goes."""
+@given(case=cases(XFormersBackend, "cuda", CI_LIMITS))
+@differential_settings(CI_LIMITS)
+def test_host_path_matches_reference_with_a_float64_kernel(case):
+    """Everything of the op but xFormers' kernels, on CPU, for drawn cases of every attention type
+    and option: biases (block-diagonal, paged, windowed, ALiBi), gathers, cache slots, the
+    per-group ALiBi calls and where each output row goes."""
     pytest.importorskip("xformers.ops.fmha")
     with unittest.mock.patch.object(xformers_ops, "run_xformers", dense_float64_kernel):
         check_against_reference(dataclasses.replace(case, dtype="float32"), XFormersBackend, "cpu")
