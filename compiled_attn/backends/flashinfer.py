@@ -37,7 +37,7 @@ from compiled_attn.abstract import (
     AttentionType,
 )
 from compiled_attn.backends.common import CommonImpl
-from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, check_graph_step, prefix_sums
+from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, check_graph_step, prefix_sums, to_device
 from compiled_attn.ops.flashinfer import stream_capturing  # importing registers the op
 
 NAME = "FLASHINFER"
@@ -387,7 +387,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
         if self.spec.attn_type == AttentionType.DECODER:
             indptr, indices, last = paged_kv_layout(md.seq_lens, md.block_tables_list, self.spec.block_size)
             md.paged_kv_indptr = torch.from_numpy(indptr)
-            md.paged_kv_indices = torch.from_numpy(indices).to(self.device)
+            md.paged_kv_indices = to_device(indices, self.device)
             md.paged_kv_last_page_len = torch.from_numpy(last)
         md.step_plan = StepPlan(self._pool, md, self._turn)
         self._turn += 1

@@ -21,7 +21,7 @@ from compiled_attn.abstract import (
     AttentionType,
 )
 from compiled_attn.backends.common import CommonImpl
-from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, check_graph_step
+from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, check_graph_step, to_device
 from compiled_attn.ops import torch_sdpa as _ops  # noqa: F401  (registers the op)
 
 NAME = "TORCH_SDPA"
@@ -112,7 +112,7 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
         for group, arrays in groups.items():
             names = (f"{group}_token_index", f"{group}_q_pos", f"{group}_flat_index")
             for name, a in zip(names, arrays, strict=True):
-                out[name] = torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+                out[name] = to_device(np.ascontiguousarray(a), self.device)
         return out
 
 
