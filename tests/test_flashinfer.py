@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
-from reference import alibi_slopes, make_batch, reference_forward, rel_err
+from reference import alibi_slopes, make_batch, reference_attention, reference_forward, rel_err
 from test_differential import CI_LIMITS, cases, check_against_reference, differential_settings
 
 import compiled_attn as ca
@@ -323,49 +323,39 @@ def test_fake_kernel_on_cuda_fake_tensors():
 
 
 class DenseWrapper:
-    """FlashInfer's plan/run contract, computed densely in float64 from what plan() was given:
-    pages (indptr / indices / last_page_len) or ragged K/V, causality, window_left, soft-cap,
-    ALiBi (standard slopes, slope * (key pos - query pos)) and the fp8 scales run() gets."""
+    """FlashInfer's plan/run contract, computed by `reference_attention` from what plan() was
+    given, read with FlashInfer's meanings: pages (indptr / indices / last_page_len) or ragged
+    K/V, causality, `window_left` (= window - 1), soft-cap, ALiBi (standard slopes) and the fp8
+    scales run() gets."""
 
     def __init__(self, kind: str, *args, **kwargs) -> None:
         self.kind = kind
 
     def plan(self, *args, **kw) -> None:
         if self.kind == "decode":
-            kv_indptr, indices, last, hq, hkv, _, page = args[:7]
+            kv_indptr, indices, last, hq, _, _, page = args[:7]
             qo = torch.arange(len(kv_indptr))
         elif self.kind == "prefill":
-            qo, kv_indptr, indices, last, hq, hkv, _, page = args[:8]
+            qo, kv_indptr, indices, last, hq, _, _, page = args[:8]
         else:
-            qo, kv_indptr, hq, hkv = args[:4]
+            qo, kv_indptr, hq = args[:3]
             indices = last = page = None
         self.qo, self.kv_indptr = torch.as_tensor(qo).tolist(), torch.as_tensor(kv_indptr).tolist()
         self.indices, self.last, self.page = indices, last, page
-        self.groups = hq // hkv
-        self.causal = kw.get("causal", True)
-        self.window, self.cap, self.scale = kw["window_left"], kw["logits_soft_cap"], kw["sm_scale"]
-        self.slopes = fib.standard_alibi_slopes(hq).double() if kw["pos_encoding_mode"] == "ALIBI" else None
+        self.options = dict(
+            causal=kw.get("causal", True), scale=kw["sm_scale"], logits_soft_cap=kw["logits_soft_cap"] or None,
+            sliding_window=kw["window_left"] + 1 if kw["window_left"] >= 0 else None,
+            alibi=fib.standard_alibi_slopes(hq) if kw["pos_encoding_mode"] == "ALIBI" else None,
+        )
 
     def run(self, q, kv, value=None, *, out, k_scale=None, v_scale=None) -> None:
         for i in range(len(self.qo) - 1):
             k, v = self._keys(i, kv, value)
-            k = k.double() * (k_scale or 1.0)
-            v = v.double() * (v_scale or 1.0)
             rows = slice(self.qo[i], self.qo[i + 1])
-            qi = q[rows].double()  # [Lq, Hq, D]
-            lq, lk = qi.shape[0], k.shape[0]
-            kh, vh = (x.repeat_interleave(self.groups, dim=1) for x in (k, v))  # [Lk, Hq, D]
-            scores = torch.einsum("qhd,khd->hqk", qi, kh) * self.scale
-            if self.cap:
-                scores = self.cap * torch.tanh(scores / self.cap)
-            rel = torch.arange(lk)[None, :] - (lk - lq + torch.arange(lq))[:, None]  # key pos - query pos
-            if self.slopes is not None:
-                scores = scores + self.slopes[:, None, None] * rel
-            hidden = (rel > 0) if self.causal else torch.zeros_like(rel, dtype=torch.bool)
-            if self.window >= 0:
-                hidden |= rel < -self.window
-            probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
-            out[rows] = torch.einsum("hqk,khd->qhd", probs, vh).to(out.dtype)
+            lq, lk = rows.stop - rows.start, k.shape[0]
+            o = reference_attention(q[rows], k.double() * (k_scale or 1.0), v.double() * (v_scale or 1.0),
+                                    torch.arange(lk - lq, lk), **self.options)
+            out[rows] = o.to(out.dtype)
 
     def _keys(self, i: int, kv, value) -> tuple[torch.Tensor, torch.Tensor]:
         lo, hi = self.kv_indptr[i], self.kv_indptr[i + 1]
