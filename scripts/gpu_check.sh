@@ -25,13 +25,13 @@ if [[ " $PARTS " == *" hunt "* ]]; then
   timeout "${HUNT_TIMEOUT:-200}" python3 -u scripts/fault_hunt.py "$backend" 2>&1 | tee "$OUT/hunt.log" \
     | grep -E "FAULT|mismatch|no fault" | head -20
   sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-  for case in culprit previous; do
-    if [[ -f "$OUT/culprit.json" && -n "$sanitizer" ]]; then
+  if [[ -f "$OUT/culprit.json" && -n "$sanitizer" ]]; then
+    for case in culprit previous; do
       timeout 120 "$sanitizer" --print-limit 3 python3 scripts/fault_hunt.py "$backend" --replay "$OUT/$case.json" \
         > "$OUT/sanitizer-$case.log" 2>&1
       grep -m 6 -E "Invalid|ERROR SUMMARY|replay passed" "$OUT/sanitizer-$case.log"
-    fi
-  done
+    done
+  fi
   if [[ -f "$OUT/culprit.json" ]] || grep -q "^mismatch" "$OUT/hunt.log"; then status=1; fi
 fi
 exit "$status"

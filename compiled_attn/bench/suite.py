@@ -47,10 +47,10 @@ def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list
             log.exception("suite %s failed", module)
             results[module] = f"FAILED: {type(e).__name__}: {e}"
             failed += 1
-        else:
-            print(f"\n== {module} ({card_name()}, {time.perf_counter() - start:.0f} s)")
+        results.setdefault("suite seconds", {})[module] = seconds = round(time.perf_counter() - start, 1)
+        if isinstance(results[module], list):
+            print(f"\n== {module} ({card_name()}, {seconds:.0f} s)")
             print_table(results[module])
-        results.setdefault("suite seconds", {})[module] = round(time.perf_counter() - start, 1)
         with open(path, "w") as f:  # after every suite: a run cut off by a timeout keeps what it measured
             json.dump(results, f, indent=1, default=str)
     try:
