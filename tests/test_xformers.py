@@ -280,6 +280,32 @@ def test_alibi_matches_reference(shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_size", [128, 256])
+def test_alibi_grouped_heads_with_a_partial_query_tile_match_reference(head_size):
+    """3 query heads per KV head, prompts of 33 / 65 fresh tokens (a partial last query tile of
+    the mem-efficient kernel): stride-0 K/V heads were wrong there (scripts/xf_alibi_probe.py)."""
+    from reference import alibi_slopes
+
+    spec = gpu_spec(num_heads=9, num_kv_heads=3, head_size=head_size, alibi_slopes=alibi_slopes(9))
+    check_decoder(spec, [33, 65, 200, 7], [33, 65, 3, 1])
+
+
+def test_cutlass_input_has_four_dims_and_a_copy_of_every_heads_kv():
+    fmha = pytest.importorskip("xformers.ops.fmha")
+    q = torch.randn(1, 5, 2, 3, 8)
+    k, v = (xformers_ops.expanded(torch.randn(7, 2, 8), 3) for _ in range(2))  # head stride 0
+    bias = torch.randn(1, 2, 3, 5, 8)[..., :7]
+    safe = xformers_ops.cutlass_safe(fmha.Inputs(query=q, key=k, value=v, attn_bias=bias, p=0.0, scale=0.5))
+    assert safe.query.shape == (1, 5, 6, 8) and torch.equal(safe.query, q.flatten(2, 3))
+    for got, want in ((safe.key, k), (safe.value, v)):
+        assert got.is_contiguous() and torch.equal(got, want.flatten(2, 3))
+        assert torch.equal(got[0, :, 1], want[0, :, 0, 1])
+    assert safe.attn_bias.shape == (1, 6, 5, 7) and torch.equal(safe.attn_bias, bias.flatten(1, 2))
+    assert safe.attn_bias.stride(-2) == 8  # the 8-aligned rows cutlass needs are kept
+    assert safe.scale == 0.5
+
+
+@pytest.mark.gpu
 def test_block_size_128_matches_reference():
     check_decoder(gpu_spec(block_size=128), *SHAPES["mixed"])
 

@@ -9,13 +9,14 @@ host by the builder or the graph State and reach the op through the forward cont
 - prefill: flash (PyTorch's FA2) or cutlass over packed K/V — this step's fresh K/V when no
   prefill has cached context, else K/V gathered from the cache (chunked prefill, prefix hits).
 - ALiBi: cutlass with a per-request tensor bias (eager only; no xFormers kernel takes ALiBi
-  together with a block-diagonal or paged bias).
+  together with a block-diagonal or paged bias), K/V copied per query head (`cutlass_safe`).
 
 xFormers is imported lazily so that this module (and the fake kernel) load on CPU-only machines.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -69,10 +70,27 @@ def run_xformers(
         op = classes[name]
         why = _not_supported(op, inp)
         if not why:
-            out, _ = op.apply(inp, needs_gradient=False)
+            out, _ = op.apply(cutlass_safe(inp) if name == "cutlass" else inp, needs_gradient=False)
             return out.reshape(shape)
         reasons[op.NAME] = why
     raise NotImplementedError(f"{NAME}: no xFormers kernel takes this input ({type(bias).__name__}): {reasons}")
+
+
+def cutlass_safe(inp: Any) -> Any:
+    """`inp` as cutlass computes it correctly: 4-D, every query head with K/V of its own in memory.
+
+    Two faults, measured on an H200 by scripts/xf_alibi_probe.py: PyTorch's mem-efficient kernel
+    returns wrong rows (rel err 0.15-0.26) in a partial last query tile when K/V heads have stride
+    0 (our expanded GQA layout; contiguous copies are exact), and xFormers runs each KV group of a
+    5-D input on a side stream of its own. Costs one K/V copy per call; only ALiBi and a prefill
+    that flash refuses get here.
+    """
+    q, k, v, bias = inp.query, inp.key, inp.value, inp.attn_bias
+    if q.dim() == 5:
+        q, k, v = q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3)
+        if isinstance(bias, torch.Tensor):
+            bias = bias.flatten(1, 2)
+    return dataclasses.replace(inp, query=q, key=k.contiguous(), value=v.contiguous(), attn_bias=bias)
 
 
 def grouped(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -176,7 +194,7 @@ def alibi_attention(
     alibi_slopes: torch.Tensor,
     kind: AttentionType,
 ) -> None:
-    """ALiBi: one cutlass call per request (per KV group under GQA), [1, G, Hpg, Lq, Lk] tensor bias.
+    """ALiBi: one cutlass call per request with a [1, G, Hpg, Lq, Lk] tensor bias.
 
     xFormers takes ALiBi only as a dense tensor bias (no block-diagonal or paged variant), so
     this path loops over requests on the host: eager only (the State refuses ALiBi graphs).
@@ -200,18 +218,8 @@ def alibi_attention(
         # cutlass wants the bias rows 8-aligned (16-byte loads): allocate padded, use a slice
         bias = torch.empty(1, g, hpg, lq, -(-lk // 8) * 8, device=query.device, dtype=query.dtype)[..., :lk]
         bias.copy_(alibi_bias(slopes, rel, allowed))
-        q = grouped(query[q_lo:q_hi], g)
-        if g > 1 and hpg > 1:
-            # xFormers runs each KV group of such a 5-D input on a CUDA stream of its own; the
-            # GPU differential test found wrong outputs and a fault only in this configuration,
-            # so the groups run one after another here (same kernel, same per-group shapes).
-            out = torch.stack([
-                run_xformers(q[:, :, j], expanded(k[:, j : j + 1], hpg)[:, :, 0],
-                             expanded(v[:, j : j + 1], hpg)[:, :, 0], bias[:, j], scale, ("cutlass",))
-                for j in range(g)
-            ], dim=2)
-        else:
-            out = run_xformers(q, expanded(k, hpg), expanded(v, hpg), bias, scale, ("cutlass",))
+        out = run_xformers(grouped(query[q_lo:q_hi], g), expanded(k, hpg), expanded(v, hpg), bias, scale,
+                           ("cutlass",))
         output[q_lo:q_hi].copy_(out.view(lq, *output.shape[1:]))
 
 

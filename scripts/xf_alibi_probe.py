@@ -1,0 +1,46 @@
+"""xFormers' cutlass op with a dense ALiBi bias and GQA-expanded K/V vs float64, raw and as the backend calls it.
+
+    python scripts/xf_alibi_probe.py        (CUDA; prints one line per shape, BAD where rel err > 1e-2)
+
+On an H200 (torch 2.11, xFormers 0.0.35) the raw call with stride-0 K/V heads was wrong
+(rel err 0.15-0.26) whenever the query length left a partial last query tile (33 or 65 rows at
+head 256, 65 at head 128, 3 query heads per KV head); `run_xformers` passes it through
+`cutlass_safe` (contiguous K/V), which was exact there.
+"""
+
+import itertools
+
+import torch
+
+from compiled_attn.ops.common import alibi_bias
+from compiled_attn.ops.xformers import expanded, fmha, run_xformers
+
+
+def reference(q, k, v, bias, scale):
+    s = torch.einsum("mhd,nhd->hmn", q.double(), k.double()) * scale + bias.double()
+    return torch.einsum("hmn,nhd->mhd", s.softmax(-1), v.double())
+
+
+def raw_cutlass(q, k, v, bias, scale):
+    f = fmha()
+    inp = f.Inputs(query=q, key=k, value=v, attn_bias=bias, p=0.0, scale=scale)
+    return f.cutlass.FwOp.apply(inp, needs_gradient=False)[0]
+
+
+torch.manual_seed(0)
+for d, hpg, lq, call in itertools.product((128, 256), (1, 3), (32, 33, 64, 65), ("raw", "backend")):
+    q = torch.randn(1, lq, hpg, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(lq, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(hpg)], device="cuda")[None, :, None, None]
+    rel = (torch.arange(lq, device="cuda")[None, :] - torch.arange(lq, device="cuda")[:, None]).float()
+    bias = torch.empty(1, hpg, lq, -(-lq // 8) * 8, device="cuda", dtype=torch.bfloat16)[..., :lq]
+    bias.copy_(alibi_bias(slopes, rel, rel <= 0))
+    kk, vv = expanded(k, hpg)[:, :, 0], expanded(v, hpg)[:, :, 0]  # [1, lq, hpg, d], head stride 0
+    scale = d**-0.5
+    if call == "raw":
+        out = raw_cutlass(q, kk, vv, bias, scale)
+    else:
+        out = run_xformers(q, kk, vv, bias, scale, ("cutlass",))
+    ref = reference(q[0], k.expand(lq, hpg, d), v.expand(lq, hpg, d), bias[0], scale)
+    err = ((out[0].double() - ref).norm() / ref.norm()).item()
+    print(f"head {d}, {hpg} q heads per kv head, {lq} rows, {call}: rel err {err:.3e} {'BAD' if err > 1e-2 else 'ok'}")
