@@ -27,8 +27,13 @@ def raw_cutlass(q, k, v, bias, scale):
     return f.cutlass.FwOp.apply(inp, needs_gradient=False)[0]
 
 
+def backend_cutlass(q, k, v, bias, scale):
+    return run_xformers(q, k, v, bias, scale, ("cutlass",))
+
+
+CALLS = {"raw": raw_cutlass, "backend": backend_cutlass}
 torch.manual_seed(0)
-for d, hpg, lq, call in itertools.product((128, 256), (1, 3), (32, 33, 64, 65), ("raw", "backend")):
+for d, hpg, lq, call in itertools.product((128, 256), (1, 3), (32, 33, 64, 65), CALLS):
     q = torch.randn(1, lq, hpg, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(lq, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     slopes = torch.tensor([2.0 ** -(i + 1) for i in range(hpg)], device="cuda")[None, :, None, None]
@@ -37,10 +42,7 @@ for d, hpg, lq, call in itertools.product((128, 256), (1, 3), (32, 33, 64, 65), 
     bias.copy_(alibi_bias(slopes, rel, rel <= 0))
     kk, vv = expanded(k, hpg)[:, :, 0], expanded(v, hpg)[:, :, 0]  # [1, lq, hpg, d], head stride 0
     scale = d**-0.5
-    if call == "raw":
-        out = raw_cutlass(q, kk, vv, bias, scale)
-    else:
-        out = run_xformers(q, kk, vv, bias, scale, ("cutlass",))
+    out = CALLS[call](q, kk, vv, bias, scale)
     ref = reference(q[0], k.expand(lq, hpg, d), v.expand(lq, hpg, d), bias[0], scale)
     err = ((out[0].double() - ref).norm() / ref.norm()).item()
     print(f"head {d}, {hpg} q heads per kv head, {lq} rows, {call}: rel err {err:.3e} {'BAD' if err > 1e-2 else 'ok'}")
