@@ -129,13 +129,25 @@ class Case:
 # Strategies: configurations from a backend's capabilities
 
 
+# FlashInfer's feature cases (tests/test_flashinfer.py): (id, dtype, head size, cache dtype, q heads,
+# kv heads, window, soft-cap, ALiBi). Kept here, not there, so that drawing a case never imports a
+# test module (whose @given would then nest inside this strategy's).
+FEATURE_CASES = [
+    ("base", torch.bfloat16, 128, "auto", 8, 2, None, None, False),
+    ("fp16_d64_mha_window", torch.float16, 64, "auto", 4, 4, 256, None, False),
+    ("d256_mqa_tensorcore_softcap", torch.bfloat16, 256, "auto", 8, 1, None, 30.0, False),
+    ("fp16_alibi_window", torch.float16, 128, "auto", 8, 2, 200, None, True),
+    ("fp8e4m3_d64_alibi", torch.bfloat16, 64, "fp8_e4m3", 8, 8, None, None, True),
+    ("fp8e5m2_fp16_tensorcore_window", torch.float16, 128, "fp8_e5m2", 16, 2, 300, None, False),
+    ("fp8e4m3_d128", torch.bfloat16, 128, "fp8_e4m3", 8, 2, None, None, False),
+]
+
+
 def flashinfer_kernels() -> list[tuple]:
     """FlashInfer JIT-builds one module per (dtype, head size, KV dtype, window?, soft-cap?, ALiBi?)
     and per decode kernel kind (CUDA cores up to group 4, tensor cores above): the differential
     test draws only the variants tests/test_flashinfer.py's cases build (and its prewarm compiles),
     so 200 examples cost no extra multi-minute compiles. Everything else is drawn freely."""
-    from test_flashinfer import FEATURE_CASES
-
     return sorted({
         (dtype, d, kv, window is not None, cap is not None, alibi, hq // hkv > MAX_CUDA_CORE_GROUP)
         for _, dtype, d, kv, hq, hkv, window, cap, alibi in FEATURE_CASES

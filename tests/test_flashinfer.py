@@ -2,7 +2,7 @@
 plan calls); every feature against the float64 reference, graphs and opcheck on the device.
 
 Kernel variants compile for 10-60 s each, so the GPU feature cases are a pairwise design over
-(dtype, head size, cache dtype, GQA group, window, soft-cap, ALiBi): FEATURE_CASES below.
+(dtype, head size, cache dtype, GQA group, window, soft-cap, ALiBi): test_differential.FEATURE_CASES.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given
 from reference import alibi_slopes, make_batch, reference_attention, reference_forward, rel_err
-from test_differential import CI_LIMITS, cases, check_against_reference, differential_settings
+from test_differential import CI_LIMITS, FEATURE_CASES, cases, check_against_reference, differential_settings
 
 import compiled_attn as ca
 from compiled_attn.backends import flashinfer as fib
@@ -385,18 +385,7 @@ def test_host_path_matches_reference_with_dense_flashinfer(case):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: features against the float64 reference
-
-# (name, dtype, head_size, kv_cache_dtype, num_heads, num_kv_heads, sliding_window, soft_cap, alibi)
-FEATURE_CASES = [
-    ("base", torch.bfloat16, 128, "auto", 8, 2, None, None, False),
-    ("fp16_d64_mha_window", torch.float16, 64, "auto", 4, 4, 256, None, False),
-    ("d256_mqa_tensorcore_softcap", torch.bfloat16, 256, "auto", 8, 1, None, 30.0, False),
-    ("fp16_alibi_window", torch.float16, 128, "auto", 8, 2, 200, None, True),
-    ("fp8e4m3_d64_alibi", torch.bfloat16, 64, "fp8_e4m3", 8, 8, None, None, True),
-    ("fp8e5m2_fp16_tensorcore_window", torch.float16, 128, "fp8_e5m2", 16, 2, 300, None, False),
-    ("fp8e4m3_d128", torch.bfloat16, 128, "fp8_e4m3", 8, 2, None, None, False),
-]
+# GPU: features against the float64 reference (FEATURE_CASES)
 
 
 def case_spec(case, num_blocks=4096, **kw):
