@@ -397,7 +397,10 @@ def kept_regressions() -> list:
     if not REGRESSIONS.exists():
         return []
     lines = [line for line in REGRESSIONS.read_text().splitlines() if line.strip() and not line.startswith("#")]
-    return [pytest.param(json.loads(line), id=f"{i}-{json.loads(line)['backend']}") for i, line in enumerate(lines)]
+    entries = [json.loads(line) for line in lines]
+    # CUDA entries carry the gpu mark, so the device run (`pytest -m gpu`) replays them
+    return [pytest.param(e, id=f"{i}-{e['backend']}", marks=[pytest.mark.gpu] if e["device"] == "cuda" else [])
+            for i, e in enumerate(entries)]
 
 
 @pytest.mark.parametrize("entry", kept_regressions()
