@@ -3,7 +3,8 @@
 A batch of requests goes through prefill and greedy decode steps on the best backend of this
 machine; the compiled model (`fullgraph=True, dynamic=True`) must agree with eager: the same
 greedy tokens in fp32, teacher-forced logits within tolerance in bf16. On CUDA the compiled
-model also serves the decode steps through `CUDAGraphRunner` (teacher-forced, checked the same way).
+model also serves the decode steps through `CUDAGraphRunner` (teacher-forced, checked the same way;
+sharded, with the all-reduces inside the graphs).
 
 With `tp` > 1 the demo runs on `tp` spawned processes (one per GPU with NCCL, or gloo on CPU),
 each serving its shard of the model; the sharded model is also checked against the unsharded
@@ -43,10 +44,12 @@ def generate(
     *,
     forced: list[list[int]] | None = None,
     graphs: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> RunResult:
     """Prefill `prompts`, then `steps` greedy decode steps; `forced` feeds given tokens instead
     of the model's own (teacher forcing), so two runs see identical inputs. `graphs` serves the
-    steps through a `CUDAGraphRunner` (decodes replay graphs, the prefill runs eagerly)."""
+    steps through a `CUDAGraphRunner` (decodes replay graphs, the prefill runs eagerly); `group`:
+    the tensor-parallel group of a sharded `model` (every rank captures the same sizes)."""
     caches = allocate_kv_caches(model.config, backend, spec)
     runner, capture_seconds = None, 0.0
     if graphs:
@@ -56,7 +59,7 @@ def generate(
         # off CUDA the runner replays the same padded static-buffer step without capturing it
         runner = CUDAGraphRunner(model, backend, spec, caches, capture_sizes=sizes, max_batch_size=max(sizes),
                                  use_cuda_graphs=spec.device.type == "cuda", progress=False)
-        capture_seconds = runner.capture()["seconds"]
+        capture_seconds = tpm.capture_sharded(runner, group)["seconds"]
     allocator = BlockAllocator(spec.num_blocks, spec.block_size)
     builder = backend.get_builder_cls()(spec)
     requests = [Request(tokens=list(p)) for p in prompts]
@@ -152,8 +155,9 @@ def _demo(group: dist.ProcessGroup | None, device: torch.device, steps: int, num
         "compiled tok/s": compiled.decode_tokens / compiled.decode_seconds,
         "compile s": compiled.first_step_seconds,
     }
-    if cuda and tp_size == 1:
-        graphed = generate(compiled_model, backend, spec, prompts, steps, forced=eager.tokens, graphs=True)
+    if cuda:
+        graphed = generate(compiled_model, backend, spec, prompts, steps, forced=eager.tokens, graphs=True,
+                           group=group)
         errs = [((c - e).norm() / e.norm()).item() for c, e in zip(graphed.logits, eager.logits, strict=True)]
         agree = agree and max(errs) <= 2e-2
         check += f"; graphs vs eager logits max rel err {max(errs):.2e}"
