@@ -46,3 +46,26 @@ for d, hpg, lq, call in itertools.product((128, 256), (1, 3), (32, 33, 64, 65), 
     ref = reference(q[0], k.expand(lq, hpg, d), v.expand(lq, hpg, d), bias[0], scale)
     err = ((out[0].double() - ref).norm() / ref.norm()).item()
     print(f"head {d}, {hpg} q heads per kv head, {lq} rows, {call}: rel err {err:.3e} {'BAD' if err > 1e-2 else 'ok'}")
+
+# The bench's fresh prefill (8 x 2048, 32 q / 8 kv heads, head 128): which kernel takes it, and
+# what cutlass_safe's copies cost there.
+from xformers.ops.fmha import attn_bias as ab  # noqa: E402
+
+from compiled_attn.bench.timing import eager_time_us  # noqa: E402
+from compiled_attn.ops.xformers import _not_supported, cutlass_safe, grouped  # noqa: E402
+
+f = fmha()
+n, g, hpg, d = 8 * 2048, 8, 4, 128
+q = grouped(torch.randn(n, g * hpg, d, device="cuda", dtype=torch.bfloat16), g)
+k, v = (expanded(torch.randn(n, g, d, device="cuda", dtype=torch.bfloat16), hpg) for _ in range(2))
+mask = ab.BlockDiagonalCausalMask.from_seqlens([2048] * 8, device="cuda")
+inp = f.Inputs(query=q, key=k, value=v, attn_bias=mask, p=0.0, scale=d**-0.5)
+for op in (f.flash.FwOp, f.cutlass.FwOp):
+    print(f"prefill 8 x 2048: {op.NAME} refuses: {_not_supported(op, inp) or 'no'}")
+timings = {
+    "as the backend calls it (flash, else cutlass)": lambda: run_xformers(q, k, v, mask, d**-0.5, ("flash", "cutlass")),
+    "cutlass, 5-D stride-0 K/V": lambda: f.cutlass.FwOp.apply(inp, False),
+    "cutlass_safe": lambda: f.cutlass.FwOp.apply(cutlass_safe(inp), False),
+}
+for label, fn in timings.items():
+    print(f"prefill 8 x 2048, {label}: {eager_time_us(fn, iters=20):.0f} us")
