@@ -2,7 +2,8 @@
 
 Shapes: 32 query / 8 KV heads, head_size 128, bf16, block_size 16; every request holds `ctx`
 tokens. Each row reports the median time of one decode step (us) and the fraction of the card's
-nominal HBM bandwidth that reading the K/V cache once would take in that time.
+nominal HBM bandwidth that reading the K/V cache once would take in that time. A page-size sweep
+(our op only, pages 32 / 64 / 128) follows at the end-to-end bench's batch 8 / 64, ctx 1024.
 
     python -m compiled_attn.bench.decode_flashinfer [--quick]
 """
@@ -22,12 +23,13 @@ from compiled_attn.bench.timing import card_name, graph_time_us, nominal_bandwid
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
 BATCHES = (1, 16, 64, 256)
 CONTEXTS = (512, 4096, 16384)
+SWEEP_PAGES, SWEEP_POINTS = (32, 64, 128), ((8, 1024), (64, 1024))
 
 
-def _spec(batch: int, ctx: int) -> ca.AttentionSpec:
+def _spec(batch: int, ctx: int, block_size: int) -> ca.AttentionSpec:
     return ca.AttentionSpec(
-        num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, block_size=BLOCK_SIZE,
-        num_blocks=batch * ctx // BLOCK_SIZE + 1, dtype=torch.bfloat16, device="cuda",
+        num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, block_size=block_size,
+        num_blocks=batch * ctx // block_size + 1, dtype=torch.bfloat16, device="cuda",
         max_seq_len_to_capture=ctx,
     )
 
@@ -83,52 +85,64 @@ def _sdpa(batch: int, ctx: int, q: torch.Tensor) -> Callable[[], object]:
 
 
 def run(quick: bool) -> list[dict]:
-    """One row per (implementation, batch, ctx): time in us and fraction of nominal HBM bandwidth."""
+    """One row per (implementation, batch, ctx[, page]): time in us and fraction of nominal HBM bandwidth."""
     replays = 10 if quick else 50
-    peak = nominal_bandwidth()
     rows = []
     for ctx in CONTEXTS:
         for batch in BATCHES:
-            spec = _spec(batch, ctx)
-            blocks = ctx // BLOCK_SIZE
-            tables = torch.randperm(spec.num_blocks - 1)[: batch * blocks].add_(1).view(batch, blocks).tolist()
-            md = FlashInferBackend.get_builder_cls()(spec).build([ctx] * batch, [1] * batch, tables)
-            kv_cache = torch.randn(
-                FlashInferBackend.get_kv_cache_shape(spec.num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE),
-                dtype=spec.dtype, device="cuda",
-            )
-            q = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=spec.dtype, device="cuda")
-            out = torch.empty_like(q)
-            cases = {
-                "ours (graph)": _our_op(spec, md, q, kv_cache, out),
-                "flashinfer cuda-core": _direct(spec, md, q, kv_cache, out, False),
-                "flashinfer tensor-core": _direct(spec, md, q, kv_cache, out, True),
-            }
-            del kv_cache  # the closures hold it; SDPA gets its own contiguous copy below
-            cache_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * spec.dtype.itemsize
-            for impl, fn in cases.items():
-                rows.append(_row(impl, batch, ctx, graph_time_us(fn, replays=replays), cache_bytes, peak))
-            cases.clear()
-            torch.cuda.empty_cache()
-            rows.append(_row("torch sdpa", batch, ctx, graph_time_us(_sdpa(batch, ctx, q), replays=replays),
-                             cache_bytes, peak))
-            torch.cuda.empty_cache()
+            rows += _point_rows(batch, ctx, BLOCK_SIZE, replays, with_peers=True)
+    for batch, ctx in SWEEP_POINTS:
+        for block_size in SWEEP_PAGES:
+            rows += _point_rows(batch, ctx, block_size, replays, with_peers=False)
     return rows
 
 
-def _row(impl: str, batch: int, ctx: int, us: float, cache_bytes: int, peak: float | None) -> dict:
+def _point_rows(batch: int, ctx: int, block_size: int, replays: int, with_peers: bool) -> list[dict]:
+    """Our op (and with_peers: FlashInfer's own calls and SDPA) at one point, pages of block_size."""
+    peak = nominal_bandwidth()
+    spec = _spec(batch, ctx, block_size)
+    blocks = ctx // block_size
+    tables = torch.randperm(spec.num_blocks - 1)[: batch * blocks].add_(1).view(batch, blocks).tolist()
+    md = FlashInferBackend.get_builder_cls()(spec).build([ctx] * batch, [1] * batch, tables)
+    kv_cache = torch.randn(
+        FlashInferBackend.get_kv_cache_shape(spec.num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE),
+        dtype=spec.dtype, device="cuda",
+    )
+    q = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=spec.dtype, device="cuda")
+    out = torch.empty_like(q)
+    cases = {"ours (graph)": _our_op(spec, md, q, kv_cache, out)}
+    if with_peers:
+        cases["flashinfer cuda-core"] = _direct(spec, md, q, kv_cache, out, False)
+        cases["flashinfer tensor-core"] = _direct(spec, md, q, kv_cache, out, True)
+    del kv_cache  # the closures hold it; SDPA gets its own contiguous copy below
+    cache_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * spec.dtype.itemsize
+    suite = "decode_flashinfer" if with_peers else "page_sweep_flashinfer"
+    rows = [_row(suite, impl, batch, ctx, block_size, graph_time_us(fn, replays=replays), cache_bytes, peak)
+            for impl, fn in cases.items()]
+    cases.clear()
+    torch.cuda.empty_cache()
+    if with_peers:
+        rows.append(_row(suite, "torch sdpa", batch, ctx, None, graph_time_us(_sdpa(batch, ctx, q), replays=replays),
+                         cache_bytes, peak))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _row(suite: str, impl: str, batch: int, ctx: int, page: int | None, us: float, cache_bytes: int,
+         peak: float | None) -> dict:
     frac = None if peak is None else cache_bytes / (us * 1e-6) / peak
-    return {"suite": "decode_flashinfer", "card": card_name(), "impl": impl, "batch": batch, "ctx": ctx,
-            "us": round(us, 2), "hbm_frac": None if frac is None else round(frac, 3)}
+    return {"suite": suite, "card": card_name(), "impl": impl, "batch": batch, "ctx": ctx,
+            "page": page, "us": round(us, 2), "hbm_frac": None if frac is None else round(frac, 3)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     rows = run(parser.parse_args().quick)
-    print(f"{'impl':<24}{'batch':>6}{'ctx':>7}{'us':>10}{'HBM frac':>10}  ({rows[0]['card']})")
+    print(f"{'impl':<24}{'batch':>6}{'ctx':>7}{'page':>5}{'us':>10}{'HBM frac':>10}  ({rows[0]['card']})")
     for r in rows:
-        print(f"{r['impl']:<24}{r['batch']:>6}{r['ctx']:>7}{r['us']:>10.1f}{r['hbm_frac'] or 0:>10.3f}")
+        print(f"{r['impl']:<24}{r['batch']:>6}{r['ctx']:>7}{r['page'] or '':>5}{r['us']:>10.1f}"
+              f"{r['hbm_frac'] or 0:>10.3f}")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@ the gpt-fast-style peer (static contiguous cache, SDPA, `mode="reduce-overhead"`
 
 MBU (model bandwidth utilisation) = (weight bytes + KV bytes read per step) / step time /
 nominal HBM bandwidth; tokens/s = batch / step time. Weights are random: speed does not care.
+
+    python -m compiled_attn.bench.e2e [--quick] [--block-size 16] [--point 64x1024 ...]
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 
 import torch
@@ -37,10 +40,10 @@ def step_seconds(step, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-def decode_inputs(config: LlamaConfig, backend, batch: int, ctx: int, dtype: torch.dtype):
+def decode_inputs(config: LlamaConfig, backend, batch: int, ctx: int, dtype: torch.dtype, block_size: int):
     """A decode step of `batch` requests with `ctx` cached tokens each, caches of random values."""
-    blocks = -(-(ctx + 1) // BLOCK_SIZE)
-    spec = config.attention_spec(block_size=BLOCK_SIZE, num_blocks=batch * blocks, dtype=dtype, device="cuda",
+    blocks = -(-(ctx + 1) // block_size)
+    spec = config.attention_spec(block_size=block_size, num_blocks=batch * blocks, dtype=dtype, device="cuda",
                                  max_seq_len_to_capture=ctx + 1)
     caches = [c.normal_() for c in allocate_kv_caches(config, backend, spec)]
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
@@ -86,19 +89,19 @@ class StaticCacheDecoder(nn.Module):
         return m.lm_head(m.norm(x)).float()
 
 
-def measure_point(model: Llama, compiled, backend, batch: int, ctx: int, weight_bytes: int) -> dict:
+def measure_point(model: Llama, compiled, backend, batch: int, ctx: int, weight_bytes: int, block_size: int) -> dict:
     """One (batch, ctx) point: ours eager / compiled / compiled+graphs, then the gpt-fast peer."""
     config = model.config
     kv_bytes = 2 * batch * ctx * config.num_layers * config.num_kv_heads * config.head_size * 2
     bw = nominal_bandwidth() or float("nan")
-    row = {"card": card_name(), "backend": backend.get_name(), "batch": batch, "ctx": ctx}
+    row = {"card": card_name(), "backend": backend.get_name(), "batch": batch, "ctx": ctx, "page": block_size}
 
     def record(label: str, seconds: float) -> None:
         row[f"{label} ms"] = seconds * 1e3
         row[f"{label} tok/s"] = batch / seconds
         row[f"{label} MBU"] = (weight_bytes + kv_bytes) / seconds / bw
 
-    spec, caches, md, ids, pos = decode_inputs(config, backend, batch, ctx, model.embed.weight.dtype)
+    spec, caches, md, ids, pos = decode_inputs(config, backend, batch, ctx, model.embed.weight.dtype, block_size)
     torch._dynamo.decorators.mark_unbacked(ids, 0)
     torch._dynamo.decorators.mark_unbacked(pos, 0)
     for label, fn, iters in (("eager", model, 5), ("compiled", compiled, 20)):
@@ -120,17 +123,37 @@ def measure_point(model: Llama, compiled, backend, batch: int, ctx: int, weight_
     return row
 
 
-def run(quick: bool = False, backend_name: str | None = None) -> list[dict]:
+def run(quick: bool = False, backend_name: str | None = None, block_size: int = BLOCK_SIZE,
+        points: list[tuple[int, int]] | None = None) -> list[dict]:
+    """One row per (batch, ctx) point; `points` replaces the default grid (quick: three points)."""
     config = LlamaConfig.llama3_8b()
     dtype = torch.bfloat16
-    points = [(1, 1024), (64, 1024), (1, 4096)] if quick else [(b, c) for c in (1024, 4096) for b in (1, 8, 64)]
-    probe = config.attention_spec(block_size=BLOCK_SIZE, num_blocks=1, dtype=dtype, device="cuda")
+    if points is None:
+        points = [(1, 1024), (64, 1024), (1, 4096)] if quick else [(b, c) for c in (1024, 4096) for b in (1, 8, 64)]
+    probe = config.attention_spec(block_size=block_size, num_blocks=1, dtype=dtype, device="cuda")
     backend = ca.get_attn_backend(backend_name, probe)
     model = build_model(config, seed=0, backend=backend.get_name(), dtype=dtype, device="cuda", init_device="cuda")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
     rows = []
     for batch, ctx in points:
-        rows.append(measure_point(model, compiled, backend, batch, ctx, weight_bytes))
+        rows.append(measure_point(model, compiled, backend, batch, ctx, weight_bytes, block_size))
         torch.cuda.empty_cache()
     return rows
+
+
+def main() -> None:
+    from compiled_attn.__main__ import print_table
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--backend", default=None)
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="KV-cache page size (tokens)")
+    parser.add_argument("--point", action="append", metavar="BxCTX", help="e.g. 64x1024 (repeatable)")
+    args = parser.parse_args()
+    points = [tuple(int(n) for n in p.split("x")) for p in args.point] if args.point else None
+    print_table(run(args.quick, args.backend, args.block_size, points))
+
+
+if __name__ == "__main__":
+    main()

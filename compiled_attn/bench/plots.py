@@ -20,7 +20,8 @@ def decode_series(results: dict) -> dict[str, list[tuple[int, int, float, float]
         if not isinstance(rows, list):
             continue
         for r in rows:
-            if "batch" not in r or "ctx" not in r or str(r.get("suite", "")).startswith("prefill"):
+            # prefill rows and the page-size sweep are tables, not curves over the decode grid
+            if "batch" not in r or "ctx" not in r or not str(r.get("suite", "decode")).startswith("decode"):
                 continue
             backend = "FlashInfer" if "flashinfer" in suite else "xFormers"
             label = r.get("impl") or r.get("variant")

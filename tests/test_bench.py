@@ -1,0 +1,29 @@
+"""CPU checks of the bench's result handling (the suites themselves need CUDA)."""
+
+from __future__ import annotations
+
+from compiled_attn.bench.plots import decode_series
+
+
+def test_plots_draw_the_decode_grid_only():
+    fi = "compiled_attn.bench.decode_flashinfer"
+    xf = "compiled_attn.bench.decode_xformers"
+    results = {
+        fi: [
+            {"suite": "decode_flashinfer", "impl": "ours (graph)", "batch": 8, "ctx": 512, "page": 16, "us": 12.0,
+             "hbm_frac": 0.5},
+            {"suite": "decode_flashinfer", "impl": "torch sdpa", "batch": 8, "ctx": 512, "page": None, "us": 9.0,
+             "hbm_frac": 0.7},
+            {"suite": "page_sweep_flashinfer", "impl": "ours (graph)", "batch": 8, "ctx": 1024, "page": 64,
+             "us": 20.0, "hbm_frac": 0.6},
+        ],
+        xf: [
+            {"suite": "decode_xformers", "variant": "ours", "batch": 8, "ctx": 512, "time_us": 11.0, "hbm_frac": 0.55},
+            {"suite": "prefill_xformers", "variant": "fresh", "batch": 8, "ctx": 2048, "time_us": 1800.0},
+        ],
+    }
+    assert decode_series(results) == {
+        "FlashInfer: ours (graph)": [(8, 512, 12.0, 0.5)],
+        "torch SDPA, static cache": [(8, 512, 9.0, 0.7)],
+        "xFormers: ours": [(8, 512, 11.0, 0.55)],
+    }
