@@ -3,7 +3,7 @@
 Shapes: 32 query / 8 KV heads, head_size 128, bf16, block_size 16; every request holds `ctx`
 tokens. Each row reports the median time of one decode step (us) and the fraction of the card's
 nominal HBM bandwidth that reading the K/V cache once would take in that time. A page-size sweep
-(our op only, pages 32 / 64 / 128) follows at the end-to-end bench's batch 8 / 64, ctx 1024.
+(our op only, pages 16 / 32 / 64 / 128) follows at the end-to-end bench's batch 8 / 64, ctx 1024.
 
     python -m compiled_attn.bench.decode_flashinfer [--quick]
 """
@@ -23,7 +23,7 @@ from compiled_attn.bench.timing import card_name, graph_time_us, nominal_bandwid
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
 BATCHES = (1, 16, 64, 256)
 CONTEXTS = (512, 4096, 16384)
-SWEEP_PAGES, SWEEP_POINTS = (32, 64, 128), ((8, 1024), (64, 1024))
+SWEEP_PAGES, SWEEP_POINTS = (16, 32, 64, 128), ((8, 1024), (64, 1024))
 
 
 def _spec(batch: int, ctx: int, block_size: int) -> ca.AttentionSpec:
