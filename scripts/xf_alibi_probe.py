@@ -2,18 +2,22 @@
 
     python scripts/xf_alibi_probe.py        (CUDA; prints one line per shape, BAD where rel err > 1e-2)
 
-On an H200 (torch 2.11, xFormers 0.0.35) the raw call with stride-0 K/V heads was wrong
-(rel err 0.15-0.26) whenever the query length left a partial last query tile (33 or 65 rows at
-head 256, 65 at head 128, 3 query heads per KV head); `run_xformers` passes it through
-`cutlass_safe` (contiguous K/V), which was exact there.
+On an H200 and an H100 (torch 2.11, xFormers 0.0.35) the raw call with stride-0 K/V heads was
+wrong (rel err 0.15-0.26) whenever the query length left a partial last query tile (33 or 65 rows
+at head 256, 65 at head 128, 3 query heads per KV head); `run_xformers` passes it through
+`cutlass_safe` (contiguous K/V), which was exact there. Then, for the bench's fresh prefill: which
+kernel takes it and what the copies cost. (One KV group per call here: the side streams xFormers
+uses for several groups are read from its source, not measured.)
 """
 
 import itertools
 
 import torch
+from xformers.ops.fmha import attn_bias as ab
 
+from compiled_attn.bench.timing import eager_time_us
 from compiled_attn.ops.common import alibi_bias
-from compiled_attn.ops.xformers import expanded, fmha, run_xformers
+from compiled_attn.ops.xformers import _not_supported, cutlass_safe, expanded, fmha, grouped, run_xformers
 
 
 def reference(q, k, v, bias, scale):
@@ -47,13 +51,7 @@ for d, hpg, lq, call in itertools.product((128, 256), (1, 3), (32, 33, 64, 65), 
     err = ((out[0].double() - ref).norm() / ref.norm()).item()
     print(f"head {d}, {hpg} q heads per kv head, {lq} rows, {call}: rel err {err:.3e} {'BAD' if err > 1e-2 else 'ok'}")
 
-# The bench's fresh prefill (8 x 2048, 32 q / 8 kv heads, head 128): which kernel takes it, and
-# what cutlass_safe's copies cost there.
-from xformers.ops.fmha import attn_bias as ab  # noqa: E402
-
-from compiled_attn.bench.timing import eager_time_us  # noqa: E402
-from compiled_attn.ops.xformers import _not_supported, cutlass_safe, grouped  # noqa: E402
-
+# The bench's fresh prefill (8 x 2048, 32 q / 8 kv heads, head 128)
 f = fmha()
 n, g, hpg, d = 8 * 2048, 8, 4, 128
 q = grouped(torch.randn(n, g * hpg, d, device="cuda", dtype=torch.bfloat16), g)

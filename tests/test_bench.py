@@ -1,7 +1,8 @@
-"""CPU checks of the bench's result handling (the suites themselves need CUDA)."""
+"""CPU checks of the bench's result handling: tables and plots (the suites themselves need CUDA)."""
 
 from __future__ import annotations
 
+from compiled_attn.__main__ import print_table
 from compiled_attn.bench.plots import decode_series
 
 
@@ -27,3 +28,11 @@ def test_plots_draw_the_decode_grid_only():
         "torch SDPA, static cache": [(8, 512, 9.0, 0.7)],
         "xFormers: ours": [(8, 512, 11.0, 0.55)],
     }
+
+
+def test_table_has_a_column_for_every_key_of_any_row(capsys):
+    print_table([{"ceiling": "amax", "GB/s": 2781.7}, {"ceiling": "matmul", "TFLOP/s": 777.26}])
+    header, amax, matmul = capsys.readouterr().out.splitlines()
+    assert header.split() == ["ceiling", "GB/s", "TFLOP/s"]
+    assert amax.split() == ["amax", "2782"] and matmul.split() == ["matmul", "777.3"]  # blank where absent
+    assert amax.index("2782") == header.index("GB/s") and matmul.index("777.3") == header.index("TFLOP/s")

@@ -79,11 +79,11 @@ def run_xformers(
 def cutlass_safe(inp: Any) -> Any:
     """`inp` as cutlass computes it correctly: 4-D, every query head with K/V of its own in memory.
 
-    Two faults, measured on an H200 by scripts/xf_alibi_probe.py: PyTorch's mem-efficient kernel
-    returns wrong rows (rel err 0.15-0.26) in a partial last query tile when K/V heads have stride
-    0 (our expanded GQA layout; contiguous copies are exact), and xFormers runs each KV group of a
-    5-D input on a side stream of its own. Costs one K/V copy per call; only ALiBi and a prefill
-    that flash refuses get here.
+    PyTorch's mem-efficient kernel returns wrong rows (rel err 0.15-0.26) in a partial last query
+    tile when K/V heads have stride 0, our expanded GQA layout; contiguous copies are exact
+    (scripts/xf_alibi_probe.py, H200 and H100). And xFormers' cutlass op runs each KV group of a
+    5-D input on a side stream of its own (its source), which 4-D input avoids. Costs one K/V copy
+    per call; only ALiBi and a prefill that flash refuses get here.
     """
     q, k, v, bias = inp.query, inp.key, inp.value, inp.attn_bias
     if q.dim() == 5:
