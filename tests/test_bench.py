@@ -1,9 +1,16 @@
-"""CPU checks of the bench's result handling: tables and plots (the suites themselves need CUDA)."""
+"""CPU checks of the bench: result tables, plots, the profile reduction and the decode-loop peer's
+fidelity (the timed suites themselves need CUDA)."""
 
 from __future__ import annotations
 
+import torch
+
+import compiled_attn as ca
 from compiled_attn.__main__ import print_table
+from compiled_attn.bench.decode_loop import GptFastDecoder
+from compiled_attn.bench.kernel_table import Kernel, per_layer_table
 from compiled_attn.bench.plots import decode_series
+from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 
 
 def test_plots_draw_the_decode_grid_only():
@@ -36,3 +43,43 @@ def test_table_has_a_column_for_every_key_of_any_row(capsys):
     assert header.split() == ["ceiling", "GB/s", "TFLOP/s"]
     assert amax.split() == ["amax", "2782"] and matmul.split() == ["matmul", "777.3"]  # blank where absent
     assert amax.index("2782") == header.index("GB/s") and matmul.index("777.3") == header.index("TFLOP/s")
+
+
+def test_kernel_table_splits_layer_and_step_kernels():
+    steps, layers, t, kernels = 2, 4, 0.0, []
+    for _ in range(steps):
+        for _ in range(layers):
+            for name, dur in (("gemv", 5.0), ("attn", 3.0), ("attn", 1.0)):
+                kernels.append(Kernel(name, t, t + dur))
+                t += dur + 0.5  # a launch gap
+        kernels.append(Kernel("lm_head", t, t + 20.0))
+        t += 21.0
+    table = per_layer_table(kernels, steps, layers)
+    rows = {r["kernel"]: r for r in table["rows"]}
+    assert rows["gemv"]["where"] == rows["attn"]["where"] == "layer" and rows["lm_head"]["where"] == "step"
+    assert rows["attn"]["calls/step"] == 2 * layers and rows["attn"]["us/layer"] == 4.0
+    assert table["us/layer"] == 9.0 and table["kernels/layer"] == 3
+    assert table["kernel us/step"] == layers * 9.0 + 20.0
+    span = kernels[-1].end_us - kernels[0].start_us
+    assert abs(table["gpu busy"] - steps * (layers * 9.0 + 20.0) / span) < 1e-12
+
+
+def test_gpt_fast_peer_decodes_like_the_paged_model():
+    """The decode_loop peer (static contiguous cache, index writes, masked SDPA) computes our model."""
+    torch.manual_seed(0)
+    model = build_model(LlamaConfig(num_layers=2), seed=0, backend="TORCH_SDPA")
+    batch, steps = 2, 6
+    peer = GptFastDecoder(model, batch, max_len=steps + 2)
+    backend = ca.get_attn_backend("TORCH_SDPA")
+    spec = model.config.attention_spec(block_size=4, num_blocks=8, dtype=torch.float32, device="cpu")
+    caches = [c.normal_() for c in allocate_kv_caches(model.config, backend, spec)]
+    builder = backend.get_builder_cls()(spec)
+    tables = [[5, 1], [0, 7]]
+    tokens = torch.randint(model.config.vocab_size, (batch,))
+    for pos in range(steps):
+        want = peer(tokens.view(batch, 1), torch.tensor([pos]))[:, 0]
+        md = builder.build([pos + 1] * batch, [1] * batch, tables)
+        with ca.set_forward_context(md):
+            got = model(tokens, torch.full((batch,), pos), caches)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        tokens = want.argmax(-1)

@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 
 ModelStep = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor]], torch.Tensor]
 INPUT_DTYPE = torch.int64  # input ids and positions, as the reference model takes them
+# Inductor options of `compile=True`. With a static batch of one, Inductor lowers every linear
+# layer to a reduction kernel instead of a cuBLAS GEMV, and only coordinate-descent tuning
+# takes those kernels to full memory bandwidth (gpt-fast's setting; see torch/_inductor/
+# decomposition.py, `mm`). Larger batches keep cuBLAS; the tuning also fits their fused kernels.
+COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
 
 
 @dataclasses.dataclass
@@ -55,6 +60,10 @@ class CUDAGraphRunner:
         max_batch_size: the largest batch a graph serves; capture sizes above it are dropped.
         capture_sizes: default `[1, 2, 4] + list(range(8, 257, 8))`.
         warmup_steps: eager runs on a side stream before each capture (compile, lazy init).
+        compile: `model` is the eager module and the runner compiles it, gpt-fast's way: one
+            `torch.compile(fullgraph=True, dynamic=True)` graph for every batch size and eager
+            step, plus a static graph for the batch-1 decode (see COMPILE_OPTIONS). False: run
+            `model` as given (eager, or compiled by the caller).
         use_cuda_graphs: False runs the same padded static-buffer step without capturing it
             (isolates padding from capture problems when debugging; works on CPU).
         progress: show a progress bar while capturing.
@@ -82,6 +91,7 @@ class CUDAGraphRunner:
         warmup_steps: int = 2,
         use_cuda_graphs: bool = True,
         progress: bool = True,
+        compile: bool = False,
     ) -> None:
         if use_cuda_graphs and spec.device.type != "cuda":
             raise ValueError(
@@ -90,7 +100,11 @@ class CUDAGraphRunner:
             )
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (capture needs a warmed-up step), got {warmup_steps}")
-        self.model = model
+        if compile:
+            self.model = torch.compile(model, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
+            self._model_batch_one = torch.compile(model, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+        else:
+            self.model = self._model_batch_one = model
         self.backend = backend
         self.spec = spec
         self.kv_caches = kv_caches
@@ -182,6 +196,8 @@ class CUDAGraphRunner:
     def _static_step(self, bs: int) -> torch.Tensor:
         """The model on the first `bs` rows of the static inputs (under the caller's context)."""
         ids, pos = self._input_ids[:bs], self._positions[:bs]
+        if bs == 1 and self._model_batch_one is not self.model:
+            return self._model_batch_one(ids, pos, self.kv_caches)
         _mark_token_dim(ids, pos)
         return self.model(ids, pos, self.kv_caches)
 

@@ -1,0 +1,290 @@
+"""The decode loop as users run it: ours through the public API vs gpt-fast's own static-cache loop.
+
+Both sides generate greedily on the 8B-shaped model (`LlamaConfig.llama3_8b()`, bf16, the same
+random weights), every request at `ctx` cached tokens when the loop starts, `STEPS` steps.
+
+- **peer** (gpt-fast's `generate.py`, rebuilt on our weights): per-layer contiguous K/V buffers
+  `[B, n_kv, ctx + 64, d]` registered on the module, the new K/V stored by index assignment at
+  `input_pos`, SDPA with the causal mask's boolean row and `enable_gqa=True`; the step and its
+  argmax compiled with `mode="reduce-overhead", fullgraph=True` under coordinate-descent tuning;
+  `input_pos += 1` and the token fed straight back on the device. Timing-tuned, so noisy
+  between compiles: `peer_compiles` fresh compiles, the best one reported.
+- **ours**: each step `builder.build(...)` for the grown sequences (shuffled block tables, the
+  last block filling up), positions copied from the host, `runner.run(...)`, argmax on the
+  device. `CUDAGraphRunner(compile=True)` compiles the eager model (see its docstring).
+
+Columns: ms / step with one synchronize after the loop ("pipelined", what throughput sees) and
+with a synchronize after every step ("synced", the latency an interactive user sees); MBU =
+(weight bytes + live KV bytes read) / step time / nominal HBM bandwidth.
+
+    python -m compiled_attn.bench.decode_loop [--quick] [--point 1x1024 ...] [--backend FLASHINFER ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import compiled_attn as ca
+from compiled_attn.bench.timing import card_name, nominal_bandwidth
+from compiled_attn.graphs import CUDAGraphRunner
+from compiled_attn.models.llama import Llama, LlamaConfig, allocate_kv_caches, apply_rotary, build_model
+
+log = logging.getLogger(__name__)
+
+STEPS = 56  # tokens per timed loop; the peer's cache holds ctx + 64 positions
+REPEATS = 5  # timed loops per point; the median is reported
+BLOCK_SIZE = 16
+BACKENDS = ("FLASHINFER", "TORCH_SDPA")
+QUICK_POINTS = ((1, 1024), (64, 1024))
+GRID = tuple((b, c) for c in (1024, 4096) for b in (1, 8, 64, 256))
+# What gpt-fast's generate.py sets before compiling its decode step.
+PEER_INDUCTOR = {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True}
+
+
+# ---------------------------------------------------------------------------------------------
+# The peer: gpt-fast's model.py / generate.py decode path on our weights
+
+
+class StaticKVCache(nn.Module):
+    """gpt-fast's KVCache: [B, n_kv, max_len, d] buffers written at `input_pos` by indexing."""
+
+    def __init__(self, batch: int, num_kv_heads: int, max_len: int, head_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        shape = (batch, num_kv_heads, max_len, head_size)
+        # random, not zeros: the cached prefix is read by every step (as a prefill would leave it)
+        self.register_buffer("k_cache", torch.randn(shape, dtype=dtype))
+        self.register_buffer("v_cache", torch.randn(shape, dtype=dtype))
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # input_pos [1]; k, v [B, n_kv, 1, d]
+        self.k_cache[:, :, input_pos] = k
+        self.v_cache[:, :, input_pos] = v
+        return self.k_cache, self.v_cache
+
+
+class GptFastDecoder(nn.Module):
+    """The reference Llama's weights run gpt-fast's way (one shared position per step)."""
+
+    def __init__(self, model: Llama, batch: int, max_len: int) -> None:
+        super().__init__()
+        c = model.config
+        self.model = model
+        dtype, device = model.embed.weight.dtype, model.embed.weight.device
+        self.kv = nn.ModuleList(
+            StaticKVCache(batch, c.num_kv_heads, max_len, c.head_size, dtype) for _ in range(c.num_layers)
+        ).to(device)
+        self.register_buffer("causal_mask", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool, device=device)))
+
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """idx int64 [B, 1], input_pos int64 [1] -> logits [B, 1, vocab] (fp32)."""
+        m, c = self.model, self.model.config
+        b = idx.shape[0]
+        mask = self.causal_mask[None, None, input_pos]  # [1, 1, 1, max_len]
+        cos, sin = m.rope_cos[input_pos].expand(b, -1), m.rope_sin[input_pos].expand(b, -1)
+        x = m.embed(idx.view(b))
+        for layer, kv in zip(m.layers, self.kv, strict=True):
+            q, k, v = layer.qkv_proj(layer.attn_norm(x)).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+            q = apply_rotary(q.view(b, c.num_heads, c.head_size), cos, sin)
+            k = apply_rotary(k.view(b, c.num_kv_heads, c.head_size), cos, sin)
+            keys, values = kv.update(input_pos, k.unsqueeze(2), v.view(b, c.num_kv_heads, 1, c.head_size))
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
+            x = x + layer.o_proj(o.view(b, layer.q_size))
+            gate, up = layer.gate_up_proj(layer.mlp_norm(x)).chunk(2, dim=-1)
+            x = x + layer.down_proj(F.silu(gate) * up)
+        return m.lm_head(m.norm(x)).float().view(b, 1, -1)
+
+
+def peer_decode_one_token(peer: GptFastDecoder, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    """gpt-fast's `decode_one_token` with greedy sampling: the next token [B, 1], on the device."""
+    logits = peer(x, input_pos)
+    return torch.argmax(logits[:, -1], dim=-1, keepdim=True)
+
+
+def peer_loop(model: Llama, batch: int, ctx: int) -> tuple[Callable[[int, bool], torch.Tensor], Callable]:
+    """A fresh compile of the peer: (loop(steps, sync_each) -> tokens [B, steps], the compiled step)."""
+    torch._dynamo.reset()  # gpt-fast compiles in a fresh process per batch size: no shape reuse
+    peer = GptFastDecoder(model, batch, ctx + 64)
+    step = torch.compile(peer_decode_one_token, mode="reduce-overhead", fullgraph=True)
+    first = torch.randint(model.config.vocab_size, (batch, 1), device="cuda")
+
+    def loop(steps: int, sync_each: bool) -> torch.Tensor:
+        input_pos = torch.tensor([ctx], device="cuda")
+        cur, out = first, []
+        for _ in range(steps):
+            nxt = step(peer, cur, input_pos)
+            input_pos += 1
+            out.append(nxt.clone())  # the graph's output is overwritten by the next replay
+            cur = nxt.clone()
+            if sync_each:
+                torch.cuda.synchronize()
+        return torch.cat(out, dim=1)
+
+    return loop, lambda x, pos: step(peer, x, pos)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ours: builder + CUDAGraphRunner, the public API only
+
+
+class PagedLoop:
+    """Greedy decode through `builder.build` + `runner.run` for `batch` requests at `ctx` tokens."""
+
+    def __init__(self, model: Llama, backend: type[ca.AttentionBackend], batch: int, ctx: int,
+                 runner_kw: dict | None = None, seed: int = 0) -> None:
+        config = model.config
+        self.batch, self.ctx = batch, ctx
+        pages = -(-(ctx + STEPS + 1) // BLOCK_SIZE)
+        self.spec = config.attention_spec(block_size=BLOCK_SIZE, num_blocks=batch * pages, dtype=torch.bfloat16,
+                                          device="cuda", max_seq_len_to_capture=ctx + STEPS + 1)
+        self.caches = [c.normal_() for c in allocate_kv_caches(config, backend, self.spec)]
+        # shuffled block ids: requests own scattered blocks, as after a while of serving
+        ids = np.random.default_rng(seed).permutation(batch * pages)
+        self.tables = [ids[i * pages:(i + 1) * pages].tolist() for i in range(batch)]
+        self.builder = backend.get_builder_cls()(self.spec)
+        self.runner = CUDAGraphRunner(model, backend, self.spec, self.caches, max_batch_size=batch,
+                                      capture_sizes=[batch], progress=False, **(runner_kw or {}))
+        self.runner.capture()
+        self.first = torch.randint(config.vocab_size, (batch,), device="cuda")
+
+    def step(self, tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """One decode step for every request at `seq_len` tokens (the last one is `tokens`)."""
+        md = self.builder.build([seq_len] * self.batch, [1] * self.batch, self.tables)
+        positions = torch.from_numpy(np.full(self.batch, seq_len - 1, dtype=np.int64)).to("cuda", non_blocking=True)
+        return self.runner.run(md, tokens, positions).argmax(-1)
+
+    def loop(self, steps: int, sync_each: bool) -> torch.Tensor:
+        cur, out = self.first, []
+        for i in range(steps):
+            cur = self.step(cur, self.ctx + 1 + i)
+            out.append(cur)
+            if sync_each:
+                torch.cuda.synchronize()
+        return torch.stack(out, dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def loop_ms(loop: Callable[[int, bool], torch.Tensor], sync_each: bool, repeats: int = REPEATS) -> float:
+    """Median ms per step of `loop(STEPS, sync_each)` (host clock, one sync after the loop)."""
+    loop(STEPS, sync_each)  # warm-up: compiles, captures, first-use kernels
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        loop(STEPS, sync_each)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3 / STEPS)
+    return float(np.median(times))
+
+
+def bytes_per_step(model: Llama, batch: int, ctx: int) -> int:
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = 2 * batch * (ctx + STEPS // 2) * c.num_layers * c.num_kv_heads * c.head_size * 2  # bf16, mean length
+    return weights + kv
+
+
+def fits(model: Llama, batch: int, ctx: int) -> bool:
+    """Both sides' caches (paged + the peer's contiguous ones, never alive together) fit the card."""
+    c = model.config
+    kv = 2 * batch * (ctx + 64) * c.num_layers * c.num_kv_heads * c.head_size * 2
+    free, _ = torch.cuda.mem_get_info()
+    return kv * 1.1 < free
+
+
+def _row(model: Llama, batch: int, ctx: int, side: str, pipelined: float, synced: float) -> dict:
+    moved = bytes_per_step(model, batch, ctx)
+    return {"card": card_name(), "batch": batch, "ctx": ctx, "side": side, "ms/step": pipelined,
+            "ms/step synced": synced, "tok/s": batch / pipelined * 1e3,
+            "MBU": moved / (pipelined / 1e3) / (nominal_bandwidth() or float("nan"))}
+
+
+def measure_peer(model: Llama, batch: int, ctx: int, compiles: int) -> dict:
+    """The best of `compiles` fresh peer compiles (each timed pipelined and synced)."""
+    times = []
+    with torch._inductor.config.patch(PEER_INDUCTOR):
+        for _ in range(compiles):
+            loop, _ = peer_loop(model, batch, ctx)
+            times.append((loop_ms(loop, False), loop_ms(loop, True)))
+            del loop
+            torch.cuda.empty_cache()
+    return {**_row(model, batch, ctx, "peer (gpt-fast)", *min(times)),
+            "peer compiles ms": [round(t[0], 3) for t in times]}
+
+
+def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile") -> dict:
+    """Ours through the runner; variant "compile": `CUDAGraphRunner(compile=True)`; "dynamic": the
+    README's `torch.compile(model, fullgraph=True, dynamic=True)` handed to the runner."""
+    backend = model.layers[0].attn.backend
+    kw = {"compile": variant == "compile"}
+    step_model = model if variant == "compile" else torch.compile(model, fullgraph=True, dynamic=True)
+    ours = PagedLoop(step_model, backend, batch, ctx, kw)
+    row = _row(model, batch, ctx, f"ours {backend.get_name()} ({variant})", loop_ms(ours.loop, False),
+               loop_ms(ours.loop, True))
+    del ours
+    torch.cuda.empty_cache()
+    return row
+
+
+def build_8b(backend: str) -> Llama:
+    config = LlamaConfig.llama3_8b()
+    return build_model(config, seed=0, backend=backend, dtype=torch.bfloat16, device="cuda", init_device="cuda")
+
+
+def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
+        points: tuple[tuple[int, int], ...] | None = None, peer_compiles: int | None = None,
+        variants: tuple[str, ...] = ("compile",)) -> list[dict]:
+    """Rows per (batch, ctx): the peer (with the first backend's model), then ours per backend.
+    Points whose KV caches do not fit the card are reported as skipped."""
+    points = points or (QUICK_POINTS if quick else GRID)
+    peer_compiles = peer_compiles or (1 if quick else 2)
+    rows, peer_ms = [], {}
+    for i, name in enumerate(backends):
+        try:
+            model = build_8b(name)
+        except (ca.BackendUnavailableError, NotImplementedError) as e:
+            log.info("decode_loop: skipping %s: %s", name, e)
+            continue
+        for batch, ctx in points:
+            if not fits(model, batch, ctx):
+                rows.append({"card": card_name(), "batch": batch, "ctx": ctx, "side": "skipped: KV does not fit"})
+                continue
+            if i == 0:
+                rows.append(measure_peer(model, batch, ctx, peer_compiles))
+                peer_ms[batch, ctx] = rows[-1]["ms/step"]
+            for variant in variants:
+                rows.append(measure_ours(model, batch, ctx, variant))
+                if (batch, ctx) in peer_ms:
+                    rows[-1]["vs peer"] = peer_ms[batch, ctx] / rows[-1]["ms/step"]
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    from compiled_attn.__main__ import print_table
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--backend", action="append", default=None)
+    parser.add_argument("--point", action="append", metavar="BxCTX", help="e.g. 64x1024 (repeatable)")
+    parser.add_argument("--peer-compiles", type=int, default=None)
+    parser.add_argument("--variant", action="append", choices=("compile", "dynamic"), default=None)
+    args = parser.parse_args()
+    points = tuple(tuple(int(n) for n in p.split("x")) for p in args.point) if args.point else None
+    print_table(run(args.quick, tuple(args.backend or BACKENDS), points, args.peer_compiles,
+                    tuple(args.variant or ("compile",))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Attribution of the decode loop: a `torch.profiler` trace of pipelined decode steps of ours and
+of the gpt-fast peer, reduced to per-layer kernel tables (markdown + JSON under --out).
+
+    python scripts/profile_decode.py --point 1x1024 --point 64x1024 [--backend FLASHINFER]
+        [--variant compile|dynamic] [--no-peer] --out DIR
+
+Each side runs PROFILED_STEPS steps as in the bench's loop (no synchronize inside) after a
+warm-up; the trace's kernels give the per-layer table and the GPU-busy fraction of the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from compiled_attn.bench import decode_loop as dl
+from compiled_attn.bench.kernel_table import cuda_kernels, markdown, per_layer_table
+from compiled_attn.bench.timing import card_name
+
+PROFILED_STEPS = 8
+
+
+def trace(loop) -> dict:
+    loop(dl.STEPS, False)  # warm-up (compile, capture, tuning)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        loop(PROFILED_STEPS, False)
+        torch.cuda.synchronize()
+    return per_layer_table(cuda_kernels(prof), PROFILED_STEPS, dl.LlamaConfig.llama3_8b().num_layers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--point", action="append", required=True, metavar="BxCTX")
+    parser.add_argument("--backend", default="FLASHINFER")
+    parser.add_argument("--variant", action="append", choices=("compile", "dynamic"), default=None)
+    parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    model = dl.build_8b(args.backend)
+    backend = model.layers[0].attn.backend
+    results = {"card": card_name()}
+    for point in args.point:
+        batch, ctx = (int(n) for n in point.split("x"))
+        sides = {}
+        if not args.no_peer:
+            with torch._inductor.config.patch(dl.PEER_INDUCTOR):
+                loop, _ = dl.peer_loop(model, batch, ctx)
+                sides["peer (gpt-fast)"] = trace(loop)
+                del loop
+        for variant in args.variant or ("compile",):
+            step_model = model if variant == "compile" else torch.compile(model, fullgraph=True, dynamic=True)
+            ours = dl.PagedLoop(step_model, backend, batch, ctx, {"compile": variant == "compile"})
+            sides[f"ours {backend.get_name()} ({variant})"] = trace(ours.loop)
+            del ours
+        torch.cuda.empty_cache()
+        for side, table in sides.items():
+            text = markdown(table, f"{side}, B={batch}, ctx {ctx}, {card_name()}")
+            print(text, "\n", flush=True)
+            results[f"{side} {point}"] = table
+            with open(os.path.join(args.out, "decode-profile.md"), "a") as f:
+                f.write(text + "\n\n")
+        with open(os.path.join(args.out, "decode-profile.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
