@@ -420,6 +420,26 @@ def test_metadata_of_another_backend_raises(tiny_model):
         runner.run(foreign, torch.tensor([3]), torch.tensor([4]))
 
 
+def test_runner_compiles_batch_one_apart_and_samples_in_the_step(tiny_model):
+    """compile=True: a static graph for batch 1 and one graph for every other size (and the
+    eager steps); `postprocess` runs inside the step, so run() returns the greedy tokens."""
+    spec = cpu_spec()
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2, 4], max_batch_size=4,
+                           compile=True, postprocess=lambda logits: logits.argmax(-1))
+    ref, eng = Engine(spec, direct(tiny_model, random_caches(spec, 1))), Engine(spec, runner.run)
+    step = prompts(3, seed=11, vocab=TINY.vocab_size)
+    for i in range(5):  # a prefill, decodes of 3, then of 1 (the other requests stop)
+        want = ref.step(step).argmax(-1)
+        assert torch.equal(eng.step(step), want), f"step {i}"
+        step = {name: [tok] for name, tok in zip(step, want.tolist(), strict=True)}
+        if i == 2:
+            step = dict(list(step.items())[:1])
+    assert runner.counts["graph"] == 4 and runner.counts["eager_prefill"] == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2  # one graph for the prefill and batch 4, one for batch 1
+
+
 # -------------------------------------------------------------------------------------------
 # GPU: real graphs, every available backend
 

@@ -34,6 +34,18 @@ INPUT_DTYPE = torch.int64  # input ids and positions, as the reference model tak
 COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
 
 
+class _Step(torch.nn.Module):
+    """model then postprocess, as one module: compiled together, the postprocess (say, an
+    argmax over the logits) fuses into the step's last kernels."""
+
+    def __init__(self, model: ModelStep, postprocess: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.model, self.postprocess = model, postprocess
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        return self.postprocess(self.model(input_ids, positions, kv_caches))
+
+
 @dataclasses.dataclass
 class CapturedSize:
     """Everything one captured batch size needs at replay; holding it keeps the graph's memory alive."""
@@ -60,10 +72,15 @@ class CUDAGraphRunner:
         max_batch_size: the largest batch a graph serves; capture sizes above it are dropped.
         capture_sizes: default `[1, 2, 4] + list(range(8, 257, 8))`.
         warmup_steps: eager runs on a side stream before each capture (compile, lazy init).
-        compile: `model` is the eager module and the runner compiles it, gpt-fast's way: one
-            `torch.compile(fullgraph=True, dynamic=True)` graph for every batch size and eager
-            step, plus a static graph for the batch-1 decode (see COMPILE_OPTIONS). False: run
-            `model` as given (eager, or compiled by the caller).
+        postprocess: applied to the model's output inside every step and graph, e.g. greedy
+            sampling `lambda logits: logits.argmax(-1)`: `run` then returns tokens, and the
+            [num_tokens, vocab] logits never leave the graph.
+        compile: `model` is the eager module and the runner compiles it (with `postprocess`),
+            gpt-fast's way: `torch.compile(fullgraph=True, dynamic=True)` with the token count
+            a backed symbol, so batch 1 gets a static graph of its own where Inductor turns
+            matrix-vector products into tuned reductions (COMPILE_OPTIONS) and every other size
+            shares one graph. False: run `model` as given (eager, or compiled by the caller, the
+            token count marked unbacked so that no size recompiles).
         use_cuda_graphs: False runs the same padded static-buffer step without capturing it
             (isolates padding from capture problems when debugging; works on CPU).
         progress: show a progress bar while capturing.
@@ -91,6 +108,7 @@ class CUDAGraphRunner:
         warmup_steps: int = 2,
         use_cuda_graphs: bool = True,
         progress: bool = True,
+        postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
         compile: bool = False,
     ) -> None:
         if use_cuda_graphs and spec.device.type != "cuda":
@@ -100,11 +118,9 @@ class CUDAGraphRunner:
             )
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (capture needs a warmed-up step), got {warmup_steps}")
-        if compile:
-            self.model = torch.compile(model, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
-            self._model_batch_one = torch.compile(model, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
-        else:
-            self.model = self._model_batch_one = model
+        step = model if postprocess is None else _Step(model, postprocess)
+        self.model = torch.compile(step, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS) if compile else step
+        self._unbacked_tokens = not compile
         self.backend = backend
         self.spec = spec
         self.kv_caches = kv_caches
@@ -196,9 +212,8 @@ class CUDAGraphRunner:
     def _static_step(self, bs: int) -> torch.Tensor:
         """The model on the first `bs` rows of the static inputs (under the caller's context)."""
         ids, pos = self._input_ids[:bs], self._positions[:bs]
-        if bs == 1 and self._model_batch_one is not self.model:
-            return self._model_batch_one(ids, pos, self.kv_caches)
-        _mark_token_dim(ids, pos)
+        if self._unbacked_tokens:
+            _mark_token_dim(ids, pos)
         return self.model(ids, pos, self.kv_caches)
 
     # -- each step -------------------------------------------------------------------------
@@ -232,7 +247,8 @@ class CUDAGraphRunner:
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("%s: %d requests, %d prefills, max_seq_len %d", path, md.num_seqs, md.num_prefills,
                              md.max_seq_len)
-            _mark_token_dim(input_ids, positions)
+            if self._unbacked_tokens:
+                _mark_token_dim(input_ids, positions)
             with set_forward_context(md):
                 return self.model(input_ids, positions, caches)
         self._check_caches(caches)
