@@ -6,7 +6,8 @@ A backend is a set of five classes behind one static factory (`AttentionBackend`
   with prefill / decode views; built on the host by
 - `AttentionMetadataBuilder`, from python lists of lengths and block tables;
 - `AttentionImpl`: the forward, which launches this backend's custom ops;
-- `AttentionState`: static buffers and per-batch-size planning for CUDA-graph capture and replay.
+- `AttentionState`: static buffers and per-batch-size planning for CUDA-graph capture and replay
+  (implemented once, by `graph_state.GraphState`, which each backend extends with hooks).
 """
 
 from __future__ import annotations
@@ -143,6 +144,10 @@ class AttentionBackend(ABC):
     supports_sliding_window: ClassVar[bool]
     supports_logits_soft_cap: ClassVar[bool]
     requires_cuda: ClassVar[bool]
+    # What the State (`get_state_cls`) captures in CUDA graphs: decode steps of specs of these types,
+    # and whether of ALiBi specs. `graph_state.GraphState.graph_capture` refuses the others.
+    graph_attn_types: ClassVar[tuple[AttentionType, ...]]
+    graph_supports_alibi: ClassVar[bool]
     package: ClassVar[str | None] = None  # the pip package a CUDA-only backend needs
 
     @staticmethod

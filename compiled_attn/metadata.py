@@ -341,24 +341,3 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         """Host work for the backend's own metadata fields."""
         return {}
 
-
-def check_graph_step(md: CommonMetadata, spec: AttentionSpec, backend_name: str, batch_size: int,
-                     device: torch.device) -> None:
-    """A step that a decode graph captured for `spec` and `batch_size` can replay: checked by every
-    State before it copies the step into its static buffers (nothing is checked at replay, so a
-    slot or block beyond the cache would be read or written out of bounds)."""
-    if getattr(md, "backend_name", None) != backend_name:
-        raise ValueError(f"{backend_name} graphs replay metadata from {backend_name}'s builder, got "
-                         f"{getattr(md, 'backend_name', None) or type(md).__name__}")
-    if md.num_prefills:
-        raise ValueError(f"graphs replay decode-only steps; this one has {md.num_prefills} prefills: run it eagerly")
-    if not 1 <= md.num_seqs <= batch_size:
-        raise ValueError(f"{md.num_seqs} decodes do not fit the graph of batch size {batch_size}: run it eagerly")
-    if md.longest_seq_len > spec.max_seq_len_to_capture:
-        raise ValueError(f"a sequence of {md.longest_seq_len} tokens > spec.max_seq_len_to_capture="
-                         f"{spec.max_seq_len_to_capture}: run this step eagerly")
-    if (md.num_blocks, md.block_size) != (spec.num_blocks, spec.block_size):
-        raise ValueError(f"metadata for num_blocks={md.num_blocks}, block_size={md.block_size} does not match "
-                         f"the state's spec ({spec.num_blocks}, {spec.block_size})")
-    if md.slot_mapping.device != device:
-        raise ValueError(f"metadata on {md.slot_mapping.device}, graph buffers on {device}")

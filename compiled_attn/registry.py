@@ -53,11 +53,13 @@ def capability_reason(
     sliding_window: bool = False,
     logits_soft_cap: bool = False,
     device: torch.device | None = None,
+    graphs: bool = False,
 ) -> str | None:
     """Why `cls` lacks one of these needs (None: unknown, not checked), naming what it supports.
+    `graphs`: the attention type and ALiBi must also be captured by its State in CUDA graphs.
 
-    The one place capabilities are checked: specs (`spec_unsupported_reason`) and impls
-    (`CommonImpl.check_supported`) both come here."""
+    The one place capabilities are checked: specs (`spec_unsupported_reason`), impls
+    (`CommonImpl.check_supported`) and graph States (`GraphState.graph_capture`) all come here."""
     name = cls.get_name()
     heads = cls.supported_head_sizes()
     checks = (
@@ -75,6 +77,10 @@ def capability_reason(
         (sliding_window and not cls.supports_sliding_window, "does not support sliding_window"),
         (logits_soft_cap and not cls.supports_logits_soft_cap, "does not support logits_soft_cap"),
         (device is not None and cls.requires_cuda and device.type != "cuda", f"runs on CUDA only, not {device}"),
+        (graphs and attn_type is not None and attn_type not in cls.graph_attn_types,
+         f"captures decode steps of {'/'.join(t.name for t in cls.graph_attn_types)} specs only, "
+         f"not {getattr(attn_type, 'name', attn_type)}"),
+        (graphs and alibi and not cls.graph_supports_alibi, "runs ALiBi eagerly only, not in CUDA graphs"),
     )
     return next((f"{name} {why}" for failed, why in checks if failed), None)
 

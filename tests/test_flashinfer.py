@@ -90,27 +90,7 @@ def test_encoder_only_metadata_has_qo_indptr_and_no_pages():
 
 
 # ---------------------------------------------------------------------------------------------
-# CPU: planning with a stand-in FlashInfer that records plan() calls
-
-
-class RecordingWrapper:
-    def __init__(self, kind, *args, **kwargs):
-        self.kind, self.init_kwargs, self.plans = kind, kwargs, []
-
-    def plan(self, *args, **kwargs):
-        self.plans.append((args, kwargs))
-
-
-@pytest.fixture
-def fake_flashinfer(monkeypatch):
-    fake = types.SimpleNamespace(
-        BatchPrefillWithPagedKVCacheWrapper=lambda *a, **k: RecordingWrapper("prefill", *a, **k),
-        BatchPrefillWithRaggedKVCacheWrapper=lambda *a, **k: RecordingWrapper("ragged", *a, **k),
-        BatchDecodeWithPagedKVCacheWrapper=lambda *a, **k: RecordingWrapper("decode", *a, **k),
-    )
-    monkeypatch.setattr(fib, "_flashinfer", lambda: fake)
-    monkeypatch.setattr(fib, "WORKSPACE_BYTES", 1024)
-    return fake
+# CPU: planning with a stand-in FlashInfer that records plan() calls (conftest's fake_flashinfer)
 
 
 def mixed_md(spec, builder=None):

@@ -1,7 +1,7 @@
 """FLASHINFER: paged attention through FlashInfer's planned prefill / decode / ragged wrappers.
 
 Capabilities, Metadata, Builder (host work: FlashInfer's CSR page layout, lazy once-per-step
-planning), State (CUDA graphs: static buffers, one graph wrapper per batch size), Impl.
+planning), State (GraphState's hooks: the page buffers, one graph wrapper per batch size), Impl.
 
 FlashInfer is imported lazily, inside the functions that plan, so this module imports (and its
 builder runs) on machines without it: CPU tests inspect the page layout and the fake kernel.
@@ -23,21 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from compiled_attn.abstract import (
-    AttentionBackend,
-    AttentionSpec,
-    AttentionState,
-    AttentionType,
-)
+from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionType
 from compiled_attn.backends.common import CommonImpl
-from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, check_graph_step, prefix_sums, to_device
+from compiled_attn.graph_state import SCRATCH_BLOCK, GraphState
+from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, prefix_sums, to_device
 from compiled_attn.ops.flashinfer import stream_capturing  # importing registers the op
 
 NAME = "FLASHINFER"
@@ -108,6 +103,8 @@ class FlashInferBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     requires_cuda = True
+    graph_attn_types = (AttentionType.DECODER,)
+    graph_supports_alibi = True
     package = "flashinfer"
 
     @staticmethod
@@ -414,172 +411,67 @@ class GraphStepPlan(_PlanChecks):
         return self.slot.wrapper
 
 
-@dataclasses.dataclass
-class _StaticBuffers:
-    """Everything a captured decode reads, allocated once for `max_batch_size` rows."""
+class FlashInferState(GraphState):
+    """GraphState plus FlashInfer's page CSR buffers and one `use_cuda_graph=True` decode wrapper
+    per captured batch size (`make_for_batch`), planned by `begin_forward` before each replay.
 
-    workspace: torch.Tensor  # uint8 [WORKSPACE_BYTES]
-    paged_kv_indptr: torch.Tensor  # int32 [max_batch_size + 1]
-    paged_kv_indices: torch.Tensor  # int32 [max_batch_size * max_pages_per_seq]
-    paged_kv_last_page_len: torch.Tensor  # int32 [max_batch_size]
-    slot_mapping: torch.Tensor  # int64 [max_batch_size]
-    seq_lens_tensor: torch.Tensor  # int32 [max_batch_size]
-    context_lens_tensor: torch.Tensor  # int32 [max_batch_size]
-    query_start_loc: torch.Tensor  # int32 [max_batch_size + 1]
-    block_tables: torch.Tensor  # int32 [max_batch_size, max_pages_per_seq]
+        paged_kv_indptr:        int32 [max_batch_size + 1], written by the wrapper's plan()
+        paged_kv_last_page_len: int32 [max_batch_size], written by the wrapper's plan()
+        paged_kv_indices:       int32 [max_batch_size * W], the live pages, then one per pad row
 
-
-SCRATCH_BLOCK = 0  # pad rows read one token of this block (any valid block: they write nothing)
-
-
-class FlashInferState(AttentionState):
-    """Static buffers and one graph decode wrapper per captured batch size.
-
-    Pad rows (n..bs-1 of a batch of n live decodes) are one-token sequences on SCRATCH_BLOCK
-    with slot -1: valid for FlashInfer (every length >= 1), nothing written to the cache.
-
-    Example (see DESIGN.md for the full call order)::
-
-        state = FlashInferBackend.get_state_cls()(spec)
-        with state.graph_capture(max_batch_size=256):
-            md_bs = state.graph_capture_get_metadata_for_batch(256)
-            bufs = state.get_graph_input_buffers(md_bs)
-            graph_state = state.graph_clone(256)
-            ...  # warm up, capture
-        graph_state.prepare_graph_input_buffers(bufs, md)
-        graph_state.begin_forward(md)
-        graph.replay()
+    A pad row is one page of SCRATCH_BLOCK holding one token: valid for FlashInfer (every
+    length >= 1). Planning waits on the wrapper's event (`_Slot.plan`): the pinned-buffer fence.
     """
+
+    backend_cls = FlashInferBackend
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
-        if spec.attn_type != AttentionType.DECODER:
-            raise NotImplementedError(f"{NAME} captures DECODER decode steps only, not {spec.attn_type.name}")
-        self._bufs: _StaticBuffers | None = None
-        self._slots: dict[int, _Slot] = {}
-        self._batch_size: int | None = None  # set on clones
-        self._capturing = False
-        self._prepared: FlashInferMetadata | None = None
-        self.max_pages_per_seq = -(-spec.max_seq_len_to_capture // spec.block_size)
+        self._workspace: torch.Tensor | None = None  # shared by the graph wrappers of every size
 
-    @contextmanager
-    def graph_capture(self, max_batch_size: int) -> Iterator[None]:
-        _forbid_capture("allocating the graph state's buffers")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if self._bufs is None or self._bufs.paged_kv_last_page_len.shape[0] < max_batch_size:
-            self._bufs = self._allocate(max_batch_size)
-        self._capturing = True
-        try:
-            yield
-        finally:
-            self._capturing = False
-
-    def _allocate(self, max_batch_size: int) -> _StaticBuffers:
+    def allocate_extra(self, max_batch_size: int) -> dict[str, torch.Tensor]:
         dev, i32 = self.spec.device, torch.int32
-        # Pages of a full batch: each request holds up to max_pages_per_seq table entries. Not
+        # Pages of a full batch: each request holds up to max_blocks_per_seq table entries. Not
         # capped at spec.num_blocks: requests sharing prefix blocks list them once each.
-        pages = max_batch_size * self.max_pages_per_seq
-        return _StaticBuffers(
-            workspace=torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev),
-            paged_kv_indptr=torch.arange(max_batch_size + 1, dtype=i32, device=dev),
-            paged_kv_indices=torch.full((pages,), SCRATCH_BLOCK, dtype=i32, device=dev),
-            paged_kv_last_page_len=torch.ones(max_batch_size, dtype=i32, device=dev),
-            slot_mapping=torch.full((max_batch_size,), -1, dtype=torch.int64, device=dev),
-            seq_lens_tensor=torch.ones(max_batch_size, dtype=i32, device=dev),
-            context_lens_tensor=torch.zeros(max_batch_size, dtype=i32, device=dev),
-            query_start_loc=torch.arange(max_batch_size + 1, dtype=i32, device=dev),
-            block_tables=torch.full((max_batch_size, self.max_pages_per_seq), SCRATCH_BLOCK, dtype=i32, device=dev),
+        pages = max_batch_size * self.max_blocks_per_seq
+        return {
+            "paged_kv_indptr": torch.arange(max_batch_size + 1, dtype=i32, device=dev),
+            "paged_kv_indices": torch.full((pages,), SCRATCH_BLOCK, dtype=i32, device=dev),
+            "paged_kv_last_page_len": torch.ones(max_batch_size, dtype=i32, device=dev),
+        }
+
+    def make_for_batch(self, batch_size: int) -> _Slot:
+        if self._workspace is None:  # zero-filled: FlashInfer requires it for first use
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.spec.device)
+        b = self._buffers
+        wrapper = _flashinfer().BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=decode_uses_tensor_cores(self.spec),
+            paged_kv_indptr_buffer=b["paged_kv_indptr"][: batch_size + 1],
+            paged_kv_indices_buffer=b["paged_kv_indices"],
+            paged_kv_last_page_len_buffer=b["paged_kv_last_page_len"][:batch_size],
         )
+        return _Slot(wrapper, self.spec.device)
 
-    def graph_capture_get_metadata_for_batch(self, batch_size: int) -> FlashInferMetadata:
-        if not self._capturing or self._bufs is None:
-            raise RuntimeError("call graph_capture_get_metadata_for_batch inside `with state.graph_capture(n):`")
-        _forbid_capture("creating a graph decode wrapper")
-        b = self._bufs
-        if not 1 <= batch_size <= b.paged_kv_last_page_len.shape[0]:
-            raise ValueError(f"batch_size={batch_size} outside 1..{b.paged_kv_last_page_len.shape[0]} (max_batch_size)")
-        if batch_size not in self._slots:
-            wrapper = _flashinfer().BatchDecodeWithPagedKVCacheWrapper(
-                b.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=decode_uses_tensor_cores(self.spec),
-                paged_kv_indptr_buffer=b.paged_kv_indptr[: batch_size + 1],
-                paged_kv_indices_buffer=b.paged_kv_indices,
-                paged_kv_last_page_len_buffer=b.paged_kv_last_page_len[:batch_size],
-            )
-            self._slots[batch_size] = _Slot(wrapper, self.spec.device)
-        slot = self._slots[batch_size]
-        self._fill_pads(0, batch_size)
-        self._plan(slot, self._padded_plan_inputs(None, batch_size))
-        return self._graph_metadata(batch_size, slot)
+    def add_graph_fields(self, md: FlashInferMetadata, batch_size: int) -> None:
+        b, n = self._buffers, batch_size
+        md.qo_indptr = torch.arange(n + 1, dtype=torch.int32)
+        md.paged_kv_indptr = b["paged_kv_indptr"][: n + 1]
+        md.paged_kv_indices = b["paged_kv_indices"]
+        md.paged_kv_last_page_len = b["paged_kv_last_page_len"][:n]
+        md.step_plan = GraphStepPlan(self.spec, self._slots[n])
 
-    def _graph_metadata(self, batch_size: int, slot: _Slot) -> FlashInferMetadata:
-        b, n = self._bufs, batch_size
-        return FlashInferMetadata(
-            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=n, slot_mapping=b.slot_mapping[:n],
-            seq_lens=[1] * n, query_lens=[1] * n, block_tables_list=[[SCRATCH_BLOCK]] * n,
-            max_query_len=1, max_seq_len=self.spec.max_seq_len_to_capture,
-            seq_lens_tensor=b.seq_lens_tensor[:n], context_lens_tensor=b.context_lens_tensor[:n],
-            query_start_loc=b.query_start_loc[: n + 1], block_tables=b.block_tables[:n],
-            backend_name=NAME, block_size=self.spec.block_size, num_blocks=self.spec.num_blocks,
-            spec=self.spec, qo_indptr=torch.arange(n + 1, dtype=torch.int32),
-            paged_kv_indptr=b.paged_kv_indptr[: n + 1], paged_kv_indices=b.paged_kv_indices,
-            paged_kv_last_page_len=b.paged_kv_last_page_len[:n], step_plan=GraphStepPlan(self.spec, slot),
-        )
+    def copy_extra(self, bufs: dict[str, torch.Tensor], md: FlashInferMetadata | None) -> None:
+        n, nnz = (0, 0) if md is None else (md.num_seqs, md.paged_kv_indices.shape[0])
+        if md is not None:
+            bufs["paged_kv_indices"][:nnz].copy_(md.paged_kv_indices, non_blocking=True)
+        bufs["paged_kv_indices"][nnz : nnz + bufs["slot_mapping"].shape[0] - n].fill_(SCRATCH_BLOCK)
 
-    def graph_clone(self, batch_size: int) -> FlashInferState:
-        if batch_size not in self._slots:
-            raise RuntimeError(f"graph_clone({batch_size}) before graph_capture_get_metadata_for_batch({batch_size})")
-        clone = FlashInferState(self.spec)
-        clone._bufs = self._bufs
-        clone._slots = {batch_size: self._slots[batch_size]}
-        clone._batch_size = batch_size
-        return clone
-
-    def get_graph_input_buffers(self, attn_metadata: FlashInferMetadata) -> dict[str, torch.Tensor]:
-        md = attn_metadata
-        names = ("slot_mapping", "seq_lens_tensor", "context_lens_tensor", "query_start_loc", "block_tables",
-                 "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
-        return {name: getattr(md, name) for name in names}
-
-    def _check_step(self, md: FlashInferMetadata, batch_size: int, device: torch.device) -> None:
-        check_graph_step(md, self.spec, NAME, batch_size, device)
-        if md.paged_kv_indptr is None:
-            raise ValueError(f"{NAME} graphs replay metadata from {NAME}'s builder, got {type(md).__name__}")
-
-    def prepare_graph_input_buffers(
-        self, input_buffers: dict[str, torch.Tensor], attn_metadata: FlashInferMetadata
-    ) -> None:
-        md, bufs = attn_metadata, input_buffers
-        bs = bufs["slot_mapping"].shape[0]
-        self._check_step(md, bs, bufs["slot_mapping"].device)
-        n, nnz = md.num_seqs, md.paged_kv_indices.shape[0]
-        bufs["slot_mapping"][:n].copy_(md.slot_mapping, non_blocking=True)
-        bufs["seq_lens_tensor"][:n].copy_(md.seq_lens_tensor, non_blocking=True)
-        bufs["context_lens_tensor"][:n].copy_(md.context_lens_tensor, non_blocking=True)
-        width = md.block_tables.shape[1]
-        bufs["block_tables"][:n, :width].copy_(md.block_tables, non_blocking=True)
-        bufs["paged_kv_indices"][:nnz].copy_(md.paged_kv_indices, non_blocking=True)
-        self._fill_pads(n, bs, nnz)
-        self._prepared = md
-
-    def _fill_pads(self, n: int, bs: int, nnz: int = 0) -> None:
-        # Pad rows: no cache write, one token read from the scratch block.
-        b = self._bufs
-        b.slot_mapping[n:bs].fill_(-1)
-        b.seq_lens_tensor[n:bs].fill_(1)
-        b.context_lens_tensor[n:bs].fill_(0)
-        b.paged_kv_indices[nnz : nnz + bs - n].fill_(SCRATCH_BLOCK)
-
-    def begin_forward(self, attn_metadata: FlashInferMetadata) -> None:
-        md = attn_metadata
-        bs = self._batch_size if self._batch_size is not None else min(
-            (s for s in self._slots if s >= md.num_seqs), default=0
-        )
-        if bs not in self._slots:
-            raise RuntimeError(f"no captured batch size holds {md.num_seqs} decodes; capture one first")
-        if self._prepared is not md:  # prepare checked md (check_graph_step) and filled the buffers
-            raise RuntimeError("call prepare_graph_input_buffers(bufs, md) before begin_forward(md)")
-        self._plan(self._slots[bs], self._padded_plan_inputs(md, bs))
+    def plan(self, md: FlashInferMetadata | None, batch_size: int) -> None:
+        spec = self.spec
+        inputs = self._padded_plan_inputs(md, batch_size)
+        self._slots[batch_size].plan(self, lambda w: w.plan(
+            *inputs, spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, **plan_options(spec)
+        ))
 
     def _padded_plan_inputs(self, md: FlashInferMetadata | None, bs: int) -> tuple[torch.Tensor, ...]:
         """Host indptr / last-page lengths of `md`'s rows plus one-page pad rows, and the pages."""
@@ -589,14 +481,8 @@ class FlashInferState(AttentionState):
         last = np.ones(bs, dtype=np.int32)
         if md is not None:
             last[:n] = md.paged_kv_last_page_len.numpy()
-        indices = self._bufs.paged_kv_indices[: int(indptr[-1])]  # already filled by prepare / _fill_pads
+        indices = self._buffers["paged_kv_indices"][: int(indptr[-1])]  # already filled by copy_extra
         return torch.from_numpy(indptr), indices, torch.from_numpy(last)
-
-    def _plan(self, slot: _Slot, inputs: tuple[torch.Tensor, ...]) -> None:
-        spec = self.spec
-        slot.plan(self, lambda w: w.plan(
-            *inputs, spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, **plan_options(spec)
-        ))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,21 +7,15 @@ padded layout on the host so the op needs no `.tolist()` or device syncs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
-from compiled_attn.abstract import (
-    AttentionBackend,
-    AttentionSpec,
-    AttentionState,
-    AttentionType,
-)
+from compiled_attn.abstract import AttentionBackend, AttentionType
 from compiled_attn.backends.common import CommonImpl
-from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, check_graph_step, to_device
+from compiled_attn.graph_state import GraphState
+from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, to_device
 from compiled_attn.ops import torch_sdpa as _ops  # noqa: F401  (registers the op)
 
 NAME = "TORCH_SDPA"
@@ -35,6 +29,8 @@ class TorchSDPABackend(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     requires_cuda = False
+    graph_attn_types = (AttentionType.DECODER,)
+    graph_supports_alibi = True
 
     @staticmethod
     def get_name() -> str:
@@ -123,145 +119,14 @@ class TorchSDPAImpl(CommonImpl):
         torch.ops.compiled_attn.torch_sdpa_attention(query, key, value, kv_cache, output, layer_name)
 
 
-class TorchSDPAState(AttentionState):
-    """Static decode buffers for CUDA-graph capture; the op reads them at replay.
+class TorchSDPAState(GraphState):
+    """GraphState with no hooks: the op gathers each request's keys through its block-table row
+    and masks them by seq_len, so a graph reads only the common buffers and needs no host
+    planning (`begin_forward` only checks the call order).
 
-    The op gathers each request's keys through its block-table row and masks them by seq_len,
-    so a graph needs only device buffers, no host planning (`begin_forward` does nothing):
-
-        block_tables:      int32 [max_batch_size, ceil(max_seq_len_to_capture / block_size)]
-        seq_lens_tensor:   int32 [max_batch_size]
-        context_lens_tensor: int32 [max_batch_size]
-        slot_mapping:      int64 [max_batch_size]
-        query_start_loc:   int32 [max_batch_size + 1], always arange (one token per decode)
-
-    Pad rows (n..bs-1 of a batch of n live decodes) write nothing (slot -1) and read one token
-    of block 0 (seq_len 1): a valid index whatever the cache holds; their outputs are discarded.
     Cost: the decode gathers every row's full table, so a step moves
     bs * max_seq_len_to_capture keys per layer whatever the live lengths: keep
     `spec.max_seq_len_to_capture` near the longest sequence served.
-
-    Example (see DESIGN.md for the full call order)::
-
-        state = TorchSDPABackend.get_state_cls()(spec)
-        with state.graph_capture(max_batch_size=8):
-            md_bs = state.graph_capture_get_metadata_for_batch(8)
-            bufs = state.get_graph_input_buffers(md_bs)
-            graph_state = state.graph_clone(8)
-            ...  # warm up, capture the step under set_forward_context(md_bs)
-        graph_state.prepare_graph_input_buffers(bufs, md)  # md: decode-only, <= 8 requests
-        graph_state.begin_forward(md)
-        graph.replay()
     """
 
-    def __init__(self, spec: AttentionSpec, buffers: dict[str, torch.Tensor] | None = None) -> None:
-        super().__init__(spec)
-        self._buffers = buffers  # full-size static buffers, shared by every clone
-        self._capturing = False
-        self.max_blocks_per_seq = -(-spec.max_seq_len_to_capture // spec.block_size)
-
-    @contextmanager
-    def graph_capture(self, max_batch_size: int) -> Iterator[None]:
-        """Allocate the static buffers for up to `max_batch_size` decodes (once; reused if big enough)."""
-        if self.spec.attn_type != AttentionType.DECODER:
-            raise NotImplementedError(
-                f"{NAME} captures DECODER decode steps only, not {self.spec.attn_type.name}; run those eagerly"
-            )
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if self.spec.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{NAME}: allocate the graph state (graph_capture) before capturing, not inside")
-        if self._buffers is None or self._buffers["seq_lens_tensor"].shape[0] < max_batch_size:
-            self._buffers = self._allocate(max_batch_size)
-        self._capturing = True
-        try:
-            yield
-        finally:
-            self._capturing = False
-
-    def _allocate(self, max_batch_size: int) -> dict[str, torch.Tensor]:
-        dev, n, i32 = self.spec.device, max_batch_size, torch.int32
-        return {
-            "slot_mapping": torch.full((n,), -1, dtype=torch.int64, device=dev),
-            "seq_lens_tensor": torch.ones(n, dtype=i32, device=dev),
-            "context_lens_tensor": torch.zeros(n, dtype=i32, device=dev),
-            "query_start_loc": torch.arange(n + 1, dtype=i32, device=dev),
-            "block_tables": torch.zeros(n, self.max_blocks_per_seq, dtype=i32, device=dev),
-        }
-
-    def graph_capture_get_metadata_for_batch(self, batch_size: int) -> TorchSDPAMetadata:
-        """All-pad decode metadata of `batch_size` rows whose tensors are views of the static buffers."""
-        if not self._capturing or self._buffers is None:
-            raise RuntimeError(
-                "call graph_capture_get_metadata_for_batch inside `with state.graph_capture(max_batch_size):`"
-            )
-        b, n = self._buffers, batch_size
-        if not 1 <= n <= b["seq_lens_tensor"].shape[0]:
-            raise ValueError(f"batch_size={n} outside 1..{b['seq_lens_tensor'].shape[0]} (graph_capture's maximum)")
-        fill_pads(b, 0, n)  # warm-up and capture run on these rows: they must write nothing
-        spec = self.spec
-        # Host fields are fixed per batch size (the op reads num_prefills = 0 and num_decodes = n);
-        # the per-step lengths live in the device views only.
-        return TorchSDPAMetadata(
-            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=n, slot_mapping=b["slot_mapping"][:n],
-            seq_lens=[1] * n, query_lens=[1] * n, block_tables_list=[[0]] * n, max_query_len=1,
-            max_seq_len=spec.max_seq_len_to_capture, seq_lens_tensor=b["seq_lens_tensor"][:n],
-            context_lens_tensor=b["context_lens_tensor"][:n], query_start_loc=b["query_start_loc"][: n + 1],
-            block_tables=b["block_tables"][:n], backend_name=NAME, block_size=spec.block_size,
-            num_blocks=spec.num_blocks, spec=spec,
-        )
-
-    def graph_clone(self, batch_size: int) -> TorchSDPAState:
-        """A state for the graph of `batch_size`: shares the static buffers (keeping them alive)."""
-        if self._buffers is None:
-            raise RuntimeError(f"graph_clone({batch_size}) before graph_capture allocated the buffers")
-        return TorchSDPAState(self.spec, self._buffers)  # the buffers are all a size's graph reads
-
-    def get_graph_input_buffers(self, attn_metadata: TorchSDPAMetadata) -> dict[str, torch.Tensor]:
-        """The static views `attn_metadata` (from graph_capture_get_metadata_for_batch) is made of."""
-        md = attn_metadata
-        return {name: getattr(md, name) for name in GRAPH_INPUTS}
-
-    def prepare_graph_input_buffers(
-        self, input_buffers: dict[str, torch.Tensor], attn_metadata: TorchSDPAMetadata
-    ) -> None:
-        """Copy a decode-only step of n <= bs requests into the buffers of size bs; rows n.. become pads.
-
-        Device-to-device copies on the current stream (ordered before the replay), no sync.
-        ValueError for a step the graph cannot serve: prefills, n > bs, a sequence longer than
-        spec.max_seq_len_to_capture, metadata of another backend or device.
-        """
-        md, bufs = attn_metadata, input_buffers
-        bs = bufs["slot_mapping"].shape[0]
-        self._check_step(md, bs, bufs["block_tables"])
-        n, width = md.num_seqs, md.block_tables.shape[1]
-        bufs["slot_mapping"][:n].copy_(md.slot_mapping, non_blocking=True)
-        bufs["seq_lens_tensor"][:n].copy_(md.seq_lens_tensor, non_blocking=True)
-        bufs["context_lens_tensor"][:n].copy_(md.context_lens_tensor, non_blocking=True)
-        bufs["query_start_loc"][: n + 1].copy_(md.query_start_loc, non_blocking=True)
-        # Columns past a live row's width keep block ids of earlier steps (or 0): valid indices
-        # for the gather, and the op masks every key beyond seq_len, so they never reach an output.
-        bufs["block_tables"][:n, :width].copy_(md.block_tables, non_blocking=True)
-        fill_pads(bufs, n, bs)
-
-    def _check_step(self, md: TorchSDPAMetadata, bs: int, tables: torch.Tensor) -> None:
-        check_graph_step(md, self.spec, NAME, bs, tables.device)
-        if not isinstance(md, TorchSDPAMetadata) or md.block_tables.shape[1] > tables.shape[1]:
-            raise ValueError(f"{NAME} graphs replay metadata from {NAME}'s builder for this spec")
-
-    def begin_forward(self, attn_metadata: TorchSDPAMetadata) -> None:
-        """Nothing to plan: the op reads lengths and tables from the static buffers at replay."""
-
-
-GRAPH_INPUTS = ("slot_mapping", "seq_lens_tensor", "context_lens_tensor", "query_start_loc", "block_tables")
-
-
-def fill_pads(bufs: dict[str, torch.Tensor], lo: int, hi: int) -> None:
-    """Rows lo..hi-1 become pads: no cache write (slot -1), one key of block 0 read (any block is
-    valid to read; the output is discarded). query_start_loc stays arange: a pad is one token."""
-    if lo >= hi:
-        return
-    bufs["slot_mapping"][lo:hi].fill_(-1)
-    bufs["seq_lens_tensor"][lo:hi].fill_(1)
-    bufs["context_lens_tensor"][lo:hi].zero_()
-    bufs["block_tables"][lo:hi].zero_()
+    backend_cls = TorchSDPABackend

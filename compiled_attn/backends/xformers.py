@@ -22,23 +22,15 @@ State once per captured batch size (fixed maxima, device-side lengths) — never
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
-from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionState, AttentionType
+from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionType
 from compiled_attn.backends.common import CommonImpl
-from compiled_attn.metadata import (
-    CACHELESS_TYPES,
-    CommonMetadata,
-    CommonMetadataBuilder,
-    check_graph_step,
-    prefix_sums,
-    slots_for,
-)
+from compiled_attn.graph_state import SCRATCH_BLOCK, GraphState
+from compiled_attn.metadata import CACHELESS_TYPES, CommonMetadata, CommonMetadataBuilder, prefix_sums, slots_for
 from compiled_attn.ops import xformers as _ops
 
 NAME = "XFORMERS"
@@ -54,6 +46,8 @@ class XFormersBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = False
     requires_cuda = True
+    graph_attn_types = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)  # cross decode too
+    graph_supports_alibi = False  # ALiBi runs as a per-request tensor bias, eagerly
     package = "xformers"
 
     @staticmethod
@@ -295,170 +289,44 @@ class XFormersImpl(CommonImpl):
         torch.ops.compiled_attn.xformers_attention(query, key, value, kv_cache, output, layer_name)
 
 
-@dataclasses.dataclass
-class _GraphBuffers:
-    """Static decode inputs at the largest captured batch size; each batch size uses row slices."""
+class XFormersState(GraphState):
+    """GraphState plus the inputs of the window and cross-attention biases, and one paged bias per
+    captured batch size (in its metadata):
 
-    seq_lens: torch.Tensor  # int32 [max_bs]; pads: 1 (one key in block 0: finite, discarded outputs)
-    context_lens: torch.Tensor  # int32 [max_bs]
-    block_tables: torch.Tensor  # int32 [max_bs, max_blocks]; pads: block 0 (always valid)
-    slot_mapping: torch.Tensor  # int64 [max_bs]; pads: -1 (the cache write skips them)
-    q_start: torch.Tensor  # int32 [max_bs + 1] = 0..max_bs, never rewritten
-    window_starts: torch.Tensor  # int32 [max_bs + 1]
-    encoder_seq_lens: torch.Tensor | None  # int32 [max_bs] (ENCODER_DECODER specs)
-    cross_block_tables: torch.Tensor | None  # int32 [max_bs, max_blocks]
+        decode_window_starts:    int32 [max_batch_size + 1], first key each decode sees; pads 0
+                                 (sliding-window specs)
+        encoder_seq_lens_tensor: int32 [max_batch_size]; pads 1 (ENCODER_DECODER specs)
+        cross_block_tables:      int32 [max_batch_size, W]; pads SCRATCH_BLOCK (ENCODER_DECODER specs)
 
-
-class XFormersState(AttentionState):
-    """CUDA-graph state: static decode buffers, one paged bias per captured batch size.
-
-    The biases' python ints depend only on the batch size and the block-table width
-    (max_seq_len_to_capture / block_size), so `begin_forward` has nothing to plan: replay
-    reads the lengths and tables from device buffers that `prepare_graph_input_buffers` fills.
+    The biases' python ints depend only on the batch size and the block-table width W, so there
+    is nothing to plan: replay reads the lengths and tables from the buffers.
     """
 
-    def __init__(self, spec: AttentionSpec, buffers: _GraphBuffers | None = None, batch_size: int = 0) -> None:
-        super().__init__(spec)
-        self._buffers = buffers  # shared by every clone
-        self._batch_size = batch_size  # a clone's graph size (begin_forward checks steps against it)
-        self._capturing = False
+    backend_cls = XFormersBackend
+    ROW_PADS = {**GraphState.ROW_PADS, "decode_window_starts": 0, "encoder_seq_lens_tensor": 1}
+    TABLES = (*GraphState.TABLES, "cross_block_tables")
 
-    @property
-    def max_blocks(self) -> int:
-        return -(-self.spec.max_seq_len_to_capture // self.spec.block_size)
-
-    @contextmanager
-    def graph_capture(self, max_batch_size: int) -> Iterator[None]:
-        check_block_size(self.spec.block_size)
-        if self.spec.alibi_slopes is not None:
-            raise NotImplementedError(
-                f"{NAME} runs ALiBi eagerly only (a per-request tensor bias); for ALiBi under CUDA graphs "
-                "use FLASHINFER"
-            )
-        if self.spec.attn_type not in (AttentionType.DECODER, AttentionType.ENCODER_DECODER):
-            raise NotImplementedError(
-                f"graphs capture decode steps: a {self.spec.attn_type.name} spec has none (run it eagerly)"
-            )
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if self._buffers is None or self._buffers.seq_lens.shape[0] < max_batch_size:
-            self._buffers = self._allocate(max_batch_size)  # once: graphs keep reading these tensors
-        self._capturing = True
-        try:
-            yield
-        finally:
-            self._capturing = False
-
-    def _allocate(self, max_batch_size: int) -> _GraphBuffers:
-        dev, n, w = self.spec.device, max_batch_size, self.max_blocks
-        cross = self.spec.attn_type == AttentionType.ENCODER_DECODER
-
-        def i32(*shape: int, fill: int) -> torch.Tensor:
-            return torch.full(shape, fill, dtype=torch.int32, device=dev)
-
-        return _GraphBuffers(
-            seq_lens=i32(n, fill=1),
-            context_lens=i32(n, fill=0),
-            block_tables=i32(n, w, fill=0),
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
-            q_start=torch.arange(n + 1, dtype=torch.int32, device=dev),
-            window_starts=i32(n + 1, fill=0),
-            encoder_seq_lens=i32(n, fill=1) if cross else None,
-            cross_block_tables=i32(n, w, fill=0) if cross else None,
-        )
-
-    def _require_buffers(self) -> _GraphBuffers:
-        if self._buffers is None:
-            raise RuntimeError(f"{NAME}: call inside `with state.graph_capture(max_batch_size):` first")
-        return self._buffers
-
-    def graph_capture_get_metadata_for_batch(self, batch_size: int) -> XFormersMetadata:
-        buf = self._require_buffers()
-        if not self._capturing:
-            raise RuntimeError(
-                f"{NAME}: call graph_capture_get_metadata_for_batch inside `with state.graph_capture(...)`"
-            )
-        if not 1 <= batch_size <= buf.seq_lens.shape[0]:
-            raise ValueError(f"batch_size {batch_size} outside 1..{buf.seq_lens.shape[0]} (graph_capture's maximum)")
-        n, spec = batch_size, self.spec
-        md = XFormersMetadata(
-            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=n, slot_mapping=buf.slot_mapping[:n],
-            seq_lens=[1] * n, query_lens=[1] * n, block_tables_list=[[0]] * n, max_query_len=1, max_seq_len=1,
-            seq_lens_tensor=buf.seq_lens[:n], context_lens_tensor=buf.context_lens[:n],
-            query_start_loc=buf.q_start[: n + 1], block_tables=buf.block_tables[:n],
-            backend_name=NAME, block_size=spec.block_size, num_blocks=spec.num_blocks, spec=spec,
-            decode_window_starts=buf.window_starts[: n + 1] if spec.sliding_window else None,
-        )
-        if buf.encoder_seq_lens is not None:
-            md.encoder_seq_lens = [1] * n
-            md.encoder_seq_lens_tensor = buf.encoder_seq_lens[:n]
-            md.cross_block_tables = buf.cross_block_tables[:n]
-            md.max_encoder_seq_len = 1
-        md._decode_q_start = buf.q_start[: n + 1]
-        md.biases = {"decode": decode_bias(md._decode_q_start, md.seq_lens_tensor, md.block_tables,
-                                           spec.block_size, causal=True, window_starts=md.decode_window_starts)}
-        if buf.encoder_seq_lens is not None:
-            md.biases["cross_decode"] = decode_bias(md._decode_q_start, md.encoder_seq_lens_tensor,
-                                                    md.cross_block_tables, spec.block_size, causal=False)
-        return md
-
-    def graph_clone(self, batch_size: int) -> XFormersState:
-        return XFormersState(self.spec, self._require_buffers(), batch_size)
-
-    def get_graph_input_buffers(self, attn_metadata: XFormersMetadata) -> dict[str, torch.Tensor]:
-        md = attn_metadata
-        out = {
-            "slot_mapping": md.slot_mapping,
-            "seq_lens": md.seq_lens_tensor,
-            "block_tables": md.block_tables,
-        }
-        if md.decode_window_starts is not None:
-            out["window_starts"] = md.decode_window_starts
-        if md.cross_block_tables is not None:
-            out["encoder_seq_lens"] = md.encoder_seq_lens_tensor
-            out["cross_block_tables"] = md.cross_block_tables
+    def allocate_extra(self, max_batch_size: int) -> dict[str, torch.Tensor]:
+        dev, n, i32 = self.spec.device, max_batch_size, torch.int32
+        out = {}
+        if self.spec.sliding_window:
+            out["decode_window_starts"] = torch.zeros(n + 1, dtype=i32, device=dev)
+        if self.spec.attn_type == AttentionType.ENCODER_DECODER:
+            out["encoder_seq_lens_tensor"] = torch.ones(n, dtype=i32, device=dev)
+            out["cross_block_tables"] = torch.full((n, self.max_blocks_per_seq), SCRATCH_BLOCK, dtype=i32, device=dev)
         return out
 
-    def prepare_graph_input_buffers(
-        self, input_buffers: dict[str, torch.Tensor], attn_metadata: XFormersMetadata
-    ) -> None:
-        """Device-to-device copies of a decode-only step into the static buffers; rows n.. become pads."""
-        md = attn_metadata
-        self._check_fits(md, input_buffers)
-        n = md.num_seqs
-        width = md.block_tables.shape[1]
-        # columns past a request's table are never read (its seq_len bounds the pages), so stale
-        # ids from an earlier step may stay there
-        input_buffers["block_tables"][:n, :width].copy_(md.block_tables, non_blocking=True)
-        input_buffers["block_tables"][n:].zero_()
-        for name, src, pad in (("seq_lens", md.seq_lens_tensor, 1), ("slot_mapping", md.slot_mapping, -1)):
-            input_buffers[name][:n].copy_(src, non_blocking=True)
-            input_buffers[name][n:].fill_(pad)
-        if "window_starts" in input_buffers:
-            input_buffers["window_starts"][:n].copy_(md.decode_window_starts[:n], non_blocking=True)
-            input_buffers["window_starts"][n:].zero_()
-        if "cross_block_tables" in input_buffers and md.cross_block_tables is not None:
-            cw = md.cross_block_tables.shape[1]
-            input_buffers["cross_block_tables"][:n, :cw].copy_(md.cross_block_tables, non_blocking=True)
-            input_buffers["cross_block_tables"][n:].zero_()
-            input_buffers["encoder_seq_lens"][:n].copy_(md.encoder_seq_lens_tensor, non_blocking=True)
-            input_buffers["encoder_seq_lens"][n:].fill_(1)
-
-    def _check_fits(self, md: XFormersMetadata, input_buffers: dict[str, torch.Tensor]) -> None:
-        if not isinstance(md, XFormersMetadata):
-            raise ValueError(f"{NAME} state got {type(md).__name__}; build it with {NAME}'s builder")
-        check_graph_step(md, self.spec, NAME, input_buffers["seq_lens"].shape[0], input_buffers["seq_lens"].device)
-        max_len = input_buffers["block_tables"].shape[1] * self.spec.block_size
-        if md.longest_seq_len > max_len:
-            raise ValueError(f"a request exceeds the captured {max_len} tokens: run this step eagerly")
-        if "cross_block_tables" in input_buffers and md.cross_block_tables is None:
-            raise ValueError("this graph was captured for cross attention: build the metadata with cross_block_tables")
-
-    def begin_forward(self, attn_metadata: XFormersMetadata) -> None:
-        """Nothing to plan: the captured biases read lengths and tables from the static buffers."""
-        if self._buffers is None:
-            raise RuntimeError(f"{NAME}: begin_forward on a state that was not made by graph_clone")
-        if attn_metadata.num_seqs > self._batch_size:
-            raise ValueError(
-                f"this graph serves {self._batch_size} requests, the step has {attn_metadata.num_seqs}"
-            )
+    def add_graph_fields(self, md: XFormersMetadata, batch_size: int) -> None:
+        b, n = self._buffers, batch_size
+        md._decode_q_start = md.query_start_loc
+        if "decode_window_starts" in b:
+            md.decode_window_starts = b["decode_window_starts"][: n + 1]
+        md.biases = {"decode": decode_bias(md._decode_q_start, md.seq_lens_tensor, md.block_tables, md.block_size,
+                                           causal=True, window_starts=md.decode_window_starts)}
+        if "cross_block_tables" in b:
+            md.encoder_seq_lens = [1] * n
+            md.max_encoder_seq_len = 1
+            md.encoder_seq_lens_tensor = b["encoder_seq_lens_tensor"][:n]
+            md.cross_block_tables = b["cross_block_tables"][:n]
+            md.biases["cross_decode"] = decode_bias(md._decode_q_start, md.encoder_seq_lens_tensor,
+                                                    md.cross_block_tables, md.block_size, causal=False)

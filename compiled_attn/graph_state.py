@@ -1,0 +1,279 @@
+"""The CUDA-graph State every backend shares: static buffers, capture lifecycle, pad rows.
+
+A captured decode graph reads fixed addresses, so `GraphState` allocates each per-request input
+once, for the largest batch size, and the graph of batch size bs reads rows [:bs] of it. Each
+step, `prepare_graph_input_buffers` copies a decode-only step into those rows and makes the rest
+pad rows; `begin_forward` runs whatever host planning the backend needs before the replay.
+
+A backend's State subclasses `GraphState`, sets `backend_cls` and overrides only hooks:
+
+- `allocate_extra` / `add_graph_fields`: its own static inputs and the metadata fields over them;
+- `ROW_PADS` / `TABLES`: which of those inputs are per-request rows / block tables (copied and
+  padded here), `copy_extra` for inputs of another layout (FlashInfer's page list);
+- `make_for_batch` / `plan`: an object per captured batch size (FlashInfer's graph wrapper) and
+  the host planning before each replay.
+
+Which specs a State captures is data on the backend class (`graph_attn_types`,
+`graph_supports_alibi`, next to its other capabilities in `registry.capability_reason`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import torch
+
+from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionState
+from compiled_attn.metadata import CommonMetadata
+from compiled_attn.registry import backends_with, capability_reason
+
+SCRATCH_BLOCK = 0  # pad rows read one token of this block: any block is valid to read, and they write nothing
+
+
+def check_graph_step(md: CommonMetadata, spec: AttentionSpec, backend_name: str, batch_size: int,
+                     device: torch.device) -> None:
+    """A step that a decode graph captured for `spec` and `batch_size` can replay: checked before
+    the step is copied into the static buffers (nothing is checked at replay, so a slot or block
+    beyond the cache would be read or written out of bounds)."""
+    if getattr(md, "backend_name", None) != backend_name:
+        raise ValueError(f"{backend_name} graphs replay metadata from {backend_name}'s builder, got "
+                         f"{getattr(md, 'backend_name', None) or type(md).__name__}")
+    if md.num_prefills:
+        raise ValueError(f"graphs replay decode-only steps; this one has {md.num_prefills} prefills: run it eagerly")
+    if not 1 <= md.num_seqs <= batch_size:
+        raise ValueError(f"{md.num_seqs} decodes do not fit the graph of batch size {batch_size}: run it eagerly")
+    if md.longest_seq_len > spec.max_seq_len_to_capture:
+        raise ValueError(f"a sequence of {md.longest_seq_len} tokens > spec.max_seq_len_to_capture="
+                         f"{spec.max_seq_len_to_capture}: run this step eagerly")
+    if (md.num_blocks, md.block_size) != (spec.num_blocks, spec.block_size):
+        raise ValueError(f"metadata for num_blocks={md.num_blocks}, block_size={md.block_size} does not match "
+                         f"the state's spec ({spec.num_blocks}, {spec.block_size})")
+    if md.slot_mapping.device != device:
+        raise ValueError(f"metadata on {md.slot_mapping.device}, graph buffers on {device}")
+
+
+class GraphState(AttentionState):
+    """Static decode buffers and the capture / replay lifecycle of DESIGN.md, for every backend.
+
+    Buffers (on the spec's device; W = ceil(max_seq_len_to_capture / block_size)), keyed by the
+    metadata field that views them; the graph of batch size bs reads rows [:bs]:
+
+        slot_mapping:        int64 [max_batch_size]
+        seq_lens_tensor:     int32 [max_batch_size]
+        context_lens_tensor: int32 [max_batch_size]
+        query_start_loc:     int32 [max_batch_size + 1], always arange (one token per decode)
+        block_tables:        int32 [max_batch_size, W]
+        + the backend's own (`allocate_extra`)
+
+    Pad rows (n..bs-1 of a step of n live decodes, and every row while capturing) write nothing
+    (slot -1) and read one token (seq_len 1) of SCRATCH_BLOCK: valid for every kernel whatever
+    the cache holds; their outputs are discarded.
+
+    Example (see DESIGN.md for the full call order)::
+
+        state = backend.get_state_cls()(spec)
+        with state.graph_capture(max_batch_size=8):
+            md_bs = state.graph_capture_get_metadata_for_batch(8)
+            bufs = state.get_graph_input_buffers(md_bs)
+            graph_state = state.graph_clone(8)
+            ...  # warm up, capture the step under set_forward_context(md_bs)
+        graph_state.prepare_graph_input_buffers(bufs, md)  # md: decode-only, <= 8 requests
+        graph_state.begin_forward(md)
+        graph.replay()
+    """
+
+    backend_cls: ClassVar[type[AttentionBackend]]
+    # Per-request rows a step copies, and what a pad row holds: slot -1 (the cache write skips
+    # it), seq_len 1 and no context (one key read, of SCRATCH_BLOCK: finite, discarded output).
+    ROW_PADS: ClassVar[dict[str, int]] = {"slot_mapping": -1, "seq_lens_tensor": 1, "context_lens_tensor": 0}
+    # Block tables a step copies; their pad rows hold SCRATCH_BLOCK.
+    TABLES: ClassVar[tuple[str, ...]] = ("block_tables",)
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__(spec)
+        self.max_blocks_per_seq = -(-spec.max_seq_len_to_capture // spec.block_size)
+        self._buffers: dict[str, torch.Tensor] | None = None  # full size, shared by every clone
+        # batch size -> what make_for_batch made for it; a clone holds its own size only
+        self._slots: dict[int, Any] = {}
+        self._capturing = False
+        self._prepared: tuple[CommonMetadata, int] | None = None  # the step begin_forward may plan
+
+    # -- capture ---------------------------------------------------------------------------
+
+    @contextmanager
+    def graph_capture(self, max_batch_size: int) -> Iterator[None]:
+        """Allocate the static buffers for up to `max_batch_size` decodes (once; reused while big enough).
+
+        NotImplementedError for a spec this backend's graphs cannot capture (naming backends that
+        can), ValueError for max_batch_size < 1, RuntimeError inside a CUDA-graph capture.
+        """
+        self._check_capturable()
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self._forbid_stream_capture("graph_capture")
+        if self._buffers is None or self._buffers["slot_mapping"].shape[0] < max_batch_size:
+            self._buffers = self._allocate(max_batch_size)
+            self._slots = {}  # made over the old buffers (clones keep theirs)
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    def _check_capturable(self) -> None:
+        spec = self.spec
+        needs: dict[str, Any] = dict(attn_type=spec.attn_type, block_size=spec.block_size,
+                                     alibi=spec.alibi_slopes is not None, graphs=True)
+        reason = capability_reason(self.backend_cls, **needs)
+        if reason is not None:
+            others = backends_with(**needs)
+            raise NotImplementedError(f"{reason}; " + (f"use {' or '.join(others)}" if others else
+                                                      "run these steps eagerly"))
+
+    def _forbid_stream_capture(self, what: str) -> None:
+        if self.spec.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{self.backend_cls.get_name()}: call {what} before capturing a graph, not inside")
+
+    def _allocate(self, max_batch_size: int) -> dict[str, torch.Tensor]:
+        dev, n, i32 = self.spec.device, max_batch_size, torch.int32
+        return {
+            "slot_mapping": torch.full((n,), -1, dtype=torch.int64, device=dev),
+            "seq_lens_tensor": torch.ones(n, dtype=i32, device=dev),
+            "context_lens_tensor": torch.zeros(n, dtype=i32, device=dev),
+            "query_start_loc": torch.arange(n + 1, dtype=i32, device=dev),
+            "block_tables": torch.full((n, self.max_blocks_per_seq), SCRATCH_BLOCK, dtype=i32, device=dev),
+            **self.allocate_extra(max_batch_size),
+        }
+
+    def graph_capture_get_metadata_for_batch(self, batch_size: int) -> CommonMetadata:
+        """All-pad decode metadata of `batch_size` rows whose tensors are views of the static buffers."""
+        if not self._capturing or self._buffers is None:
+            raise RuntimeError(
+                "call graph_capture_get_metadata_for_batch inside `with state.graph_capture(max_batch_size):`"
+            )
+        self._forbid_stream_capture("graph_capture_get_metadata_for_batch")
+        top = self._buffers["slot_mapping"].shape[0]
+        if not 1 <= batch_size <= top:
+            raise ValueError(f"batch_size={batch_size} outside 1..{top} (graph_capture's maximum)")
+        if batch_size not in self._slots:
+            self._slots[batch_size] = self.make_for_batch(batch_size)
+        md = self._pad_metadata(batch_size)
+        self._write_step(self.get_graph_input_buffers(md), None)  # warm-up and capture must write nothing
+        self.plan(None, batch_size)
+        return md
+
+    def _pad_metadata(self, n: int) -> CommonMetadata:
+        # Host fields are fixed per batch size (the ops read num_prefills = 0 and num_decodes = n);
+        # the per-step lengths live in the device views only.
+        b, spec = self._buffers, self.spec
+        md = self.backend_cls.get_metadata_cls()(
+            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=n, slot_mapping=b["slot_mapping"][:n],
+            seq_lens=[1] * n, query_lens=[1] * n, block_tables_list=[[SCRATCH_BLOCK]] * n, max_query_len=1,
+            max_seq_len=spec.max_seq_len_to_capture, seq_lens_tensor=b["seq_lens_tensor"][:n],
+            context_lens_tensor=b["context_lens_tensor"][:n], query_start_loc=b["query_start_loc"][: n + 1],
+            block_tables=b["block_tables"][:n], backend_name=self.backend_cls.get_name(),
+            block_size=spec.block_size, num_blocks=spec.num_blocks, spec=spec,
+        )
+        self.add_graph_fields(md, n)
+        return md
+
+    def get_graph_input_buffers(self, attn_metadata: CommonMetadata) -> dict[str, torch.Tensor]:
+        """The static views `attn_metadata` (from graph_capture_get_metadata_for_batch) is made of,
+        keyed by field name."""
+        if self._buffers is None:
+            raise RuntimeError("get_graph_input_buffers before graph_capture allocated the buffers")
+        return {name: getattr(attn_metadata, name) for name in self._buffers}
+
+    def graph_clone(self, batch_size: int) -> GraphState:
+        """A state for the graph of `batch_size`: shares the static buffers and owns what
+        graph_capture_get_metadata_for_batch(batch_size) made, keeping both alive."""
+        if batch_size not in self._slots:
+            raise RuntimeError(f"graph_clone({batch_size}) before graph_capture_get_metadata_for_batch({batch_size})")
+        clone = type(self)(self.spec)
+        clone._buffers = self._buffers
+        clone._slots = {batch_size: self._slots[batch_size]}
+        return clone
+
+    # -- each step -------------------------------------------------------------------------
+
+    def prepare_graph_input_buffers(
+        self, input_buffers: dict[str, torch.Tensor], attn_metadata: CommonMetadata
+    ) -> None:
+        """Copy a decode-only step of n <= bs requests into the buffers of the graph of size bs;
+        rows n.. become pads.
+
+        Device-to-device copies on the current stream (ordered before the replay), no sync.
+        ValueError for a step the graph cannot serve (prefills, n > bs, a sequence longer than
+        spec.max_seq_len_to_capture, metadata of another backend, cache size or device, or without
+        an input the graph reads); RuntimeError for buffers of a size this state did not capture.
+        """
+        md, bufs = attn_metadata, input_buffers
+        batch_size = bufs["slot_mapping"].shape[0]
+        self._check_step(md, bufs, batch_size)
+        self._write_step(bufs, md)
+        self._prepared = (md, batch_size)
+
+    def _check_step(self, md: CommonMetadata, bufs: dict[str, torch.Tensor], batch_size: int) -> None:
+        name = self.backend_cls.get_name()
+        if not isinstance(md, self.backend_cls.get_metadata_cls()):
+            raise ValueError(f"{name} graphs replay metadata from {name}'s builder, got {type(md).__name__}")
+        check_graph_step(md, self.spec, name, batch_size, bufs["slot_mapping"].device)
+        if batch_size not in self._slots:
+            raise RuntimeError(f"these are the buffers of batch size {batch_size}, which this state did not "
+                               f"capture: prepare them through graph_clone({batch_size})'s state")
+        for field, buf in bufs.items():
+            src = getattr(md, field)
+            if src is None:
+                raise ValueError(f"the graph reads {field}, which this metadata lacks: build it for the graph's spec "
+                                 "(cross attention needs encoder_seq_lens and cross_block_tables)")
+            if field in self.TABLES and src.shape[1] > buf.shape[1]:
+                raise ValueError(f"{field} of {src.shape[1]} blocks per request > the graph's {buf.shape[1]}: "
+                                 f"build the metadata with {name}'s builder for this spec")
+
+    def _write_step(self, bufs: dict[str, torch.Tensor], md: CommonMetadata | None) -> None:
+        """md's rows into the buffers of one batch size, pads after them (only pads when md is None)."""
+        n = 0 if md is None else md.num_seqs
+        for field, pad in self.ROW_PADS.items():
+            if field in bufs:
+                if md is not None:
+                    bufs[field][:n].copy_(getattr(md, field)[:n], non_blocking=True)
+                bufs[field][n:].fill_(pad)
+        for field in self.TABLES:
+            if field in bufs:
+                if md is not None:
+                    src = getattr(md, field)
+                    # Columns past a live row's width keep ids of earlier steps (or SCRATCH_BLOCK):
+                    # valid blocks, and keys beyond seq_len never reach an output.
+                    bufs[field][:n, : src.shape[1]].copy_(src, non_blocking=True)
+                bufs[field][n:].fill_(SCRATCH_BLOCK)
+        self.copy_extra(bufs, md)
+
+    def begin_forward(self, attn_metadata: CommonMetadata) -> None:
+        """Host-side planning for the replay of the step just prepared (outside any graph)."""
+        if self._prepared is None or self._prepared[0] is not attn_metadata:
+            raise RuntimeError("call prepare_graph_input_buffers(bufs, md) before begin_forward(md)")
+        self.plan(attn_metadata, self._prepared[1])
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def allocate_extra(self, max_batch_size: int) -> dict[str, torch.Tensor]:
+        """The backend's own static inputs for up to `max_batch_size` decodes, keyed by the metadata
+        field that views them (`add_graph_fields` sets those views)."""
+        return {}
+
+    def make_for_batch(self, batch_size: int) -> Any:
+        """What the graph of `batch_size` needs besides the buffers, made once per size at capture
+        and owned by its clone."""
+        return None
+
+    def add_graph_fields(self, md: CommonMetadata, batch_size: int) -> None:
+        """Set the backend's own fields of the all-pad metadata of `batch_size` rows."""
+
+    def copy_extra(self, bufs: dict[str, torch.Tensor], md: CommonMetadata | None) -> None:
+        """Copy and pad inputs that are neither ROW_PADS rows nor TABLES (only pads when md is None)."""
+
+    def plan(self, md: CommonMetadata | None, batch_size: int) -> None:
+        """Host planning for the graph of `batch_size` over the prepared buffers (all pads when md
+        is None, at capture)."""

@@ -1,0 +1,245 @@
+"""GraphState, the one CUDA-graph State of every backend, on CPU.
+
+Structure (each backend's State is GraphState plus hooks), what a State captures (data on the
+backend class), and the buffers every backend's State fills through `CUDAGraphRunner`'s
+static-buffer step (`use_cuda_graphs=False`, the computation a replay runs): live rows copied,
+pad rows write nothing and read SCRATCH_BLOCK, rows of an earlier, larger step never survive.
+FlashInfer runs on CPU with conftest's recording stand-in, or test_flashinfer's dense one.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_flashinfer import DENSE_FLASHINFER
+
+import compiled_attn as ca
+from compiled_attn.backends import flashinfer as fib
+from compiled_attn.graph_state import SCRATCH_BLOCK, GraphState
+from compiled_attn.graphs import CUDAGraphRunner
+from compiled_attn.registry import BACKEND_CLASSES
+
+T = ca.AttentionType
+HOOKS = {"allocate_extra", "make_for_batch", "add_graph_fields", "copy_extra", "plan", "ROW_PADS", "TABLES"}
+
+
+def spec_for(**kw) -> ca.AttentionSpec:
+    base = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=64, num_blocks=64, dtype=torch.bfloat16,
+                device="cpu", max_seq_len_to_capture=192)  # 3 blocks per request
+    return ca.AttentionSpec(**{**base, **kw})
+
+
+def static_runner(model, name: str, spec: ca.AttentionSpec, caches: list[torch.Tensor], sizes: list[int],
+                  state: ca.AttentionState | None = None) -> CUDAGraphRunner:
+    runner = CUDAGraphRunner(model, BACKEND_CLASSES()[name], spec, caches, state, capture_sizes=sizes,
+                             max_batch_size=max(sizes), use_cuda_graphs=False, progress=False)
+    runner.capture()
+    return runner
+
+
+def enter_capture(state: ca.AttentionState) -> None:
+    with state.graph_capture(2):
+        pass
+
+
+# -------------------------------------------------------------------------------------------
+# Structure and capture data
+
+
+@pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
+def test_backend_states_override_hooks_only(name):
+    backend = BACKEND_CLASSES()[name]
+    state_cls = backend.get_state_cls()
+    assert issubclass(state_cls, GraphState) and state_cls.backend_cls is backend
+    own = set(vars(state_cls)) - set(vars(type("NoHooks", (GraphState,), {})))  # drops what any subclass gets
+    overridden = {attr for attr in own if hasattr(GraphState, attr)} - {"__init__"}  # __init__ may add fields
+    assert overridden <= HOOKS, f"{state_cls.__name__} redefines {sorted(overridden - HOOKS)} of GraphState"
+    public = {attr for attr in own if not attr.startswith("_")}
+    assert public <= HOOKS | {"backend_cls"}, f"{state_cls.__name__} adds {sorted(public - HOOKS)}"
+
+
+@pytest.mark.parametrize("attn_type", list(T))
+@pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
+def test_graph_capture_serves_the_attention_types_its_backend_declares(name, attn_type):
+    backend = BACKEND_CLASSES()[name]
+    state = backend.get_state_cls()(spec_for(attn_type=attn_type))
+    if attn_type in backend.graph_attn_types:
+        enter_capture(state)
+        return
+    capturers = [n for n, b in BACKEND_CLASSES().items() if attn_type in b.graph_attn_types]
+    hint = f"use {' or '.join(capturers)}" if capturers else "run these steps eagerly"
+    with pytest.raises(NotImplementedError, match=f"^{name} .*; {hint}$"):
+        enter_capture(state)
+
+
+def test_xformers_state_refuses_alibi_naming_states_that_capture_it():
+    state = BACKEND_CLASSES()["XFORMERS"].get_state_cls()(spec_for(alibi_slopes=torch.ones(8)))
+    with pytest.raises(NotImplementedError, match="ALiBi eagerly only.*use FLASHINFER or TORCH_SDPA"):
+        enter_capture(state)
+
+
+def test_xformers_state_refuses_block_sizes_its_decode_kernel_cannot_read():
+    state = BACKEND_CLASSES()["XFORMERS"].get_state_cls()(spec_for(block_size=16))
+    with pytest.raises(NotImplementedError, match="block_size=16.*use FLASHINFER or TORCH_SDPA"):
+        enter_capture(state)
+
+
+# -------------------------------------------------------------------------------------------
+# Lifecycle (TORCH_SDPA's State: GraphState with no hooks)
+
+
+def sdpa_state():
+    return BACKEND_CLASSES()["TORCH_SDPA"].get_state_cls()(spec_for(dtype=torch.float32))
+
+
+def test_buffers_are_allocated_once_while_big_enough():
+    state = sdpa_state()
+    with state.graph_capture(4):
+        big = state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(4))
+    with state.graph_capture(2):
+        small = state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(2))
+    assert all(small[k].data_ptr() == big[k].data_ptr() for k in big)
+
+
+def test_graph_clone_before_the_metadata_of_its_size_raises():
+    state = sdpa_state()
+    with state.graph_capture(4), pytest.raises(RuntimeError, match=r"graph_clone\(2\) before .*_for_batch\(2\)"):
+        state.graph_capture_get_metadata_for_batch(4)
+        state.graph_clone(2)
+
+
+def test_prepare_with_buffers_of_another_size_raises_and_writes_nothing():
+    state = sdpa_state()
+    with state.graph_capture(4):
+        bufs = {bs: state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(bs)) for bs in (4, 2)}
+        clone_2 = state.graph_clone(2)
+    md = BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(state.spec).build([70], [1], [[5, 6]])
+    before = {k: t.clone() for k, t in bufs[4].items()}
+    with pytest.raises(RuntimeError, match="batch size 4, which this state did not capture"):
+        clone_2.prepare_graph_input_buffers(bufs[4], md)
+    assert all(torch.equal(bufs[4][k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
+def test_begin_forward_before_prepare_raises(name, fake_flashinfer):
+    if name == "XFORMERS":
+        pytest.importorskip("xformers.ops.fmha")
+    backend = BACKEND_CLASSES()[name]
+    state = backend.get_state_cls()(spec_for())
+    with state.graph_capture(2):
+        state.graph_capture_get_metadata_for_batch(2)
+        clone = state.graph_clone(2)
+    md = backend.get_builder_cls()(state.spec).build([70], [1], [[5, 6]])
+    with pytest.raises(RuntimeError, match=r"prepare_graph_input_buffers\(bufs, md\) before begin_forward"):
+        clone.begin_forward(md)
+
+
+# -------------------------------------------------------------------------------------------
+# Buffers through the runner, every backend: a stand-in model records what the step reads
+
+# One request grows from the first step to the second (its block table stays); the other rows of
+# the first step are gone in the second, which runs in the same graph of 4: they must be pads.
+FIRST = dict(seq_lens=[70, 3, 130, 65], tables=[[5, 6], [7], [8, 9, 10], [11, 12]],
+             encoder_seq_lens=[100, 30, 64, 10], cross_block_tables=[[20, 21], [22], [23], [24]])
+SECOND = dict(seq_lens=[71, 4], tables=[[5, 6], [7]], encoder_seq_lens=[100, 30], cross_block_tables=[[20, 21], [22]])
+COMMON_AFTER_SECOND = {
+    "slot_mapping": [6 * 64 + 6, 7 * 64 + 3, -1, -1],
+    "seq_lens_tensor": [71, 4, 1, 1],
+    "context_lens_tensor": [70, 3, 0, 0],
+    "query_start_loc": [0, 1, 2, 3, 4],
+    "block_tables": [[5, 6, 0], [7, 0, 0], [0, 0, 0], [0, 0, 0]],
+}
+# the backend's own graph inputs after SECOND: the leading entries a replay reads, or None where
+# FlashInfer's plan() writes the buffer (the recording stand-in does not)
+OWN_AFTER_SECOND = {
+    "sdpa": ("TORCH_SDPA", {}, {}),
+    "flashinfer": ("FLASHINFER", {}, {"paged_kv_indices": [5, 6, 7, SCRATCH_BLOCK, SCRATCH_BLOCK],
+                                      "paged_kv_indptr": None, "paged_kv_last_page_len": None}),
+    "xformers_window": ("XFORMERS", {"sliding_window": 50}, {"decode_window_starts": [71 - 50, 0, 0, 0, 0]}),
+    "xformers_cross": ("XFORMERS", {"attn_type": T.ENCODER_DECODER}, {
+        "encoder_seq_lens_tensor": [100, 30, 1, 1],
+        "cross_block_tables": [[20, 21, 0], [22, 0, 0], [0, 0, 0], [0, 0, 0]],
+    }),
+}
+
+
+def recording_model(state: ca.AttentionState, seen: list[dict[str, torch.Tensor]]):
+    """A model step that reads no attention: it records the graph inputs under the metadata it runs with."""
+    def step(input_ids, positions, kv_caches):
+        md = ca.get_forward_context().attn_metadata
+        seen.append({name: t.clone() for name, t in state.get_graph_input_buffers(md).items()})
+        return torch.zeros(input_ids.shape[0], 1)
+    return step
+
+
+def decode_step(builder, spec, step: dict) -> ca.AttentionMetadata:
+    n = len(step["seq_lens"])
+    cross = {"encoder_seq_lens": step["encoder_seq_lens"], "cross_block_tables": step["cross_block_tables"]}
+    return builder.build(step["seq_lens"], [1] * n, step["tables"],
+                         **(cross if spec.attn_type == T.ENCODER_DECODER else {}))
+
+
+@pytest.mark.parametrize("case", list(OWN_AFTER_SECOND))
+def test_runner_step_copies_live_rows_and_pads_the_rest(case, fake_flashinfer):
+    name, options, own = OWN_AFTER_SECOND[case]
+    if name == "XFORMERS":
+        pytest.importorskip("xformers.ops.fmha")
+    backend, spec = BACKEND_CLASSES()[name], spec_for(**options)
+    state, seen = backend.get_state_cls()(spec), []
+    runner = static_runner(recording_model(state, seen), name, spec, [], [4], state)
+    builder = backend.get_builder_cls()(spec)
+    for step in (FIRST, SECOND):
+        tokens = torch.zeros(len(step["seq_lens"]), dtype=torch.int64)  # ids and positions: the model reads neither
+        runner.run(decode_step(builder, spec, step), tokens, tokens)
+    got = seen[-1]
+    assert set(got) == set(COMMON_AFTER_SECOND) | set(own)
+    for field, want in {**COMMON_AFTER_SECOND, **own}.items():
+        if want is not None:
+            assert got[field][: len(want)].tolist() == want, field
+
+
+# -------------------------------------------------------------------------------------------
+# The padded static step computes what eager does (TORCH_SDPA, FLASHINFER with dense attention)
+
+
+class OneLayerStep:
+    """A model step that is one DECODER attention layer over embeddings of the input ids."""
+
+    def __init__(self, backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, vocab: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        widths = (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads)
+        self.q, self.k, self.v = (torch.randn(vocab, w * spec.head_size, generator=g) for w in widths)
+        self.impl = backend.get_impl_cls()(spec.num_heads, spec.head_size, spec.softmax_scale,
+                                           num_kv_heads=spec.num_kv_heads)
+        self.layer_name, self._call = self.impl.register(1.0, 1.0, T.DECODER)  # _call keeps the name alive
+
+    def __call__(self, input_ids, positions, kv_caches):
+        return self.impl.run(self.q[input_ids], self.k[input_ids], self.v[input_ids], kv_caches[0], T.DECODER,
+                             self.layer_name)
+
+
+@pytest.mark.parametrize("name", ["TORCH_SDPA", "FLASHINFER"])
+def test_padded_static_step_equals_eager_and_pads_write_nothing(name, monkeypatch):
+    if name == "FLASHINFER":
+        monkeypatch.setattr(fib, "_flashinfer", lambda: DENSE_FLASHINFER)
+        monkeypatch.setattr(fib, "WORKSPACE_BYTES", 1024)
+    backend, spec, vocab = BACKEND_CLASSES()[name], spec_for(dtype=torch.float32, block_size=16), 50
+    model = OneLayerStep(backend, spec, vocab)
+    shape = backend.get_kv_cache_shape(spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    cache = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    eager_cache = cache.clone()
+    runner = static_runner(model, name, spec, [cache], [4, 2])
+    builder, rng = backend.get_builder_cls()(spec), random.Random(0)
+    for n in (4, 3, 2, 1, 4):  # fewer rows after more: stale rows of the graph of 4 become pads
+        seq_lens = [rng.randint(2, spec.max_seq_len_to_capture) for _ in range(n)]
+        blocks = rng.sample(range(spec.num_blocks), 12 * n)
+        md = builder.build(seq_lens, [1] * n, [blocks[12 * i : 12 * (i + 1)] for i in range(n)])
+        ids = torch.tensor([rng.randrange(vocab) for _ in range(n)])
+        pos = torch.tensor(seq_lens) - 1
+        with ca.set_forward_context(md):
+            want = model(ids, pos, [eager_cache])
+        torch.testing.assert_close(runner.run(md, ids, pos), want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(cache, eager_cache), "a pad row wrote into the cache"
+    assert runner.counts["graph"] == 5
