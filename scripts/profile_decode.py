@@ -6,6 +6,7 @@ of the gpt-fast peer, reduced to per-layer kernel tables (markdown + JSON under 
 
 Each side runs PROFILED_STEPS steps as in the bench's loop (no synchronize inside) after a
 warm-up; the trace's kernels give the per-layer table and the GPU-busy fraction of the steps.
+Before the trace each side's loop is timed as in the bench (`decode_loop.loop_ms`).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ PROFILED_STEPS = 8
 
 
 def trace(loop) -> dict:
-    loop(dl.STEPS, False)  # warm-up (compile, capture, tuning)
-    torch.cuda.synchronize()
+    """The per-layer table of PROFILED_STEPS pipelined steps, plus the loop's ms / step
+    (pipelined and synced, timed without the profiler)."""
+    table = {"loop ms/step": dl.loop_ms(loop, False), "loop ms/step synced": dl.loop_ms(loop, True)}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         loop(PROFILED_STEPS, False)
         torch.cuda.synchronize()
-    return per_layer_table(cuda_kernels(prof), PROFILED_STEPS, dl.LlamaConfig.llama3_8b().num_layers)
+    return {**table, **per_layer_table(cuda_kernels(prof), PROFILED_STEPS, dl.LlamaConfig.llama3_8b().num_layers)}
 
 
 def main() -> None:
@@ -60,7 +62,8 @@ def main() -> None:
             del ours
         torch.cuda.empty_cache()
         for side, table in sides.items():
-            text = markdown(table, f"{side}, B={batch}, ctx {ctx}, {card_name()}")
+            text = markdown(table, f"{side}, B={batch}, ctx {ctx}, {card_name()}: loop {table['loop ms/step']:.3f} "
+                                   f"ms/step pipelined, {table['loop ms/step synced']:.3f} synced")
             print(text, "\n", flush=True)
             results[f"{side} {point}"] = table
             with open(os.path.join(args.out, "decode-profile.md"), "a") as f:

@@ -134,6 +134,11 @@ def peer_loop(model: Llama, batch: int, ctx: int) -> tuple[Callable[[int, bool],
 # Ours: builder + CUDAGraphRunner, the public API only
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The next token of each row, captured into the runner's graphs (logits stay on the device)."""
+    return logits.argmax(-1)
+
+
 class PagedLoop:
     """Greedy decode through `builder.build` + `runner.run` for `batch` requests at `ctx` tokens."""
 
@@ -150,7 +155,7 @@ class PagedLoop:
         self.tables = [ids[i * pages:(i + 1) * pages].tolist() for i in range(batch)]
         self.builder = backend.get_builder_cls()(self.spec)
         self.runner = CUDAGraphRunner(model, backend, self.spec, self.caches, max_batch_size=batch,
-                                      capture_sizes=[batch], progress=False, **(runner_kw or {}))
+                                      capture_sizes=[batch], progress=False, postprocess=greedy, **(runner_kw or {}))
         self.runner.capture()
         self.first = torch.randint(config.vocab_size, (batch,), device="cuda")
 
@@ -158,7 +163,7 @@ class PagedLoop:
         """One decode step for every request at `seq_len` tokens (the last one is `tokens`)."""
         md = self.builder.build([seq_len] * self.batch, [1] * self.batch, self.tables)
         positions = torch.from_numpy(np.full(self.batch, seq_len - 1, dtype=np.int64)).to("cuda", non_blocking=True)
-        return self.runner.run(md, tokens, positions).argmax(-1)
+        return self.runner.run(md, tokens, positions)
 
     def loop(self, steps: int, sync_each: bool) -> torch.Tensor:
         cur, out = self.first, []
