@@ -24,6 +24,15 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
 BATCHES = (1, 16, 64, 256)
 CONTEXTS = (512, 4096, 16384)
 SWEEP_PAGES, SWEEP_POINTS = (16, 32, 64, 128), ((8, 1024), (64, 1024))
+# FlashInfer's decode kernels and plan options measured against each other at the decode
+# loop's points (`variants` table): the data behind the backend's choice per batch size.
+VARIANT_POINTS = tuple((b, c) for c in (1024, 4096) for b in (1, 8, 64, 256))
+VARIANTS = {
+    "tensor-core": dict(tensor_cores=True),
+    "tensor-core, no split-kv": dict(tensor_cores=True, disable_split_kv=True),
+    "cuda-core": dict(tensor_cores=False),
+    "cudnn": dict(tensor_cores=True, backend="cudnn"),
+}
 
 
 def _spec(batch: int, ctx: int, block_size: int) -> ca.AttentionSpec:
@@ -55,7 +64,8 @@ def _our_op(spec: ca.AttentionSpec, md, q, kv_cache, out) -> Callable[[], None]:
     return step
 
 
-def _direct(spec: ca.AttentionSpec, md, q, kv_cache, out, tensor_cores: bool) -> Callable[[], object]:
+def _direct(spec: ca.AttentionSpec, md, q, kv_cache, out, tensor_cores: bool, backend: str = "auto",
+            **plan_kw: object) -> Callable[[], object]:
     """FlashInfer's graph decode wrapper, same plan, no op boundary."""
     import flashinfer
 
@@ -63,14 +73,14 @@ def _direct(spec: ca.AttentionSpec, md, q, kv_cache, out, tensor_cores: bool) ->
     pages = md.paged_kv_indices.shape[0]
     workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+        workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores, backend=backend,
         paged_kv_indptr_buffer=torch.empty(batch + 1, dtype=torch.int32, device=dev),
         paged_kv_indices_buffer=torch.empty(pages, dtype=torch.int32, device=dev),
         paged_kv_last_page_len_buffer=torch.empty(batch, dtype=torch.int32, device=dev),
     )
     wrapper.plan(
         md.paged_kv_indptr, md.paged_kv_indices, md.paged_kv_last_page_len, spec.num_heads,
-        spec.num_kv_heads, spec.head_size, spec.block_size, **plan_options(spec),
+        spec.num_kv_heads, spec.head_size, spec.block_size, **plan_options(spec), **plan_kw,
     )
     cache = (kv_cache[0], kv_cache[1])
     return lambda: wrapper.run(q, cache, out=out)
@@ -84,6 +94,31 @@ def _sdpa(batch: int, ctx: int, q: torch.Tensor) -> Callable[[], object]:
     return lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
 
 
+def variant_rows(replays: int = 20) -> list[dict]:
+    """Each of VARIANTS at each of VARIANT_POINTS (page 16), plus SDPA over a contiguous cache;
+    a variant this FlashInfer build or machine lacks gets a row saying why."""
+    peak, rows = nominal_bandwidth(), []
+    for batch, ctx in VARIANT_POINTS:
+        spec, md, kv_cache, q, out = _decode_case(batch, ctx, BLOCK_SIZE)
+        cache_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * spec.dtype.itemsize
+        for name, kw in VARIANTS.items():
+            kw = dict(kw)
+            try:
+                fn = _direct(spec, md, q, kv_cache, out, kw.pop("tensor_cores"), **kw)
+                rows.append(_row("decode_variants", name, batch, ctx, BLOCK_SIZE, graph_time_us(fn, replays=replays),
+                                 cache_bytes, peak))
+            except Exception as e:  # a backend this machine lacks (cuDNN frontend, ...) is a result too
+                rows.append({"suite": "decode_variants", "card": card_name(), "impl": name, "batch": batch,
+                             "ctx": ctx, "page": BLOCK_SIZE, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            fn = None
+        del kv_cache
+        torch.cuda.empty_cache()
+        rows.append(_row("decode_variants", "torch sdpa", batch, ctx, None,
+                         graph_time_us(_sdpa(batch, ctx, q), replays=replays), cache_bytes, peak))
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run(quick: bool) -> list[dict]:
     """One row per (implementation, batch, ctx[, page]): time in us and fraction of nominal HBM bandwidth."""
     replays = 10 if quick else 50
@@ -94,22 +129,15 @@ def run(quick: bool) -> list[dict]:
     for batch, ctx in SWEEP_POINTS:
         for block_size in SWEEP_PAGES:
             rows += _point_rows(batch, ctx, block_size, replays, with_peers=False)
+    if not quick:
+        rows += variant_rows()
     return rows
 
 
 def _point_rows(batch: int, ctx: int, block_size: int, replays: int, with_peers: bool) -> list[dict]:
     """Our op (and with_peers: FlashInfer's own calls and SDPA) at one point, pages of block_size."""
     peak = nominal_bandwidth()
-    spec = _spec(batch, ctx, block_size)
-    blocks = ctx // block_size
-    tables = torch.randperm(spec.num_blocks - 1)[: batch * blocks].add_(1).view(batch, blocks).tolist()
-    md = FlashInferBackend.get_builder_cls()(spec).build([ctx] * batch, [1] * batch, tables)
-    kv_cache = torch.randn(
-        FlashInferBackend.get_kv_cache_shape(spec.num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE),
-        dtype=spec.dtype, device="cuda",
-    )
-    q = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=spec.dtype, device="cuda")
-    out = torch.empty_like(q)
+    spec, md, kv_cache, q, out = _decode_case(batch, ctx, block_size)
     cases = {"ours (graph)": _our_op(spec, md, q, kv_cache, out)}
     if with_peers:
         cases["flashinfer cuda-core"] = _direct(spec, md, q, kv_cache, out, False)
@@ -128,6 +156,21 @@ def _point_rows(batch: int, ctx: int, block_size: int, replays: int, with_peers:
     return rows
 
 
+def _decode_case(batch: int, ctx: int, block_size: int):
+    """A decode step of `batch` requests at `ctx` tokens over shuffled blocks: spec, metadata,
+    a random cache, the query and an output buffer."""
+    spec = _spec(batch, ctx, block_size)
+    blocks = ctx // block_size
+    tables = torch.randperm(spec.num_blocks - 1)[: batch * blocks].add_(1).view(batch, blocks).tolist()
+    md = FlashInferBackend.get_builder_cls()(spec).build([ctx] * batch, [1] * batch, tables)
+    kv_cache = torch.randn(
+        FlashInferBackend.get_kv_cache_shape(spec.num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE),
+        dtype=spec.dtype, device="cuda",
+    )
+    q = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=spec.dtype, device="cuda")
+    return spec, md, kv_cache, q, torch.empty_like(q)
+
+
 def _row(suite: str, impl: str, batch: int, ctx: int, page: int | None, us: float, cache_bytes: int,
          peak: float | None) -> dict:
     frac = None if peak is None else cache_bytes / (us * 1e-6) / peak
@@ -138,9 +181,14 @@ def _row(suite: str, impl: str, batch: int, ctx: int, page: int | None, us: floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    rows = run(parser.parse_args().quick)
+    parser.add_argument("--variants", action="store_true", help="only the kernel / plan-option table")
+    args = parser.parse_args()
+    rows = variant_rows() if args.variants else run(args.quick)
     print(f"{'impl':<24}{'batch':>6}{'ctx':>7}{'page':>5}{'us':>10}{'HBM frac':>10}  ({rows[0]['card']})")
     for r in rows:
+        if "error" in r:
+            print(f"{r['impl']:<24}{r['batch']:>6}{r['ctx']:>7}{r['page'] or '':>5}  {r['error']}")
+            continue
         print(f"{r['impl']:<24}{r['batch']:>6}{r['ctx']:>7}{r['page'] or '':>5}{r['us']:>10.1f}"
               f"{r['hbm_frac'] or 0:>10.3f}")
 
