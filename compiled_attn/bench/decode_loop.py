@@ -45,6 +45,7 @@ BLOCK_SIZE = 16
 BACKENDS = ("FLASHINFER", "TORCH_SDPA")
 QUICK_POINTS = ((1, 1024), (64, 1024))
 GRID = tuple((b, c) for c in (1024, 4096) for b in (1, 8, 64, 256))
+FP8_POINTS = ((64, 4096),)  # FLASHINFER with an fp8 (e4m3) cache, against the bf16 peer
 # What gpt-fast's generate.py sets before compiling its decode step.
 PEER_INDUCTOR = {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True}
 
@@ -143,13 +144,16 @@ class PagedLoop:
     """Greedy decode through `builder.build` + `runner.run` for `batch` requests at `ctx` tokens."""
 
     def __init__(self, model: Llama, backend: type[ca.AttentionBackend], batch: int, ctx: int,
-                 runner_kw: dict | None = None, seed: int = 0) -> None:
+                 runner_kw: dict | None = None, seed: int = 0, kv_cache_dtype: str = "auto") -> None:
         config = model.config
         self.batch, self.ctx = batch, ctx
         pages = -(-(ctx + STEPS + 1) // BLOCK_SIZE)
         self.spec = config.attention_spec(block_size=BLOCK_SIZE, num_blocks=batch * pages, dtype=torch.bfloat16,
-                                          device="cuda", max_seq_len_to_capture=ctx + STEPS + 1)
-        self.caches = [c.normal_() for c in allocate_kv_caches(config, backend, self.spec)]
+                                          device="cuda", max_seq_len_to_capture=ctx + STEPS + 1,
+                                          kv_cache_dtype=kv_cache_dtype)
+        # random values (fp8 caches: drawn in bf16, stored as fp8) stand for the prompts' K/V
+        self.caches = [c.copy_(torch.randn_like(c, dtype=torch.bfloat16))
+                       for c in allocate_kv_caches(config, backend, self.spec)]
         # shuffled block ids: requests own scattered blocks, as after a while of serving
         ids = np.random.default_rng(seed).permutation(batch * pages)
         self.tables = [ids[i * pages:(i + 1) * pages].tolist() for i in range(batch)]
@@ -193,9 +197,11 @@ def loop_ms(loop: Callable[[int, bool], torch.Tensor], sync_each: bool, repeats:
 
 
 def bytes_per_step(model: Llama, batch: int, ctx: int) -> int:
+    """Weights plus the live K/V a step reads (at the loop's mean length) in the layers' cache dtype."""
     c = model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv = 2 * batch * (ctx + STEPS // 2) * c.num_layers * c.num_kv_heads * c.head_size * 2  # bf16, mean length
+    itemsize = ca.kv_cache_torch_dtype(model.layers[0].attn.impl.kv_cache_dtype, torch.bfloat16).itemsize
+    kv = 2 * batch * (ctx + STEPS // 2) * c.num_layers * c.num_kv_heads * c.head_size * itemsize
     return weights + kv
 
 
@@ -229,11 +235,13 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int) -> dict:
 
 def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile") -> dict:
     """Ours through the runner; variant "compile": `CUDAGraphRunner(compile=True)`; "dynamic": the
-    README's `torch.compile(model, fullgraph=True, dynamic=True)` handed to the runner."""
+    README's `torch.compile(model, fullgraph=True, dynamic=True)` handed to the runner; "fp8":
+    compile, with the model's layers and caches in fp8 (e4m3; a row the peer cannot have)."""
     backend = model.layers[0].attn.backend
-    kw = {"compile": variant == "compile"}
-    step_model = model if variant == "compile" else torch.compile(model, fullgraph=True, dynamic=True)
-    ours = PagedLoop(step_model, backend, batch, ctx, kw)
+    kw = {"compile": variant != "dynamic"}
+    step_model = model if variant != "dynamic" else torch.compile(model, fullgraph=True, dynamic=True)
+    kv_cache_dtype = model.layers[0].attn.impl.kv_cache_dtype
+    ours = PagedLoop(step_model, backend, batch, ctx, kw, kv_cache_dtype=kv_cache_dtype)
     row = _row(model, batch, ctx, f"ours {backend.get_name()} ({variant})", loop_ms(ours.loop, False),
                loop_ms(ours.loop, True))
     del ours
@@ -241,9 +249,10 @@ def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile") -
     return row
 
 
-def build_8b(backend: str) -> Llama:
+def build_8b(backend: str, kv_cache_dtype: str = "auto") -> Llama:
     config = LlamaConfig.llama3_8b()
-    return build_model(config, seed=0, backend=backend, dtype=torch.bfloat16, device="cuda", init_device="cuda")
+    return build_model(config, seed=0, backend=backend, dtype=torch.bfloat16, device="cuda", init_device="cuda",
+                       kv_cache_dtype=kv_cache_dtype)
 
 
 def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
@@ -273,6 +282,20 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
                     rows[-1]["vs peer"] = peer_ms[batch, ctx] / rows[-1]["ms/step"]
         del model
         torch.cuda.empty_cache()
+    if "FLASHINFER" in backends and not quick:
+        rows += fp8_rows(peer_ms)
+    return rows
+
+
+def fp8_rows(peer_ms: dict[tuple[int, int], float]) -> list[dict]:
+    """Ours with e4m3 KV caches at FP8_POINTS, as a ratio to the bf16 peer measured there."""
+    model, rows = build_8b("FLASHINFER", kv_cache_dtype="fp8"), []
+    for batch, ctx in FP8_POINTS:
+        rows.append(measure_ours(model, batch, ctx, "fp8"))
+        if (batch, ctx) in peer_ms:
+            rows[-1]["vs peer"] = peer_ms[batch, ctx] / rows[-1]["ms/step"]
+    del model
+    torch.cuda.empty_cache()
     return rows
 
 

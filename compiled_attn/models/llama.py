@@ -81,7 +81,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class DecoderLayer(nn.Module):
     """One block; on a tensor-parallel rank it holds its heads and MLP columns (sizes below are local)."""
 
-    def __init__(self, config: LlamaConfig, backend: str | None, tp: tpm.TPLayout = tpm.NO_TP) -> None:
+    def __init__(self, config: LlamaConfig, backend: str | None, tp: tpm.TPLayout = tpm.NO_TP,
+                 kv_cache_dtype: str = "auto") -> None:
         super().__init__()
         h, d, inter = config.hidden_size, config.head_size, config.intermediate_size
         num_heads, num_kv_heads = tpm.local_head_counts(config.num_heads, config.num_kv_heads, tp.size)
@@ -97,7 +98,8 @@ class DecoderLayer(nn.Module):
             (full_q + kv0, full_q + kv0 + self.kv_size),
             (full_q + full_kv + kv0, full_q + full_kv + kv0 + self.kv_size),
         ])
-        self.attn = ca.Attention(num_heads, d, d**-0.5, num_kv_heads=num_kv_heads, backend=backend)
+        self.attn = ca.Attention(num_heads, d, d**-0.5, num_kv_heads=num_kv_heads, backend=backend,
+                                 kv_cache_dtype=kv_cache_dtype)
         self.o_proj = tpm.RowParallelLinear(full_q, h, tp)
         self.mlp_norm = RMSNorm(h, config.norm_eps)
         self.gate_up_proj = tpm.ColumnParallelLinear(h, 2 * inter, [
@@ -124,17 +126,19 @@ class Llama(nn.Module):
     view of the gathered [vocab_size, num_tokens]).
 
     tp_group: shard over this process group's ranks (every rank builds the model with the same
-    config and feeds the same inputs and metadata); None: unsharded.
+    config and feeds the same inputs and metadata); None: unsharded. kv_cache_dtype: the
+    layers' cache element type ("auto" = the model dtype, "fp8" = e4m3, ...).
     """
 
     def __init__(self, config: LlamaConfig, backend: str | None = None,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, kv_cache_dtype: str = "auto") -> None:
         super().__init__()
         self.config = config
         self.tp_group = tp_group
         self.tp = tp = tpm.layout_of(tp_group)
         self.embed = tpm.VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp, kv_cache_dtype)
+                                    for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = tpm.VocabParallelLMHead(config.hidden_size, config.vocab_size, tp)
         cos, sin = rotary_tables(config.head_size, config.max_position, config.rope_theta)
@@ -158,6 +162,7 @@ def build_model(
     device: str | torch.device = "cpu",
     tp_group: dist.ProcessGroup | None = None,
     init_device: str | torch.device = "cpu",
+    kv_cache_dtype: str = "auto",
 ) -> Llama:
     """A model with random weights drawn from `seed` (std 1/sqrt(fan_in), so logits spread and
     greedy tokens are not ties). `init_device` is where the random numbers are drawn: "cuda"
@@ -169,7 +174,7 @@ def build_model(
     """
     tpm.check_group_device(tp_group, device)
     with torch.device("meta"):
-        model = Llama(config, backend, tp_group)
+        model = Llama(config, backend, tp_group, kv_cache_dtype)
     model = model.to_empty(device=device)
     g = torch.Generator(device=init_device).manual_seed(seed)
     with torch.no_grad():
