@@ -39,6 +39,7 @@ from compiled_attn.abstract import (
 from compiled_attn.backends.common import CommonImpl
 from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, check_graph_step, prefix_sums, to_device
 from compiled_attn.ops.flashinfer import stream_capturing  # importing registers the op
+from compiled_attn.validation import as_int
 
 NAME = "FLASHINFER"
 # FlashInfer's recommended float workspace. It holds split-kv partial outputs (fp32): decode
@@ -166,7 +167,7 @@ class FlashInferMetadata(CommonMetadata):
 
 
 def paged_kv_layout(
-    seq_lens: list[int], block_tables: list[list[int]], block_size: int
+    seq_lens: list[int], block_tables: list[list[int]] | np.ndarray, block_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """FlashInfer's page CSR for requests of `seq_lens` tokens: (indptr, indices, last_page_len).
 
@@ -385,7 +386,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
         md = super().build(seq_lens, query_lens, block_tables, encoder_seq_lens, cross_block_tables)
         md.qo_indptr = torch.from_numpy(prefix_sums(md.query_lens))
         if self.spec.attn_type == AttentionType.DECODER:
-            indptr, indices, last = paged_kv_layout(md.seq_lens, md.block_tables_list, self.spec.block_size)
+            indptr, indices, last = paged_kv_layout(md.seq_lens, md.block_tables_host, self.spec.block_size)
             md.paged_kv_indptr = torch.from_numpy(indptr)
             md.paged_kv_indices = to_device(indices, self.device)
             md.paged_kv_last_page_len = torch.from_numpy(last)
@@ -465,8 +466,7 @@ class FlashInferState(AttentionState):
     @contextmanager
     def graph_capture(self, max_batch_size: int) -> Iterator[None]:
         _forbid_capture("allocating the graph state's buffers")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        max_batch_size = as_int("max_batch_size", max_batch_size)
         if self._bufs is None or self._bufs.paged_kv_last_page_len.shape[0] < max_batch_size:
             self._bufs = self._allocate(max_batch_size)
         self._capturing = True
@@ -496,7 +496,7 @@ class FlashInferState(AttentionState):
         if not self._capturing or self._bufs is None:
             raise RuntimeError("call graph_capture_get_metadata_for_batch inside `with state.graph_capture(n):`")
         _forbid_capture("creating a graph decode wrapper")
-        b = self._bufs
+        b, batch_size = self._bufs, as_int("batch_size", batch_size, minimum=None)
         if not 1 <= batch_size <= b.paged_kv_last_page_len.shape[0]:
             raise ValueError(f"batch_size={batch_size} outside 1..{b.paged_kv_last_page_len.shape[0]} (max_batch_size)")
         if batch_size not in self._slots:

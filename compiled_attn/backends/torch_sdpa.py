@@ -23,6 +23,7 @@ from compiled_attn.abstract import (
 from compiled_attn.backends.common import CommonImpl
 from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, check_graph_step, to_device
 from compiled_attn.ops import torch_sdpa as _ops  # noqa: F401  (registers the op)
+from compiled_attn.validation import as_int
 
 NAME = "TORCH_SDPA"
 
@@ -167,8 +168,7 @@ class TorchSDPAState(AttentionState):
             raise NotImplementedError(
                 f"{NAME} captures DECODER decode steps only, not {self.spec.attn_type.name}; run those eagerly"
             )
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        max_batch_size = as_int("max_batch_size", max_batch_size)
         if self.spec.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{NAME}: allocate the graph state (graph_capture) before capturing, not inside")
         if self._buffers is None or self._buffers["seq_lens_tensor"].shape[0] < max_batch_size:
@@ -195,7 +195,7 @@ class TorchSDPAState(AttentionState):
             raise RuntimeError(
                 "call graph_capture_get_metadata_for_batch inside `with state.graph_capture(max_batch_size):`"
             )
-        b, n = self._buffers, batch_size
+        b, n = self._buffers, as_int("batch_size", batch_size, minimum=None)
         if not 1 <= n <= b["seq_lens_tensor"].shape[0]:
             raise ValueError(f"batch_size={n} outside 1..{b['seq_lens_tensor'].shape[0]} (graph_capture's maximum)")
         fill_pads(b, 0, n)  # warm-up and capture run on these rows: they must write nothing

@@ -40,6 +40,7 @@ from compiled_attn.metadata import (
     slots_for,
 )
 from compiled_attn.ops import xformers as _ops
+from compiled_attn.validation import as_int
 
 NAME = "XFORMERS"
 PAGE_MULTIPLE = 64  # triton split-K's BLOCK_N: a page must hold whole key tiles
@@ -193,8 +194,8 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
     backend_name = NAME
 
     def __init__(self, spec: AttentionSpec) -> None:
+        check_block_size(spec.block_size)  # the message that says why, before the builder's generic one
         super().__init__(spec)
-        check_block_size(spec.block_size)
 
     def build(
         self,
@@ -221,17 +222,17 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
         }
         int64_parts: dict[str, np.ndarray] = {}
         if uses_cache and not md.prefill_fresh:
-            int64_parts["prefill_kv_slots"] = slots_for(md.block_tables_list[:p], [0] * p, pre_seq, bs)
+            int64_parts["prefill_kv_slots"] = slots_for(md.block_tables_host[:p], [0] * p, pre_seq, bs)
         if spec.sliding_window and md.num_decodes:
             starts = np.maximum(np.asarray(md.seq_lens[p:], dtype=np.int64) - spec.sliding_window, 0)
             int32_parts["decode_window_starts"] = np.append(starts, 0).astype(np.int32)
         if spec.alibi_slopes is not None:
             if uses_cache:
                 n = len(md.seq_lens)
-                int64_parts["alibi_kv_slots"] = slots_for(md.block_tables_list, [0] * n, md.seq_lens, bs)
-            if md.cross_block_tables_list is not None:
+                int64_parts["alibi_kv_slots"] = slots_for(md.block_tables_host, [0] * n, md.seq_lens, bs)
+            if md.cross_block_tables_host is not None:
                 enc = md.encoder_seq_lens
-                int64_parts["alibi_cross_slots"] = slots_for(md.cross_block_tables_list, [0] * len(enc), enc, bs)
+                int64_parts["alibi_cross_slots"] = slots_for(md.cross_block_tables_host, [0] * len(enc), enc, bs)
         tensors = self._to_device(int32_parts, int64_parts or {"none": np.zeros(0, np.int64)}, {})
         md._decode_q_start = tensors.pop("decode_q_start")
         md._prefill_k_start = tensors.pop("prefill_k_start")
@@ -339,8 +340,7 @@ class XFormersState(AttentionState):
             raise NotImplementedError(
                 f"graphs capture decode steps: a {self.spec.attn_type.name} spec has none (run it eagerly)"
             )
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        max_batch_size = as_int("max_batch_size", max_batch_size)
         if self._buffers is None or self._buffers.seq_lens.shape[0] < max_batch_size:
             self._buffers = self._allocate(max_batch_size)  # once: graphs keep reading these tensors
         self._capturing = True
@@ -378,6 +378,7 @@ class XFormersState(AttentionState):
             raise RuntimeError(
                 f"{NAME}: call graph_capture_get_metadata_for_batch inside `with state.graph_capture(...)`"
             )
+        batch_size = as_int("batch_size", batch_size, minimum=None)
         if not 1 <= batch_size <= buf.seq_lens.shape[0]:
             raise ValueError(f"batch_size {batch_size} outside 1..{buf.seq_lens.shape[0]} (graph_capture's maximum)")
         n, spec = batch_size, self.spec
