@@ -201,15 +201,17 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
 
     def _check_backend_serves(self, spec: AttentionSpec) -> None:
         """NotImplementedError for spec options this builder's backend lacks (and would otherwise
-        ignore: a soft-cap on XFORMERS, fp8 on TORCH_SDPA, ...). Device and dtype aside: the CPU
-        tests run the CUDA backends' host logic with stand-in kernels; get_attn_backend(name, spec)
-        and the kernels check those."""
+        ignore: a soft-cap on XFORMERS, fp8 on TORCH_SDPA, ...). A CPU spec of a CUDA backend is
+        not refused, nor its dtype: the CPU tests run those backends' host logic with stand-in
+        kernels (any dtype); on CUDA the dtype is checked."""
         if not self.backend_name:
             return
         from compiled_attn.registry import BACKEND_CLASSES, capability_reason, spec_needs
 
         needs = spec_needs(spec)
-        del needs["device"], needs["dtype"]
+        del needs["device"]
+        if spec.device.type != "cuda":
+            del needs["dtype"]
         reason = capability_reason(BACKEND_CLASSES()[self.backend_name], **needs)
         if reason is not None:
             raise NotImplementedError(f"{reason}: its builder cannot serve this spec")

@@ -513,6 +513,11 @@ def check_step(
         if md.cross_block_tables is None:
             raise ValueError("ENCODER_DECODER attention needs metadata built with cross_block_tables")
         kv_rows = md.cross_slot_mapping.shape[0]  # the prefills' encoder tokens
+        if key is None and md.num_prefills:
+            raise ValueError(
+                f"ENCODER_DECODER attention on a step with {md.num_prefills} prefills needs their encoder "
+                "key/value (written at the cross slots now); key/value may be None on decode-only steps"
+            )
     if query.shape[0] != expect:
         raise ValueError(
             f"{attn_type.name} attention got {query.shape[0]} query tokens but the metadata describes "

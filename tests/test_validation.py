@@ -200,6 +200,14 @@ def test_encoder_key_rows_unlike_the_encoder_tokens_raise():
         impl().forward(b.encoder_query(), key[:-1], value[:-1], None, b.build(SDPA), attn_type=T.ENCODER)
 
 
+def test_cross_step_with_prefills_needs_their_encoder_kv():
+    # once: the prefills' cross K/V were never written, and their outputs read NaN from the cache
+    spec = make_spec(attn_type=T.ENCODER_DECODER)
+    b = make_batch(spec, [3, 7], [3, 1], seed=2, encoder_seq_lens=[5, 6])
+    with Untouched(b.kv_cache), pytest.raises(ValueError, match="needs their encoder key/value"):
+        impl().forward(b.query, None, None, b.kv_cache, b.build(SDPA), attn_type=T.ENCODER_DECODER)
+
+
 @pytest.mark.parametrize(("spec_kw", "match"), [
     ({"logits_soft_cap": 30.0, "head_size": 64, "block_size": 64}, "XFORMERS does not support logits_soft_cap"),
     ({"kv_cache_dtype": "fp8"}, "TORCH_SDPA does not support kv_cache_dtype"),
