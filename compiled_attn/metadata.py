@@ -21,12 +21,13 @@ from compiled_attn.abstract import (
 )
 from compiled_attn.validation import (  # noqa: F401  (check_graph_step: the States import it from here)
     CACHELESS_TYPES,
+    check_block_ids,
     check_device_available,
     check_graph_step,
-    check_table_array,
     check_total,
     check_written_blocks,
     int_list,
+    needed_ids,
     table_rows,
 )
 
@@ -170,9 +171,9 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def padded_table(rows: list[np.ndarray], width: int) -> np.ndarray:
-    """Each request's needed blocks (`table_rows`) as one int64 [num_seqs, width] array, padded
-    with block 0 (always valid); the caller checks the ids, then casts to int32."""
-    out = np.zeros((len(rows), width), dtype=np.int64)
+    """Each request's needed blocks (`table_rows`, ids checked) as one int32 [num_seqs, width]
+    array, padded with block 0 (always valid)."""
+    out = np.zeros((len(rows), width), dtype=np.int32)
     for i, row in enumerate(rows):
         out[i, : len(row)] = row
     return out
@@ -243,11 +244,11 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         num_prefill_tokens = sum(query_lens[:num_prefills])
         num_tokens = sum(query_lens)
         width = max([len(r) for r in rows] + [1])
-        table = padded_table(rows, width)
         if uses_cache:
-            check_table_array(table, seq_lens, spec.block_size, spec.num_blocks, "block_tables")
+            ids, request = needed_ids(rows)
+            check_block_ids(ids, request, spec.num_blocks, "block_tables")
             slot_mapping = slots_for(rows, starts, seq_lens, spec.block_size)
-            check_written_blocks(slot_mapping, query_lens, rows, spec.block_size, "block_tables")
+            check_written_blocks(slot_mapping, query_lens, ids, request, spec.block_size, "block_tables")
         else:
             slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
         int32_parts = {
@@ -256,7 +257,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
             "query_start_loc": prefix_sums(query_lens),
         }
         int64_parts = {"slot_mapping": slot_mapping}
-        tables = {"block_tables": table.astype(np.int32)}
+        tables = {"block_tables": padded_table(rows, width)}  # ids checked: int32 holds them
         cross: dict[str, Any] = {}
         if encoder_seq_lens is not None:
             cross = self._cross_fields(
@@ -313,13 +314,13 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         int32_parts["encoder_seq_start_loc"] = prefix_sums(encoder_seq_lens)
         if cross_block_tables is not None:
             rows = table_rows(cross_block_tables, encoder_seq_lens, spec.block_size, "cross_block_tables")
-            table = padded_table(rows, max([len(r) for r in rows] + [1]))
-            check_table_array(table, encoder_seq_lens, spec.block_size, spec.num_blocks, "cross_block_tables")
+            ids, request = needed_ids(rows)
+            check_block_ids(ids, request, spec.num_blocks, "cross_block_tables")
             pre = encoder_seq_lens[:num_prefills]
             int64_parts["cross_slot_mapping"] = slots = slots_for(rows[:num_prefills], [0] * len(pre), pre,
                                                                   spec.block_size)
-            check_written_blocks(slots, pre, rows, spec.block_size, "cross_block_tables")
-            tables["cross_block_tables"] = table.astype(np.int32)
+            check_written_blocks(slots, pre, ids, request, spec.block_size, "cross_block_tables")
+            tables["cross_block_tables"] = padded_table(rows, max([len(r) for r in rows] + [1]))
         elif spec.attn_type == AttentionType.ENCODER_DECODER:
             raise ValueError("ENCODER_DECODER attention needs cross_block_tables in build()")
         return {

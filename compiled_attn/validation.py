@@ -27,6 +27,7 @@ for a valid configuration a backend lacks, RuntimeError for lifecycle misuse.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import operator
@@ -256,7 +257,7 @@ def _block_row(row: object, what: str) -> np.ndarray:
                 f"{what} must hold integer block ids on the host, got a {row.dtype} tensor on {row.device}"
             )
         row = row.numpy()
-    elif isinstance(row, list | tuple) and any(isinstance(b, bool | np.bool_) for b in row):
+    elif isinstance(row, list | tuple) and not {bool, np.bool_}.isdisjoint(map(type, row)):  # C-speed scan
         raise ValueError(f"{what} holds a bool: block ids are ints, got {list(row)!r}")
     try:
         a = np.asarray(row)
@@ -283,7 +284,7 @@ def table_rows(block_tables: object, lens: list[int], block_size: int, what: str
         raise ValueError(f"{what} must be a list of lists of block ids, got {type(block_tables).__name__}")
     if len(block_tables) != len(lens):
         raise ValueError(f"len({what})={len(block_tables)} != number of requests {len(lens)}")
-    rows = []
+    heads, needs = [], []
     for i, (table, n) in enumerate(zip(block_tables, lens, strict=True)):
         need = -(-n // block_size)
         try:
@@ -294,54 +295,67 @@ def table_rows(block_tables: object, lens: list[int], block_size: int, what: str
             raise ValueError(
                 f"{what}[{i}] has {have} blocks but seq_len={n} needs {need} of block_size={block_size}"
             )
-        rows.append(_block_row(table[:need], f"{what}[{i}]"))
-    return rows
+        heads.append(table[:need])
+        needs.append(need)
+    if all(type(h) is list for h in heads):  # lists of python ints: one conversion for the whole step
+        flat = list(itertools.chain.from_iterable(heads))
+        if set(map(type, flat)) <= {int} and (not flat or min(flat) >= -(2**63) and max(flat) < 2**63):
+            return np.split(np.array(flat, dtype=np.int64), np.cumsum(needs)[:-1])
+    return [_block_row(h, f"{what}[{i}]") for i, h in enumerate(heads)]
+
+
+def check_block_ids(ids: np.ndarray, request: np.ndarray, num_blocks: int, what: str) -> None:
+    """Block ids the requests read (`ids`, of request `request[k]`, in request order) exist in the
+    cache, and no request names a block twice (its blocks hold different positions)."""
+    if not ids.size:
+        return
+    bad = (ids < 0) | (ids >= num_blocks)
+    if bad.any():
+        k = int(np.argmax(bad))
+        raise ValueError(f"{what}[{request[k]}] names block {ids[k]}, outside the cache's 0..{num_blocks - 1}")
+    keys = np.sort(request.astype(np.int64) * num_blocks + ids)  # (request, block) pairs, sorted
+    dup = keys[1:] == keys[:-1]
+    if dup.any():
+        i, b = divmod(int(keys[1:][dup][0]), num_blocks)
+        raise ValueError(f"{what}[{i}] names block {b} twice: a request's blocks hold different positions, so "
+                         "they are distinct")
+
+
+def needed_ids(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """`table_rows` flattened: (block ids, request of each) in request order."""
+    if not rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(rows), np.repeat(np.arange(len(rows)), [len(r) for r in rows])
 
 
 def check_table_array(tables: np.ndarray, lens: Sequence[int], block_size: int, num_blocks: int, what: str) -> None:
-    """The entries each request reads (row i's first ceil(lens[i] / block_size)) name distinct
-    blocks of the cache. `tables`: int [num_seqs, width] host array (what the device gets)."""
+    """`check_block_ids` on a padded host table (int [num_seqs, width], what the device got): row i's
+    first ceil(lens[i] / block_size) entries are the ones read."""
     need = -(-np.asarray(lens, dtype=np.int64) // block_size)
     if tables.ndim != 2 or tables.shape[0] != need.shape[0] or (need.size and need.max() > tables.shape[1]):
         raise ValueError(f"{what}: a [{need.shape[0]}, >= {need.max(initial=0)}] table is needed, got "
                          f"{tuple(tables.shape)}")
-    col = np.arange(tables.shape[1])
-    live = col[None, :] < need[:, None]
-    bad = live & ((tables < 0) | (tables >= num_blocks))
-    if bad.any():
-        i, j = np.argwhere(bad)[0]
-        raise ValueError(f"{what}[{i}] names block {tables[i, j]}, outside the cache's 0..{num_blocks - 1}")
-    keyed = np.sort(np.where(live, tables, -1 - col), axis=1)  # pads: distinct negatives
-    dup = (keyed[:, 1:] == keyed[:, :-1]) & (keyed[:, 1:] >= 0)
-    if dup.any():
-        i, j = np.argwhere(dup)[0]
-        raise ValueError(f"{what}[{i}] names block {keyed[i, j + 1]} twice: a request's blocks hold different "
-                         "positions, so they are distinct")
+    live = np.arange(tables.shape[1])[None, :] < need[:, None]
+    check_block_ids(tables[live].astype(np.int64), np.nonzero(live)[0], num_blocks, what)
 
 
-def check_written_blocks(slots: np.ndarray, writers: Sequence[int], rows: list[np.ndarray], block_size: int,
-                         what: str) -> None:
+def check_written_blocks(slots: np.ndarray, writers: Sequence[int], ids: np.ndarray, request: np.ndarray,
+                         block_size: int, what: str) -> None:
     """A block written this step belongs to one request: no two requests write one slot, and no
     request reads a block another one writes (share only full blocks nobody writes this step).
 
     slots: int64 cache slots written, in request order; writers: tokens written per request
-    (requests 0..len(writers)-1); rows: every request's needed blocks.
+    (requests 0..len(writers)-1); ids / request: every request's needed blocks (`needed_ids`).
     """
-    if not slots.size:
+    named = np.sort(ids)
+    shared = named[1:][named[1:] == named[:-1]]  # named by several requests (rows hold distinct blocks)
+    if not slots.size or not shared.size:
         return
-    written = slots // block_size  # [num_written_tokens]
-    writer = np.repeat(np.arange(len(writers)), writers)
-    order = np.argsort(written, kind="stable")
-    blocks, first = np.unique(written[order], return_index=True)
-    owner = writer[order][first]  # one writer per written block (a second one shows up below)
-    named = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    reader = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
-    hit = np.isin(named, blocks)
-    at = np.searchsorted(blocks, named[hit])
-    clash = reader[hit] != owner[at]
-    if clash.any():
-        k = int(np.argmax(clash))
-        b, other, own = int(named[hit][k]), int(reader[hit][k]), int(owner[at][k])
+    clash = np.intersect1d(shared, slots // block_size)
+    if clash.size:
+        b = int(clash[0])
+        own = int(np.repeat(np.arange(len(writers)), writers)[slots // block_size == b][0])
+        other = int(request[(ids == b) & (request != own)][0])
         raise ValueError(
             f"{what}: block {b} is written this step by request {own} and named by request {other} too "
             "(two requests writing one slot, or one reading what another writes): a block being written "

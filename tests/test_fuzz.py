@@ -23,8 +23,8 @@ impl.forward with the dense float64 stand-ins of tests/test_flashinfer.py / test
 (all host logic and checks, no kernels); a graph State's refill; copy_blocks / swap_blocks; and a
 compiled ca.Attention. CPU in CI; the gpu-marked test runs every backend's real kernels.
 
-FUZZ_EXAMPLES=N sets every test's example count (CPU defaults add up to > 2,000; GPU: 300 per
-backend).
+Every catalogue entry is its own test, so each runs on every run. FUZZ_EXAMPLES=N sets the examples
+per entry (CPU defaults add up to > 2,000; the gpu-marked ones to >= 300 per backend).
 """
 
 from __future__ import annotations
@@ -993,7 +993,8 @@ def forward_params(plan: list[tuple[str, str, int]], **marks) -> list:
 # (backend, path, examples per mutation): > 1,900 examples in all on CPU
 CPU_PLAN = [("TORCH_SDPA", "impl", 10), ("TORCH_SDPA", "layer", 6), ("FLASHINFER", "impl", 4),
             ("XFORMERS", "impl", 4)]
-GPU_PLAN = [(name, path, 4) for name in BACKEND_CLASSES() for path in ("impl", "layer")]  # >= 300 per backend
+# >= 300 per backend through impl.forward (4 per mutation), one per mutation through ca.Attention
+GPU_PLAN = [(name, path, n) for name in BACKEND_CLASSES() for path, n in (("impl", 4), ("layer", 1))]
 
 
 @pytest.mark.parametrize(("name", "path", "mutation", "default"), forward_params(CPU_PLAN))
