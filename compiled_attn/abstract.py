@@ -252,6 +252,11 @@ class AttentionState(ABC):
     """
 
     def __init__(self, spec: AttentionSpec) -> None:
+        from compiled_attn.validation import check_device_available
+
+        if not isinstance(spec, AttentionSpec):
+            raise ValueError(f"a State is made from an AttentionSpec, got {type(spec).__name__}")
+        check_device_available(spec.device)  # its static buffers live there
         self.spec = spec
 
     @contextmanager

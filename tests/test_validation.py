@@ -269,6 +269,9 @@ def test_cuda_spec_on_a_machine_without_cuda_raises_at_the_builder():
     spec = make_spec(device="cuda")  # a spec may name CUDA (CPU tests inspect CUDA backends' host logic)
     with pytest.raises(ValueError, match="no CUDA device is visible"):
         SDPA.get_builder_cls()(spec)
+    for backend in BACKEND_CLASSES().values():
+        with pytest.raises(ValueError, match="no CUDA device is visible"):
+            backend.get_state_cls()(make_spec(device="cuda", head_size=64, block_size=64))
 
 
 IMPL_TYPE_MISTAKES = [
