@@ -588,11 +588,18 @@ def check_graph_step(md: Any, spec: AttentionSpec, backend_name: str, batch_size
 # Block copies and swaps
 
 
+def check_cache_list(kv_caches: object, what: str = "kv_caches") -> None:
+    """A list (or tuple) of cache tensors."""
+    if not isinstance(kv_caches, list | tuple) or not all(isinstance(c, torch.Tensor) for c in kv_caches):
+        raise ValueError(f"{what} must be a list of cache tensors, got {type(kv_caches).__name__}")
+
+
 def check_block_op_args(kv_caches: object, pairs: object, what: str = "kv_caches") -> None:
     """Python types of copy_blocks / swap_blocks arguments, before the op's dispatcher sees them."""
-    caches = kv_caches if what == "kv_caches" else [kv_caches]
-    if not isinstance(caches, list | tuple) or not all(isinstance(c, torch.Tensor) for c in caches):
-        raise ValueError(f"{what} must be a list of cache tensors, got {type(kv_caches).__name__}")
+    if what == "kv_caches":
+        check_cache_list(kv_caches)
+    else:
+        _tensor(what, kv_caches)
     if not isinstance(pairs, torch.Tensor):
         raise ValueError(f"block pairs must be an int64 tensor [N, 2] of (src, dst), got {type(pairs).__name__}")
 

@@ -54,6 +54,7 @@ from test_differential import (
     tolerance,
 )
 from test_flashinfer import DENSE_FLASHINFER
+from test_forward_context import no_context
 from test_xformers import dense_float64_kernel
 
 import compiled_attn as ca
@@ -883,14 +884,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN payloads included) of tensors of any layout."""
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.cpu().reshape(-1).view(torch.uint8),
                                                                      b.cpu().reshape(-1).view(torch.uint8))
-
-
-def no_context() -> bool:
-    try:
-        ca.get_forward_context()
-    except RuntimeError:
-        return True
-    return False
 
 
 def watched(*objects: object) -> list[tuple[torch.Tensor, torch.Tensor]]:

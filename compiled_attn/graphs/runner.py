@@ -22,7 +22,7 @@ import torch
 from compiled_attn.abstract import AttentionBackend, AttentionMetadata, AttentionSpec, AttentionState
 from compiled_attn.forward_context import set_forward_context
 from compiled_attn.graphs.buckets import GRAPH, PATHS, capture_sizes_for, choose_path, pick_batch_size
-from compiled_attn.validation import as_int
+from compiled_attn.validation import as_int, check_cache_list
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +92,7 @@ class CUDAGraphRunner:
                 "static-buffer step without graphs)"
             )
         warmup_steps = as_int("warmup_steps (capture needs a warmed-up step)", warmup_steps)
-        if not isinstance(kv_caches, list | tuple) or not all(isinstance(c, torch.Tensor) for c in kv_caches):
-            raise ValueError(f"kv_caches must be a list of cache tensors, got {type(kv_caches).__name__}")
+        check_cache_list(kv_caches)
         self.model = model
         self.backend = backend
         self.spec = spec
@@ -210,8 +209,7 @@ class CUDAGraphRunner:
         md = attn_metadata
         self._check_inputs(md, input_ids, positions)
         caches = self.kv_caches if kv_caches is None else kv_caches
-        if not isinstance(caches, list | tuple) or not all(isinstance(c, torch.Tensor) for c in caches):
-            raise ValueError(f"kv_caches must be a list of cache tensors, got {type(caches).__name__}")
+        check_cache_list(caches)
         path = choose_path(
             num_prefills=md.num_prefills, num_seqs=md.num_seqs,
             max_seq_len=md.longest_seq_len,
