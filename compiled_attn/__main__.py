@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -19,27 +20,64 @@ def print_table(rows: list[dict], keys: list[str] | None = None) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)))
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1, refused when the arguments are parsed rather than after a run."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def output_dir(text: str) -> str:
+    """argparse type: a folder the results can be written to, made now: a bad --out fails before
+    the run, not after it."""
+    try:
+        os.makedirs(text, exist_ok=True)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot make folder {text!r}: {e.strerror or e}") from None
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"folder {text!r} is not writable")
+    return text
+
+
+def backend_name(text: str) -> str:
+    """argparse type: a backend name (any case), checked against the registry's names."""
+    from compiled_attn.registry import BACKEND_PATHS
+
+    if text.upper() not in BACKEND_PATHS:
+        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choose one of {list(BACKEND_PATHS)}")
+    return text.upper()
+
+
 def main(argv: list[str] | None = None) -> int:
+    from compiled_attn.bench.suite import SUITES
+
     parser = argparse.ArgumentParser(prog="python -m compiled_attn")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="serve the reference model eagerly and compiled, and compare")
-    demo.add_argument("--backend", default=None, help="TORCH_SDPA | FLASHINFER | XFORMERS (default: best here)")
-    demo.add_argument("--steps", type=int, default=16)
-    demo.add_argument("--tp", type=int, default=1,
+    demo.add_argument("--backend", type=backend_name, default=None,
+                      help="TORCH_SDPA | FLASHINFER | XFORMERS (default: best here)")
+    demo.add_argument("--steps", type=positive_int, default=16)
+    demo.add_argument("--tp", type=positive_int, default=1,
                       help="shard the model over N processes (N GPUs with NCCL if there are N, else CPU with gloo)")
     bench = sub.add_parser("bench", help="benchmark suites (see BENCHMARKS.md)")
-    bench.add_argument("--backend", action="append", default=None, help="repeat to select several")
+    bench.add_argument("--backend", type=backend_name, action="append", default=None,
+                       help="repeat to select several")
     bench.add_argument("--quick", action="store_true")
-    bench.add_argument("--suite", action="append", default=None,
-                       help="run only these suites (ceilings, overhead, compile_bench, decode_flashinfer, "
-                       "decode_xformers, graphs_bench, e2e)")
-    bench.add_argument("--out", default=".", help="folder for bench-results.json and plots")
+    bench.add_argument("--suite", action="append", default=None, choices=[m.rsplit(".", 1)[1] for m, _, _ in SUITES],
+                       help="run only these suites (repeat to select several)")
+    bench.add_argument("--out", type=output_dir, default=".", help="folder for bench-results.json and plots")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from compiled_attn.demo import run_demo
+        from compiled_attn.demo import check_demo_args, run_demo
 
-        if args.tp < 1:
-            parser.error(f"--tp must be >= 1, got {args.tp}")
+        try:  # everything the run would trip over later, before it starts
+            check_demo_args(steps=args.steps, backend_name=args.backend)
+        except (ValueError, RuntimeError, NotImplementedError) as e:
+            parser.error(str(e))
         row = run_demo(steps=args.steps, backend_name=args.backend, tp=args.tp)
         print_table([row], [k for k in row if k != "agree"])
         best = "graphs tok/s" if "graphs tok/s" in row else "compiled tok/s"

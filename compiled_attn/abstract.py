@@ -45,10 +45,12 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype
     >>> kv_cache_torch_dtype("fp8", torch.bfloat16)
     torch.float8_e4m3fn
     """
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r} is not one of {sorted(KV_CACHE_DTYPES)}"
         )
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
     return KV_CACHE_DTYPES[kv_cache_dtype] or dtype
 
 
@@ -82,18 +84,10 @@ class AttentionSpec:
     max_seq_len_to_capture: int = 8192  # the longest sequence a captured decode graph serves
 
     def __post_init__(self) -> None:
-        for name in ("num_heads", "num_kv_heads", "head_size", "block_size", "num_blocks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"AttentionSpec.{name} must be >= 1, got {getattr(self, name)}")
-        check_head_counts(self.num_heads, self.num_kv_heads)
-        if not self.dtype.is_floating_point:
-            raise ValueError(f"AttentionSpec.dtype must be a floating dtype, got {self.dtype}")
-        if self.max_seq_len_to_capture < 1:
-            raise ValueError(f"AttentionSpec.max_seq_len_to_capture must be >= 1, got {self.max_seq_len_to_capture}")
-        kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
-        check_impl_options(self.num_heads, self.sliding_window, self.logits_soft_cap, self.alibi_slopes)
-        object.__setattr__(self, "attn_type", AttentionType(self.attn_type))
-        object.__setattr__(self, "device", torch.device(self.device))
+        from compiled_attn.validation import check_spec  # validation imports this module
+
+        for name, value in check_spec(self).items():  # ValueError naming the field, whatever its type
+            object.__setattr__(self, name, value)
 
     @property
     def softmax_scale(self) -> float:
@@ -102,32 +96,6 @@ class AttentionSpec:
     @property
     def cache_dtype(self) -> torch.dtype:
         return kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
-
-
-def check_head_counts(num_heads: int, num_kv_heads: int) -> None:
-    """Queries are grouped over KV heads (GQA / MQA): the counts must divide."""
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA/MQA)"
-        )
-
-
-def check_impl_options(
-    num_heads: int,
-    sliding_window: int | None,
-    logits_soft_cap: float | None,
-    alibi_slopes: torch.Tensor | None,
-) -> None:
-    """The per-layer options shared by the spec and every impl, validated in one place."""
-    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)
-                                       or sliding_window < 1):
-        raise ValueError(f"sliding_window must be None or >= 1 (an int), got {sliding_window!r}")
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap must be None or > 0, got {logits_soft_cap}")
-    if alibi_slopes is not None and tuple(alibi_slopes.shape) != (num_heads,):
-        raise ValueError(
-            f"alibi_slopes must have shape [num_heads]=[{num_heads}], got {tuple(alibi_slopes.shape)}"
-        )
 
 
 class AttentionBackend(ABC):
@@ -183,18 +151,28 @@ class AttentionBackend(ABC):
 
         Every backend shares it, so one set of cache ops (write, copy, swap) serves all three.
         """
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        from compiled_attn.validation import as_int
+
+        sizes = dict(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size)
+        return (2, *(as_int(name, v) for name, v in sizes.items()))
 
     @staticmethod
     def swap_blocks(
         src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: torch.Tensor
     ) -> None:
         """Copy blocks src -> dst from one cache to another, across devices (CPU <-> CUDA) too."""
+        from compiled_attn.validation import check_block_op_args
+
+        check_block_op_args(src_kv_cache, src_to_dst, "src_kv_cache")
+        check_block_op_args(dst_kv_cache, src_to_dst, "dst_kv_cache")
         torch.ops.compiled_attn.swap_blocks(src_kv_cache, dst_kv_cache, src_to_dst)
 
     @staticmethod
     def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor) -> None:
         """Copy blocks src -> dst within each cache of `kv_caches` (copy-on-write for forks)."""
+        from compiled_attn.validation import check_block_op_args
+
+        check_block_op_args(kv_caches, src_to_dists)
         torch.ops.compiled_attn.copy_blocks(kv_caches, src_to_dists)
 
     @classmethod
@@ -279,6 +257,11 @@ class AttentionState(ABC):
     """
 
     def __init__(self, spec: AttentionSpec) -> None:
+        from compiled_attn.validation import check_device_available
+
+        if not isinstance(spec, AttentionSpec):
+            raise ValueError(f"a State is made from an AttentionSpec, got {type(spec).__name__}")
+        check_device_available(spec.device)  # its static buffers live there
         self.spec = spec
 
     @contextmanager
@@ -330,12 +313,11 @@ class AttentionImpl(ABC):
     ) -> None:
         """The layer fits what `md` was built (and planned) for; raises ValueError otherwise.
 
-        Called before anything is written (eager `forward`, and `kv_cache_update` in the compiled
-        path); `x` is any input in the model's dtype. Backends that plan per step add their checks.
+        Called by `validation.check_step` (inside every op, before anything is written) after the
+        checks every backend shares; `x` is any input in the model's dtype. Backends that plan
+        from the spec add their checks here.
         """
-        from compiled_attn.ops.common import check_layer_matches_spec
-
-        check_layer_matches_spec(self, md)
+        return None
 
     @abstractmethod
     def forward(

@@ -94,10 +94,28 @@ def generate(
     return out
 
 
+NUM_BLOCKS, BLOCK_SIZE, MAX_PROMPT = 512, 16, 47  # the demo's cache and longest prompt
+
+
+def check_demo_args(*, steps: int, num_requests: int = 6, backend_name: str | None = None) -> None:
+    """ValueError (or the registry's error for a backend name) for arguments the demo would fail
+    on only after running: no decode step to time, or more tokens than its cache holds."""
+    if steps < 1 or num_requests < 1:
+        raise ValueError(f"the demo needs steps >= 1 and num_requests >= 1, got {steps} and {num_requests}")
+    blocks = num_requests * -(-(MAX_PROMPT + steps + 1) // BLOCK_SIZE)
+    if blocks > NUM_BLOCKS:
+        most = NUM_BLOCKS // num_requests * BLOCK_SIZE - MAX_PROMPT - 1
+        raise ValueError(f"{steps} steps of {num_requests} requests need {blocks} cache blocks, the demo's cache "
+                         f"has {NUM_BLOCKS}: use --steps <= {most}")
+    if backend_name is not None:
+        ca.get_attn_backend(backend_name)
+
+
 def run_demo(*, steps: int = 16, num_requests: int = 6, seed: int = 0, backend_name: str | None = None,
              tp: int = 1, device: str | None = None) -> dict:
     """Run the demo and return its summary row (also used by tests); `tp` > 1 shards the model
     over that many spawned processes (GPUs with NCCL when there are enough, else CPU with gloo)."""
+    check_demo_args(steps=steps, num_requests=num_requests)
     if tp == 1:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         return _demo(None, device, steps, num_requests, seed, backend_name)
@@ -116,11 +134,12 @@ def _demo(group: dist.ProcessGroup | None, device: torch.device, steps: int, num
     tp_size = tpm.layout_of(group).size
     # graphs serve sequences up to max_seq_len_to_capture: the longest prompt (47) plus the steps
     # (TORCH_SDPA's graph reads that many keys per request whatever the live lengths)
-    spec = config.attention_spec(block_size=16, num_blocks=512, dtype=dtype, device=device, tp_size=tp_size,
-                                 max_seq_len_to_capture=-(-(48 + steps) // 16) * 16)
+    spec = config.attention_spec(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype=dtype, device=device,
+                                 tp_size=tp_size,
+                                 max_seq_len_to_capture=-(-(MAX_PROMPT + 1 + steps) // BLOCK_SIZE) * BLOCK_SIZE)
     backend = ca.get_attn_backend(backend_name, spec)
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(4, 48, (num_requests,), generator=g).tolist()
+    lens = torch.randint(4, MAX_PROMPT + 1, (num_requests,), generator=g).tolist()
     prompts = [torch.randint(config.vocab_size, (n,), generator=g).tolist() for n in lens]
     model = build_model(config, seed=seed, backend=backend.get_name(), dtype=dtype, device=device, tp_group=group)
 
@@ -170,7 +189,7 @@ def _sharding_error(config: LlamaConfig, backend: type[ca.AttentionBackend], dty
                     device: torch.device, seed: int, prompts: list[list[int]], sharded: RunResult) -> float:
     """Max relative error of the sharded eager logits against the unsharded model of the same
     seed on this rank's device, teacher-forced on the sharded run's tokens."""
-    spec = config.attention_spec(block_size=16, num_blocks=512, dtype=dtype, device=device)
+    spec = config.attention_spec(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype=dtype, device=device)
     model = build_model(config, seed=seed, backend=backend.get_name(), dtype=dtype, device=device)
     full = generate(model, backend, spec, prompts, len(sharded.logits) - 1, forced=sharded.tokens)
     return max(((s - f).norm() / f.norm()).item() for s, f in zip(sharded.logits, full.logits, strict=True))

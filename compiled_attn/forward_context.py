@@ -1,7 +1,9 @@
 """How metadata and per-layer constants reach the ops without passing through Dynamo.
 
 Metadata holds python ints that change every step; passed through Dynamo they would cause
-recompiles. Our ops read it from a process-wide context set around each model step.
+recompiles. Our ops read it from a context set around each model step: a `contextvars.ContextVar`,
+so each thread and each asyncio task sees its own (two models served from one process on two
+threads never read each other's metadata), restored on every exit from the block.
 
 Per-layer constants (scale, window, soft-cap, ALiBi slopes, k/v scales) reach the ops through a
 layer registry: the op gets the layer's name, a string Dynamo treats as a constant. (Floats
@@ -10,6 +12,7 @@ passed as op arguments become symbolic inputs under `dynamic=True` and cost a `.
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import weakref
 from collections.abc import Iterator
@@ -24,38 +27,42 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
 
 
-_forward_context: ForwardContext | None = None
+_forward_context: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
+    "compiled_attn_forward_context", default=None
+)
 
 
 @contextmanager
 def set_forward_context(attn_metadata: AttentionMetadata) -> Iterator[ForwardContext]:
-    """Make `attn_metadata` visible to every attention op run inside the block.
+    """Make `attn_metadata` visible to every attention op run inside the block, in this thread
+    (or asyncio task) only; the previous context comes back however the block exits.
 
     Example::
 
         with ca.set_forward_context(md):
             logits = compiled_model(input_ids, positions, kv_caches)
     """
-    global _forward_context
     if not isinstance(attn_metadata, AttentionMetadata):
         raise ValueError(
             f"set_forward_context needs AttentionMetadata from a builder, got {type(attn_metadata)}"
         )
-    prev, _forward_context = _forward_context, ForwardContext(attn_metadata)
+    context = ForwardContext(attn_metadata)
+    token = _forward_context.set(context)
     try:
-        yield _forward_context
+        yield context
     finally:
-        _forward_context = prev
+        _forward_context.reset(token)
 
 
 def get_forward_context() -> ForwardContext:
-    """The current context; RuntimeError outside `set_forward_context`."""
-    if _forward_context is None:
+    """The current thread's (or task's) context; RuntimeError outside `set_forward_context`."""
+    context = _forward_context.get()
+    if context is None:
         raise RuntimeError(
             "compiled_attn attention ran outside set_forward_context: wrap the model call in "
             "`with compiled_attn.set_forward_context(attn_metadata):`"
         )
-    return _forward_context
+    return context
 
 
 @dataclass(frozen=True, eq=False)

@@ -28,30 +28,9 @@ import torch
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionState
 from compiled_attn.metadata import CommonMetadata
 from compiled_attn.registry import backends_with, capability_reason
+from compiled_attn.validation import as_int, check_graph_step
 
 SCRATCH_BLOCK = 0  # pad rows read one token of this block: any block is valid to read, and they write nothing
-
-
-def check_graph_step(md: CommonMetadata, spec: AttentionSpec, backend_name: str, batch_size: int,
-                     device: torch.device) -> None:
-    """A step that a decode graph captured for `spec` and `batch_size` can replay: checked before
-    the step is copied into the static buffers (nothing is checked at replay, so a slot or block
-    beyond the cache would be read or written out of bounds)."""
-    if getattr(md, "backend_name", None) != backend_name:
-        raise ValueError(f"{backend_name} graphs replay metadata from {backend_name}'s builder, got "
-                         f"{getattr(md, 'backend_name', None) or type(md).__name__}")
-    if md.num_prefills:
-        raise ValueError(f"graphs replay decode-only steps; this one has {md.num_prefills} prefills: run it eagerly")
-    if not 1 <= md.num_seqs <= batch_size:
-        raise ValueError(f"{md.num_seqs} decodes do not fit the graph of batch size {batch_size}: run it eagerly")
-    if md.longest_seq_len > spec.max_seq_len_to_capture:
-        raise ValueError(f"a sequence of {md.longest_seq_len} tokens > spec.max_seq_len_to_capture="
-                         f"{spec.max_seq_len_to_capture}: run this step eagerly")
-    if (md.num_blocks, md.block_size) != (spec.num_blocks, spec.block_size):
-        raise ValueError(f"metadata for num_blocks={md.num_blocks}, block_size={md.block_size} does not match "
-                         f"the state's spec ({spec.num_blocks}, {spec.block_size})")
-    if md.slot_mapping.device != device:
-        raise ValueError(f"metadata on {md.slot_mapping.device}, graph buffers on {device}")
 
 
 class GraphState(AttentionState):
@@ -110,8 +89,7 @@ class GraphState(AttentionState):
         can), ValueError for max_batch_size < 1, RuntimeError inside a CUDA-graph capture.
         """
         self._check_capturable()
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        max_batch_size = as_int("max_batch_size", max_batch_size)
         self._forbid_stream_capture("graph_capture")
         if self._buffers is None or self._buffers["slot_mapping"].shape[0] < max_batch_size:
             self._buffers = self._allocate(max_batch_size)
@@ -154,6 +132,7 @@ class GraphState(AttentionState):
                 "call graph_capture_get_metadata_for_batch inside `with state.graph_capture(max_batch_size):`"
             )
         self._forbid_stream_capture("graph_capture_get_metadata_for_batch")
+        batch_size = as_int("batch_size", batch_size, minimum=None)
         top = self._buffers["slot_mapping"].shape[0]
         if not 1 <= batch_size <= top:
             raise ValueError(f"batch_size={batch_size} outside 1..{top} (graph_capture's maximum)")

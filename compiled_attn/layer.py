@@ -9,6 +9,7 @@ from torch import nn
 
 from compiled_attn.abstract import AttentionSpec, AttentionType
 from compiled_attn.registry import ENV_VAR, get_attn_backend
+from compiled_attn.validation import as_attn_type, check_impl_args
 
 
 class Attention(nn.Module):
@@ -46,17 +47,19 @@ class Attention(nn.Module):
         v_scale: float = 1.0,
     ) -> None:
         super().__init__()
+        # checked here first, so that a bad argument is named as the layer's (not a probe spec's)
+        args = check_impl_args(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                               kv_cache_dtype, logits_soft_cap)
+        attn_type = as_attn_type(attn_type)
         if backend is None and not os.environ.get(ENV_VAR):
             # pick by what this layer needs (heads, head size, features, attention type); the
             # model's dtype is not known here: bf16 on CUDA, fp32 on CPU is assumed
             cuda = torch.cuda.is_available()
             probe = AttentionSpec(
-                num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads, head_size=head_size,
+                **{k: args[k] for k in ("num_heads", "num_kv_heads", "head_size", "kv_cache_dtype", "scale",
+                                        "sliding_window", "logits_soft_cap", "alibi_slopes")},
                 block_size=64, num_blocks=1, dtype=torch.bfloat16 if cuda else torch.float32,
-                device="cuda" if cuda else "cpu", kv_cache_dtype=kv_cache_dtype, scale=scale,
-                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                alibi_slopes=None if alibi_slopes is None else torch.as_tensor(alibi_slopes, dtype=torch.float32),
-                attn_type=attn_type,
+                device="cuda" if cuda else "cpu", attn_type=attn_type,
             )
             self.backend = get_attn_backend(None, probe)
         else:
@@ -65,7 +68,7 @@ class Attention(nn.Module):
             num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
             kv_cache_dtype, logits_soft_cap,
         )
-        self.attn_type = AttentionType(attn_type)
+        self.attn_type = attn_type
         # the ops find k/v scales, scale, window, soft-cap and ALiBi through this name (a string
         # is a constant to Dynamo; floats would become symbolic graph inputs under dynamic=True)
         self.layer_name, self._call = self.impl.register(k_scale, v_scale, self.attn_type)

@@ -19,8 +19,16 @@ from compiled_attn.abstract import (
     AttentionSpec,
     AttentionType,
 )
-
-CACHELESS_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+from compiled_attn.validation import (
+    CACHELESS_TYPES,
+    check_block_ids,
+    check_device_available,
+    check_total,
+    check_written_blocks,
+    int_list,
+    needed_ids,
+    table_rows,
+)
 
 
 @dataclasses.dataclass
@@ -32,7 +40,9 @@ class CommonMetadata(AttentionMetadata):
         seq_lens_tensor:      int32 [num_seqs]
         context_lens_tensor:  int32 [num_seqs], seq_len - query_len (tokens already cached)
         query_start_loc:      int32 [num_seqs + 1], prefix sums of query_lens
-        block_tables:         int32 [num_seqs, max_blocks_per_seq], rows padded with block 0
+        block_tables:         int32 [num_seqs, max_blocks_per_seq], each request's needed blocks
+                              (ceil(seq_len / block_size)), padded with block 0; entries of a
+                              request's table past its need are never copied here
         slot_mapping:         int64 [num_tokens], -1 = pad (writes nothing)
     Cross attention (encoder-decoder), present when encoder_seq_lens was given:
         encoder_seq_lens_tensor: int32 [num_seqs]
@@ -40,6 +50,8 @@ class CommonMetadata(AttentionMetadata):
         cross_block_tables:      int32 [num_seqs, max_cross_blocks]
         cross_slot_mapping:      int64 [num_encoder_tokens of the prefills]; key/value hold the
                                  encoder tokens of the prefills on the step that has them
+    Host copies the device tables were made from (what graph States check before a replay):
+        block_tables_host / cross_block_tables_host: int32 numpy, the tables above
     """
 
     seq_lens: list[int]
@@ -63,6 +75,8 @@ class CommonMetadata(AttentionMetadata):
     block_size: int = 0
     num_blocks: int = 0
     spec: AttentionSpec | None = None
+    block_tables_host: np.ndarray | None = None
+    cross_block_tables_host: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self._views: dict[str, AttentionMetadata | None] = {}
@@ -136,36 +150,14 @@ def split_prefills(seq_lens: list[int], query_lens: list[int]) -> int:
     return len(seq_lens) if num_prefills is None else num_prefills
 
 
-def check_block_tables(
-    block_tables: list[list[int]], seq_lens: list[int], block_size: int, num_blocks: int, what: str
-) -> None:
-    """Every request's table covers its tokens and names blocks that exist."""
-    if len(block_tables) != len(seq_lens):
-        raise ValueError(f"len({what})={len(block_tables)} != number of requests {len(seq_lens)}")
-    for i, (table, seq_len) in enumerate(zip(block_tables, seq_lens, strict=True)):
-        need = -(-seq_len // block_size)
-        if len(table) < need:
-            raise ValueError(
-                f"{what}[{i}] has {len(table)} blocks but seq_len={seq_len} needs {need} "
-                f"of block_size={block_size}"
-            )
-        for block in table[:need]:
-            if not isinstance(block, int | np.integer) or isinstance(block, bool):
-                raise ValueError(f"{what}[{i}] holds block id {block!r}: block ids are ints")
-            if not 0 <= block < num_blocks:
-                raise ValueError(
-                    f"{what}[{i}] names block {block}, outside the cache's 0..{num_blocks - 1}"
-                )
-
-
 def slots_for(
-    block_tables: list[list[int]], starts: list[int], ends: list[int], block_size: int
+    block_tables: list[list[int]] | list[np.ndarray], starts: list[int], ends: list[int], block_size: int
 ) -> np.ndarray:
     """Cache slots of positions [start, end) of each request, concatenated (int64)."""
     parts = []
     for table, start, end in zip(block_tables, starts, ends, strict=True):
         pos = np.arange(start, end, dtype=np.int64)
-        blocks = np.asarray(table, dtype=np.int64)[pos // block_size]
+        blocks = np.asarray(table[: -(-end // block_size)], dtype=np.int64)[pos // block_size]
         parts.append(blocks * block_size + pos % block_size)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
@@ -177,11 +169,11 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(a).to(device, non_blocking=True)
 
 
-def padded_table(block_tables: list[list[int]], width: int) -> np.ndarray:
-    """Block tables as one int32 [num_seqs, width] array; rows padded with block 0 (always valid)."""
-    out = np.zeros((len(block_tables), width), dtype=np.int32)
-    for i, table in enumerate(block_tables):
-        row = table[:width]
+def padded_table(rows: list[np.ndarray], width: int) -> np.ndarray:
+    """Each request's needed blocks (`table_rows`, ids checked) as one int32 [num_seqs, width]
+    array, padded with block 0 (always valid)."""
+    out = np.zeros((len(rows), width), dtype=np.int32)
+    for i, row in enumerate(rows):
         out[i, : len(row)] = row
     return out
 
@@ -200,8 +192,29 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
     backend_name: str = ""
 
     def __init__(self, spec: AttentionSpec) -> None:
+        if not isinstance(spec, AttentionSpec):
+            raise ValueError(f"a builder is made from an AttentionSpec, got {type(spec).__name__}")
         super().__init__(spec)
-        self.device = torch.device(spec.device)
+        self.device = spec.device
+        check_device_available(self.device)
+        self._check_backend_serves(spec)
+
+    def _check_backend_serves(self, spec: AttentionSpec) -> None:
+        """NotImplementedError for spec options this builder's backend lacks (and would otherwise
+        ignore: a soft-cap on XFORMERS, fp8 on TORCH_SDPA, ...). A CPU spec of a CUDA backend is
+        not refused, nor its dtype: the CPU tests run those backends' host logic with stand-in
+        kernels (any dtype); on CUDA the dtype is checked."""
+        if not self.backend_name:
+            return
+        from compiled_attn.registry import BACKEND_CLASSES, capability_reason, spec_needs
+
+        needs = spec_needs(spec)
+        del needs["device"]
+        if spec.device.type != "cuda":
+            del needs["dtype"]
+        reason = capability_reason(BACKEND_CLASSES()[self.backend_name], **needs)
+        if reason is not None:
+            raise NotImplementedError(f"{reason}: its builder cannot serve this spec")
 
     def build(
         self,
@@ -212,8 +225,9 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         cross_block_tables: list[list[int]] | None = None,
     ) -> CommonMetadata:
         spec = self.spec
-        seq_lens, query_lens = list(seq_lens), list(query_lens)
+        seq_lens, query_lens = int_list(seq_lens, "seq_lens"), int_list(query_lens, "query_lens")
         num_prefills = split_prefills(seq_lens, query_lens)
+        check_total(query_lens, "query_lens")
         uses_cache = spec.attn_type not in CACHELESS_TYPES
         if not uses_cache:
             for i, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
@@ -222,24 +236,27 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
                         f"request {i}: {spec.attn_type.name} attention has no cache, so "
                         f"seq_len ({s}) must equal query_len ({q})"
                     )
-            block_tables = block_tables or [[] for _ in seq_lens]
+            rows = [np.zeros(0, dtype=np.int64) for _ in seq_lens]  # block tables are ignored
         else:
-            check_block_tables(block_tables, seq_lens, spec.block_size, spec.num_blocks, "block_tables")
+            rows = table_rows(block_tables, seq_lens, spec.block_size, "block_tables")
         starts = [s - q for s, q in zip(seq_lens, query_lens, strict=True)]
         num_prefill_tokens = sum(query_lens[:num_prefills])
         num_tokens = sum(query_lens)
+        width = max([len(r) for r in rows] + [1])
         if uses_cache:
-            slot_mapping = slots_for(block_tables, starts, seq_lens, spec.block_size)
+            ids, request = needed_ids(rows)
+            check_block_ids(ids, request, spec.num_blocks, "block_tables")
+            slot_mapping = slots_for(rows, starts, seq_lens, spec.block_size)
+            check_written_blocks(slot_mapping, query_lens, ids, request, spec.block_size, "block_tables")
         else:
             slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
-        width = max([-(-s // spec.block_size) for s in seq_lens] + [1]) if uses_cache else 1
         int32_parts = {
             "seq_lens_tensor": np.asarray(seq_lens, dtype=np.int32),
             "context_lens_tensor": np.asarray(starts, dtype=np.int32),
             "query_start_loc": prefix_sums(query_lens),
         }
         int64_parts = {"slot_mapping": slot_mapping}
-        tables = {"block_tables": padded_table(block_tables, width)}
+        tables = {"block_tables": padded_table(rows, width)}  # ids checked: int32 holds them
         cross: dict[str, Any] = {}
         if encoder_seq_lens is not None:
             cross = self._cross_fields(
@@ -257,16 +274,18 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
             num_decode_tokens=num_tokens - num_prefill_tokens,
             seq_lens=seq_lens,
             query_lens=query_lens,
-            block_tables_list=[list(t) for t in block_tables],
+            block_tables_list=[list(t) for t in block_tables] if uses_cache else [[] for _ in seq_lens],
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             backend_name=self.backend_name,
             block_size=spec.block_size,
             num_blocks=spec.num_blocks,
             spec=spec,
+            block_tables_host=tables["block_tables"],
+            cross_block_tables_host=tables.get("cross_block_tables"),
             **cross,
             **tensors,
-            **self.add_backend_fields(seq_lens, query_lens, num_prefills, encoder_seq_lens),
+            **self.add_backend_fields(seq_lens, query_lens, num_prefills, cross.get("encoder_seq_lens")),
         )
         md._builder = self
         return md
@@ -281,7 +300,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         tables: dict[str, np.ndarray],
     ) -> dict[str, Any]:
         spec = self.spec
-        encoder_seq_lens = list(encoder_seq_lens)
+        encoder_seq_lens = int_list(encoder_seq_lens, "encoder_seq_lens")
         if len(encoder_seq_lens) != len(int32_parts["seq_lens_tensor"]):
             raise ValueError(
                 f"len(encoder_seq_lens)={len(encoder_seq_lens)} != number of requests "
@@ -289,26 +308,25 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
             )
         if any(n < 1 for n in encoder_seq_lens):
             raise ValueError(f"encoder_seq_lens must all be >= 1, got {encoder_seq_lens}")
+        check_total(encoder_seq_lens, "encoder_seq_lens")
         int32_parts["encoder_seq_lens_tensor"] = np.asarray(encoder_seq_lens, dtype=np.int32)
         int32_parts["encoder_seq_start_loc"] = prefix_sums(encoder_seq_lens)
         if cross_block_tables is not None:
-            check_block_tables(
-                cross_block_tables, encoder_seq_lens, spec.block_size, spec.num_blocks,
-                "cross_block_tables",
-            )
+            rows = table_rows(cross_block_tables, encoder_seq_lens, spec.block_size, "cross_block_tables")
+            ids, request = needed_ids(rows)
+            check_block_ids(ids, request, spec.num_blocks, "cross_block_tables")
             pre = encoder_seq_lens[:num_prefills]
-            int64_parts["cross_slot_mapping"] = slots_for(
-                cross_block_tables[:num_prefills], [0] * len(pre), pre, spec.block_size
-            )
-            width = max(-(-n // spec.block_size) for n in encoder_seq_lens)
-            tables["cross_block_tables"] = padded_table(cross_block_tables, width)
+            int64_parts["cross_slot_mapping"] = slots = slots_for(rows[:num_prefills], [0] * len(pre), pre,
+                                                                  spec.block_size)
+            check_written_blocks(slots, pre, ids, request, spec.block_size, "cross_block_tables")
+            tables["cross_block_tables"] = padded_table(rows, max([len(r) for r in rows] + [1]))
         elif spec.attn_type == AttentionType.ENCODER_DECODER:
             raise ValueError("ENCODER_DECODER attention needs cross_block_tables in build()")
         return {
             "encoder_seq_lens": encoder_seq_lens,
             "cross_block_tables_list": None if cross_block_tables is None
             else [list(t) for t in cross_block_tables],
-            "max_encoder_seq_len": max(encoder_seq_lens),
+            "max_encoder_seq_len": max(encoder_seq_lens, default=0),
             "num_encoder_tokens": sum(encoder_seq_lens),
         }
 

@@ -90,14 +90,19 @@ def backends_with(**needs: object) -> list[str]:
     return [n for n, c in BACKEND_CLASSES().items() if capability_reason(c, **needs) is None]
 
 
-def spec_unsupported_reason(cls: type[AttentionBackend], spec: AttentionSpec) -> str | None:
-    """Why `cls` cannot serve `spec`, naming what it does support; None if it can."""
-    return capability_reason(
-        cls, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype, attn_type=spec.attn_type,
+def spec_needs(spec: AttentionSpec) -> dict[str, object]:
+    """What serving `spec` needs, as `capability_reason` keywords."""
+    return dict(
+        dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype, attn_type=spec.attn_type,
         head_size=spec.head_size, block_size=spec.block_size, alibi=spec.alibi_slopes is not None,
         sliding_window=spec.sliding_window is not None, logits_soft_cap=spec.logits_soft_cap is not None,
         device=spec.device,
     )
+
+
+def spec_unsupported_reason(cls: type[AttentionBackend], spec: AttentionSpec) -> str | None:
+    """Why `cls` cannot serve `spec`, naming what it does support; None if it can."""
+    return capability_reason(cls, **spec_needs(spec))
 
 
 def _supporters(spec: AttentionSpec) -> list[str]:
@@ -119,8 +124,12 @@ def get_attn_backend(name: str | None = None, spec: AttentionSpec | None = None)
     'TORCH_SDPA'
     """
     name = name or os.environ.get(ENV_VAR) or None
+    if spec is not None and not isinstance(spec, AttentionSpec):
+        raise ValueError(f"spec must be an AttentionSpec or None, got {type(spec).__name__}")
     classes = BACKEND_CLASSES()
     if name is not None:
+        if not isinstance(name, str):
+            raise ValueError(f"unknown attention backend {name!r}; choose one of {list(BACKEND_PATHS)}")
         key = name.upper()
         if key not in BACKEND_PATHS:
             raise ValueError(f"unknown attention backend {name!r}; choose one of {list(BACKEND_PATHS)}")

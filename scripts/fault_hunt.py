@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 sys.path[:0] = [str(Path(__file__).parent.parent / "tests")]
 from test_differential import DEVICE_LIMITS, Case, cases, check_against_reference  # noqa: E402
 
+from compiled_attn.__main__ import positive_int  # noqa: E402
 from compiled_attn.registry import BACKEND_CLASSES  # noqa: E402
 
 
@@ -63,7 +64,7 @@ def sync(device: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("backend", choices=sorted(BACKEND_CLASSES()))
-    parser.add_argument("--examples", type=int, default=300)
+    parser.add_argument("--examples", type=positive_int, default=300)
     parser.add_argument("--device", default="cuda", help="cpu runs TORCH_SDPA's hunt (to try the script)")
     parser.add_argument("--replay", help="a case JSON written by a hunt")
     args = parser.parse_args()

@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
 # The one command the device tool runs: GPU-marked tests, then benchmarks; results under $OUT.
 #   device run:  source .whl/setup.sh && bash scripts/gpu_check.sh; save_jit_cache   (carry [".whl"])
-# PARTS selects what runs (default: "tests bench"; "hunt" looks for the differential example that
-# faults or mismatches on HUNT_BACKEND); PYTEST_ARGS narrows the tests.
+# PARTS selects what runs (default: "tests fuzz bench"; "fuzz" is the mutation fuzzer's GPU tests,
+# FUZZ_EXAMPLES examples per mutation; "hunt" looks for the differential example that faults or
+# mismatches on HUNT_BACKEND); PYTEST_ARGS narrows the tests.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
-PARTS=${PARTS:-"tests bench"}
+PARTS=${PARTS:-"tests fuzz bench"}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/card.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/card.txt"
 status=0
 if [[ " $PARTS " == *" tests "* ]]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider ${PYTEST_ARGS:-tests} \
-    2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/test_fuzz.py \
+    ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
   status=${PIPESTATUS[0]}
+fi
+if [[ " $PARTS " == *" fuzz "* ]]; then
+  timeout "${FUZZ_TIMEOUT:-400}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fuzz.py \
+    2>&1 | tee "$OUT/gpu-fuzz.log" | tail -20
+  status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ " $PARTS " == *" bench "* ]]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 -m compiled_attn bench ${BENCH_ARGS:---quick} --out "$OUT" \

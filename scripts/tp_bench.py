@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import compiled_attn as ca
-from compiled_attn.__main__ import print_table
+from compiled_attn.__main__ import output_dir, positive_int, print_table
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models import tp as tpm
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
@@ -74,12 +74,12 @@ def bench_rank(group: dist.ProcessGroup, device: torch.device, batches: list[int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--ctx", type=int, default=1024)
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--tp", type=positive_int, nargs="+", default=[1, 2])
+    parser.add_argument("--batch", type=positive_int, nargs="+", default=[1, 64])
+    parser.add_argument("--ctx", type=positive_int, default=1024)
+    parser.add_argument("--iters", type=positive_int, default=30)
     parser.add_argument("--eager-model", action="store_true", help="capture the eager model instead of the compiled")
-    parser.add_argument("--out", default=".")
+    parser.add_argument("--out", type=output_dir, default=".")
     args = parser.parse_args(argv)
     rows = []
     for tp_size in args.tp:

@@ -39,7 +39,8 @@ def test_block_tables_padded_with_block_zero(mixed):
 
 def test_block_tables_width_is_blocks_needed_not_table_length():
     md = builder().build([5, 2], [5, 2], [[1, 2, 3, 4], [7, 9, 11]])
-    assert md.block_tables.tolist() == [[1, 2], [7, 9]]
+    # request 1 needs one block: its entries past that (9, 11) are ignored, never copied (pad 0)
+    assert md.block_tables.tolist() == [[1, 2], [7, 0]]
     assert md.block_tables_list == [[1, 2, 3, 4], [7, 9, 11]]
 
 

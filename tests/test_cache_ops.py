@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import compiled_attn as ca
+from compiled_attn.registry import BACKEND_CLASSES
 
 BACKEND = ca.get_attn_backend("TORCH_SDPA")
+FLASHINFER = BACKEND_CLASSES()["FLASHINFER"]
 HKV, D, BS, NB = 2, 8, 4, 16
 
 
@@ -46,13 +48,18 @@ def flat(cache: torch.Tensor, half: int) -> torch.Tensor:
     return cache[half].reshape(-1, *cache.shape[3:])
 
 
-def write(md, key, value, cache, cross=False, k_scale=1.0, v_scale=1.0) -> None:
-    """Run the cache-write op as a (cross-)attention layer with these scales would."""
-    impl = BACKEND.get_impl_cls()(4, D, D**-0.5, HKV)
+def write(md, key, value, cache, cross=False, k_scale=1.0, v_scale=1.0, backend=BACKEND) -> None:
+    """Run the cache-write op as a (cross-)attention layer of the metadata's spec with these scales
+    would (the query it also takes is read for its rows only)."""
+    spec = md.spec
+    impl = backend.get_impl_cls()(spec.num_heads, spec.head_size, spec.softmax_scale, spec.num_kv_heads,
+                                  kv_cache_dtype=spec.kv_cache_dtype)
     attn_type = ca.AttentionType.ENCODER_DECODER if cross else ca.AttentionType.DECODER
     layer_name, _call = impl.register(k_scale, v_scale, attn_type)  # _call keeps the name alive
+    query = torch.zeros(md.num_prefill_tokens + md.num_decode_tokens, spec.num_heads, spec.head_size,
+                        dtype=key.dtype, device=key.device)
     with ca.set_forward_context(md):
-        torch.ops.compiled_attn.kv_cache_update(key, value, cache, layer_name)
+        torch.ops.compiled_attn.kv_cache_update(query, key, value, cache, layer_name)
 
 
 def check_written(cache, before, slots, key, value) -> None:
@@ -115,17 +122,28 @@ def test_update_cross_writes_the_prefills_encoder_tokens():
     check_written(cache, before, expected, key, value)
 
 
+def fp8_spec(kv_cache_dtype: str, device: str = "cpu") -> ca.AttentionSpec:
+    # fp8 caches are FLASHINFER's (its builder and layers run on CPU too): its head sizes and dtypes
+    return ca.AttentionSpec(num_heads=4, num_kv_heads=HKV, head_size=64, block_size=BS, num_blocks=NB,
+                            dtype=torch.bfloat16, device=device, kv_cache_dtype=kv_cache_dtype)
+
+
+def fp8_kv(num_tokens: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return tuple((torch.randn(num_tokens, HKV, 64, generator=g) * s).bfloat16().to(device) for s in (1, 3))
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "fp8"])
 def test_update_fp8_stores_scaled_values(kv_cache_dtype):
-    spec = make_spec(kv_cache_dtype)
-    md = BACKEND.get_builder_cls()(spec).build([6], [6], [[7, 2]])
-    key, value = new_kv(6)
+    spec = fp8_spec(kv_cache_dtype)
+    md = FLASHINFER.get_builder_cls()(spec).build([6], [6], [[7, 2]])
+    key, value = fp8_kv(6)
     cache = nan_cache(spec)
-    assert cache.dtype == ca.kv_cache_torch_dtype(kv_cache_dtype, torch.float32)
+    assert cache.dtype == ca.kv_cache_torch_dtype(kv_cache_dtype, torch.bfloat16)
     before = cache.clone()
     k_scale, v_scale = 0.37, 2.5
-    write(md, key, value, cache, k_scale=k_scale, v_scale=v_scale)
-    check_written(cache, before, md.slot_mapping.tolist(), key / k_scale, value / v_scale)
+    write(md, key, value, cache, k_scale=k_scale, v_scale=v_scale, backend=FLASHINFER)
+    check_written(cache, before, md.slot_mapping.tolist(), key.float() / k_scale, value.float() / v_scale)
 
 
 def test_update_bf16_cache_from_bf16_keys():
@@ -242,15 +260,18 @@ def test_swap_blocks_across_devices(direction):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_update_cuda_matches_cpu_bit_for_bit(kv_cache_dtype):
     # The Triton write on CUDA stores the same bytes as the CPU index_put, pads included.
-    spec = make_spec(kv_cache_dtype)
+    fp8 = kv_cache_dtype != "auto"
+    backend = FLASHINFER if fp8 else BACKEND  # fp8 caches are FLASHINFER's
+    spec_of = fp8_spec if fp8 else make_spec
+    spec = spec_of(kv_cache_dtype)
     tables = [[3, 0], [5, 11, 2], [15, 8]]
-    md = BACKEND.get_builder_cls()(spec).build([7, 9, 6], [7, 2, 1], tables)
+    md = backend.get_builder_cls()(spec).build([7, 9, 6], [7, 2, 1], tables)
     md.slot_mapping[3] = -1
-    key, value = new_kv(10)
+    key, value = fp8_kv(10) if fp8 else new_kv(10)
     cache = nan_cache(spec)
-    write(md, key, value, cache, k_scale=0.5, v_scale=2.0)
-    md_cuda = BACKEND.get_builder_cls()(make_spec(kv_cache_dtype, "cuda")).build([7, 9, 6], [7, 2, 1], tables)
+    write(md, key, value, cache, k_scale=0.5, v_scale=2.0, backend=backend)
+    md_cuda = backend.get_builder_cls()(spec_of(kv_cache_dtype, "cuda")).build([7, 9, 6], [7, 2, 1], tables)
     md_cuda.slot_mapping[3] = -1
     cache_cuda = nan_cache(spec, device="cuda")
-    write(md_cuda, key.cuda(), value.cuda(), cache_cuda, k_scale=0.5, v_scale=2.0)
+    write(md_cuda, key.cuda(), value.cuda(), cache_cuda, k_scale=0.5, v_scale=2.0, backend=backend)
     assert same_bits(cache_cuda.cpu(), cache)

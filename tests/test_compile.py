@@ -130,11 +130,11 @@ class GraphModule(torch.nn.Module):
         l_value_ = L_value_
         l_kv_cache_ = L_kv_cache_
 
-        size_3 = l_kv_cache_.size()
-        getitem_9: "Sym(2)" = size_3[3]
-        getitem_10: "Sym(16)" = size_3[4];  size_3 = None
-        eq: "Sym(True)" = getitem_9 == 2;  getitem_9 = None
-        eq_1: "Sym(True)" = getitem_10 == 16;  getitem_10 = None
+        size_4 = l_kv_cache_.size()
+        getitem_14: "Sym(2)" = size_4[3]
+        getitem_15: "Sym(16)" = size_4[4];  size_4 = None
+        eq: "Sym(True)" = getitem_14 == 2;  getitem_14 = None
+        eq_1: "Sym(True)" = getitem_15 == 16;  getitem_15 = None
         and_: "Sym(True)" = eq & eq_1;  eq = eq_1 = None
         not_ = _operator_not_(and_);  and_ = not_ = None
 
@@ -144,7 +144,7 @@ class GraphModule(torch.nn.Module):
 
         v: "f32[s5, 2, 16]" = l_value_.view(-1, 2, 16);  l_value_ = None
 
-        kv_cache_update = torch.ops.compiled_attn.kv_cache_update(k, v, l_kv_cache_, 'TorchSDPAImpl.decoder.N');  kv_cache_update = None
+        kv_cache_update = torch.ops.compiled_attn.kv_cache_update(q, k, v, l_kv_cache_, 'TorchSDPAImpl.decoder.N');  kv_cache_update = None
 
         output: "f32[s5, 4, 16]" = torch.empty_like(q)
 

@@ -101,7 +101,7 @@ def test_ops_run_under_fake_cuda_tensors_without_error():
         q, k, v = q.view(-1, HQ, D), k.view(-1, HKV, D), v.view(-1, HKV, D)
         output = torch.empty_like(q)
         with ca.set_forward_context(fake_cuda_metadata(md)):
-            assert torch.ops.compiled_attn.kv_cache_update(k, v, cache, name) is None
+            assert torch.ops.compiled_attn.kv_cache_update(q, k, v, cache, name) is None
             assert torch.ops.compiled_attn.torch_sdpa_attention(q, k, v, cache, output, name) is None
         other = torch.empty(2, 4, BS, HKV, D, dtype=DTYPE)  # a CPU cache (swap target)
         pairs = torch.tensor([[0, 1], [2, 3]])

@@ -83,7 +83,8 @@ def test_attention_op_outside_forward_context_raises(batch):
 def test_cache_update_op_outside_forward_context_writes_nothing(batch):
     name, _keep = sdpa_impl().register(1.0, 1.0, T.DECODER)
     with Untouched(batch.kv_cache), pytest.raises(RuntimeError, match="outside set_forward_context"):
-        torch.ops.compiled_attn.kv_cache_update(heads(batch.key, HKV), heads(batch.value, HKV), batch.kv_cache, name)
+        torch.ops.compiled_attn.kv_cache_update(heads(batch.query, HQ), heads(batch.key, HKV), heads(batch.value, HKV),
+                                                batch.kv_cache, name)
 
 
 def test_op_with_the_name_of_a_dead_layer_writes_nothing(batch):
@@ -91,7 +92,8 @@ def test_op_with_the_name_of_a_dead_layer_writes_nothing(batch):
     del keep  # the registry holds layers weakly: the name dies with its layer
     with Untouched(batch.kv_cache), ca.set_forward_context(batch.build(SDPA)), \
             pytest.raises(RuntimeError, match="no attention layer named .* is alive"):
-        torch.ops.compiled_attn.kv_cache_update(heads(batch.key, HKV), heads(batch.value, HKV), batch.kv_cache, name)
+        torch.ops.compiled_attn.kv_cache_update(heads(batch.query, HQ), heads(batch.key, HKV), heads(batch.value, HKV),
+                                                batch.kv_cache, name)
 
 
 def test_layer_under_metadata_of_another_backend_writes_nothing(batch):

@@ -57,7 +57,8 @@ def test_kv_cache_update(cross):
         key, value = batch.key, batch.value
     name, _call = layer(T.ENCODER_DECODER if cross else T.DECODER)
     with ca.set_forward_context(md):
-        opcheck(torch.ops.compiled_attn.kv_cache_update.default, (heads(key, 2), heads(value, 2), batch.kv_cache, name))
+        opcheck(torch.ops.compiled_attn.kv_cache_update.default,
+                (heads(batch.query, 4), heads(key, 2), heads(value, 2), batch.kv_cache, name))
 
 
 def test_copy_blocks():

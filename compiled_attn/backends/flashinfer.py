@@ -163,7 +163,7 @@ class FlashInferMetadata(CommonMetadata):
 
 
 def paged_kv_layout(
-    seq_lens: list[int], block_tables: list[list[int]], block_size: int
+    seq_lens: list[int], block_tables: list[list[int]] | np.ndarray, block_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """FlashInfer's page CSR for requests of `seq_lens` tokens: (indptr, indices, last_page_len).
 
@@ -382,7 +382,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
         md = super().build(seq_lens, query_lens, block_tables, encoder_seq_lens, cross_block_tables)
         md.qo_indptr = torch.from_numpy(prefix_sums(md.query_lens))
         if self.spec.attn_type == AttentionType.DECODER:
-            indptr, indices, last = paged_kv_layout(md.seq_lens, md.block_tables_list, self.spec.block_size)
+            indptr, indices, last = paged_kv_layout(md.seq_lens, md.block_tables_host, self.spec.block_size)
             md.paged_kv_indptr = torch.from_numpy(indptr)
             md.paged_kv_indices = to_device(indices, self.device)
             md.paged_kv_last_page_len = torch.from_numpy(last)

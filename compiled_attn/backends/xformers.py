@@ -187,8 +187,8 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
     backend_name = NAME
 
     def __init__(self, spec: AttentionSpec) -> None:
+        check_block_size(spec.block_size)  # the message that says why, before the builder's generic one
         super().__init__(spec)
-        check_block_size(spec.block_size)
 
     def build(
         self,
@@ -215,17 +215,17 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
         }
         int64_parts: dict[str, np.ndarray] = {}
         if uses_cache and not md.prefill_fresh:
-            int64_parts["prefill_kv_slots"] = slots_for(md.block_tables_list[:p], [0] * p, pre_seq, bs)
+            int64_parts["prefill_kv_slots"] = slots_for(md.block_tables_host[:p], [0] * p, pre_seq, bs)
         if spec.sliding_window and md.num_decodes:
             starts = np.maximum(np.asarray(md.seq_lens[p:], dtype=np.int64) - spec.sliding_window, 0)
             int32_parts["decode_window_starts"] = np.append(starts, 0).astype(np.int32)
         if spec.alibi_slopes is not None:
             if uses_cache:
                 n = len(md.seq_lens)
-                int64_parts["alibi_kv_slots"] = slots_for(md.block_tables_list, [0] * n, md.seq_lens, bs)
-            if md.cross_block_tables_list is not None:
+                int64_parts["alibi_kv_slots"] = slots_for(md.block_tables_host, [0] * n, md.seq_lens, bs)
+            if md.cross_block_tables_host is not None:
                 enc = md.encoder_seq_lens
-                int64_parts["alibi_cross_slots"] = slots_for(md.cross_block_tables_list, [0] * len(enc), enc, bs)
+                int64_parts["alibi_cross_slots"] = slots_for(md.cross_block_tables_host, [0] * len(enc), enc, bs)
         tensors = self._to_device(int32_parts, int64_parts or {"none": np.zeros(0, np.int64)}, {})
         md._decode_q_start = tensors.pop("decode_q_start")
         md._prefill_k_start = tensors.pop("prefill_k_start")

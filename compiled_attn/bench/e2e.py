@@ -142,17 +142,26 @@ def run(quick: bool = False, backend_name: str | None = None, block_size: int = 
     return rows
 
 
-def main() -> None:
-    from compiled_attn.__main__ import print_table
+def point(text: str) -> tuple[int, int]:
+    """argparse type: BxCTX, both ints >= 1."""
+    from compiled_attn.__main__ import positive_int
+
+    parts = text.split("x")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r} is not BxCTX (e.g. 64x1024)")
+    return positive_int(parts[0]), positive_int(parts[1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    from compiled_attn.__main__ import backend_name, positive_int, print_table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--backend", default=None)
-    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="KV-cache page size (tokens)")
-    parser.add_argument("--point", action="append", metavar="BxCTX", help="e.g. 64x1024 (repeatable)")
-    args = parser.parse_args()
-    points = [tuple(int(n) for n in p.split("x")) for p in args.point] if args.point else None
-    print_table(run(args.quick, args.backend, args.block_size, points))
+    parser.add_argument("--backend", type=backend_name, default=None)
+    parser.add_argument("--block-size", type=positive_int, default=BLOCK_SIZE, help="KV-cache page size (tokens)")
+    parser.add_argument("--point", type=point, action="append", metavar="BxCTX", help="e.g. 64x1024 (repeatable)")
+    args = parser.parse_args(argv)
+    print_table(run(args.quick, args.backend, args.block_size, args.point))
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def backend_rows(backend_name: str, backend: type[ca.AttentionBackend], device: 
         kernel(q, k, k, cache, out, name)  # first call: lazy planning stays out of the timings
         for what, raw_fn, op_fn in (
             ("kv_cache_update (8 tokens)", lambda: write_kv_cache(k, k, cache, md.slot_mapping, 1.0, 1.0),
-             lambda: torch.ops.compiled_attn.kv_cache_update(k, k, cache, name)),
+             lambda: torch.ops.compiled_attn.kv_cache_update(q, k, k, cache, name)),
             (f"{op_name} (8 decodes, ctx 100)", lambda: kernel(q, k, k, cache, out, name),
              lambda: op(q, k, k, cache, out, name)),
         ):

@@ -76,13 +76,15 @@ def write_plots(results: dict, out: str) -> list[str]:
 
 
 def main() -> None:
+    from compiled_attn.__main__ import output_dir
+
     parser = argparse.ArgumentParser()
-    parser.add_argument("results", nargs="+")
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("results", nargs="+", type=argparse.FileType("r"))
+    parser.add_argument("--out", type=output_dir, default="docs")
     args = parser.parse_args()
     merged: dict = {}
-    for path in args.results:
-        with open(path) as f:
+    for f in args.results:
+        with f:
             merged.update(json.load(f))
     for path in write_plots(merged, args.out):
         print(path)

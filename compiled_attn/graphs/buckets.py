@@ -28,8 +28,11 @@ def capture_sizes_for(max_batch_size: int, sizes: Iterable[int] | None = None) -
     >>> capture_sizes_for(20)
     [16, 8, 4, 2, 1]
     """
-    if max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    from compiled_attn.validation import as_int
+
+    max_batch_size = as_int("max_batch_size", max_batch_size)
+    if sizes is not None and not isinstance(sizes, list | tuple | range):
+        raise ValueError(f"capture sizes must be a list of ints, got {type(sizes).__name__}")
     sizes = list(DEFAULT_CAPTURE_SIZES if sizes is None else sizes)
     bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s < 1]
     if bad:

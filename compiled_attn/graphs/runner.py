@@ -22,6 +22,7 @@ import torch
 from compiled_attn.abstract import AttentionBackend, AttentionMetadata, AttentionSpec, AttentionState
 from compiled_attn.forward_context import set_forward_context
 from compiled_attn.graphs.buckets import GRAPH, PATHS, capture_sizes_for, choose_path, pick_batch_size
+from compiled_attn.validation import as_int, check_cache_list
 
 logger = logging.getLogger(__name__)
 
@@ -111,13 +112,15 @@ class CUDAGraphRunner:
         postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
         compile: bool = False,
     ) -> None:
+        if not isinstance(spec, AttentionSpec):
+            raise ValueError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
         if use_cuda_graphs and spec.device.type != "cuda":
             raise ValueError(
                 f"CUDA graphs need spec.device to be CUDA, got {spec.device} (use_cuda_graphs=False runs the "
                 "static-buffer step without graphs)"
             )
-        if warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be >= 1 (capture needs a warmed-up step), got {warmup_steps}")
+        warmup_steps = as_int("warmup_steps (capture needs a warmed-up step)", warmup_steps)
+        check_cache_list(kv_caches)
         step = model if postprocess is None else _Step(model, postprocess)
         self.model = torch.compile(step, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS) if compile else step
         self._unbacked_tokens = not compile
@@ -237,6 +240,7 @@ class CUDAGraphRunner:
         md = attn_metadata
         self._check_inputs(md, input_ids, positions)
         caches = self.kv_caches if kv_caches is None else kv_caches
+        check_cache_list(caches)
         path = choose_path(
             num_prefills=md.num_prefills, num_seqs=md.num_seqs,
             max_seq_len=md.longest_seq_len,
@@ -274,10 +278,12 @@ class CUDAGraphRunner:
 
     def _check_inputs(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         name = self.backend.get_name()
-        if getattr(md, "backend_name", None) != name:
+        if not isinstance(md, AttentionMetadata) or getattr(md, "backend_name", None) != name:
             raise ValueError(f"the runner serves {name} metadata, got {type(md).__name__} from another builder")
         device = self._input_ids.device
         for label, t in (("input_ids", input_ids), ("positions", positions)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{label} must be a {INPUT_DTYPE} tensor [num_tokens], got {type(t).__name__}")
             if t.dtype != INPUT_DTYPE or t.device != device or t.dim() != 1:
                 raise ValueError(
                     f"{label} must be {INPUT_DTYPE} [num_tokens] on {device} (what the graphs were captured "

@@ -10,49 +10,9 @@ from __future__ import annotations
 import torch
 
 from compiled_attn.abstract import AttentionType
-from compiled_attn.forward_context import get_layer
-from compiled_attn.ops.common import current_metadata
+from compiled_attn.ops.common import checked_step
 from compiled_attn.ops.library import define_op, register_fake
-
-KV_CACHE_DIMS = ("kv", "num_blocks", "block_size", "num_kv_heads", "head_size")
-BLOCK_DIM = 1  # blocks are indexed along dim 1 of every cache
-
-
-def check_cache_write(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_blocks: int,
-    block_size: int,
-) -> None:
-    """Host-side checks before anything is written (shapes only: no device sync)."""
-    if key.dim() != 3 or key.shape != value.shape:
-        raise ValueError(
-            "key and value must both be [num_tokens, num_kv_heads, head_size], got "
-            f"{tuple(key.shape)} and {tuple(value.shape)}"
-        )
-    want = (2, num_blocks, block_size, key.shape[1], key.shape[2])
-    if tuple(kv_cache.shape) != want:
-        raise ValueError(
-            f"kv_cache has shape {tuple(kv_cache.shape)}, expected {want} "
-            f"({', '.join(KV_CACHE_DIMS)}) for this spec and these keys: allocate it with "
-            "backend.get_kv_cache_shape(...)"
-        )
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous (allocate it with torch.empty(shape))")
-    if slot_mapping.shape[0] != key.shape[0]:
-        raise ValueError(
-            f"key has {key.shape[0]} tokens but the metadata's slot_mapping has "
-            f"{slot_mapping.shape[0]}: build the metadata for this batch"
-        )
-    if key.device != kv_cache.device or slot_mapping.device != kv_cache.device:
-        raise ValueError(
-            f"key ({key.device}), kv_cache ({kv_cache.device}) and metadata "
-            f"({slot_mapping.device}) must be on one device"
-        )
-    if key.dtype != value.dtype or not key.dtype.is_floating_point:
-        raise ValueError(f"key/value dtypes {key.dtype}/{value.dtype} must be one float dtype")
+from compiled_attn.validation import check_block_cache, check_block_pairs
 
 
 def _to_cache_dtype(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -86,46 +46,28 @@ def write_kv_cache(
         flat[slots] = _to_cache_dtype(x[valid], scale, kv_cache.dtype)
 
 
-@define_op("kv_cache_update(Tensor key, Tensor value, Tensor(a!) kv_cache, str layer_name) -> ()",
+@define_op("kv_cache_update(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, str layer_name) -> ()",
            reads_forward_context=True)
-def kv_cache_update(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer_name: str) -> None:
+def kv_cache_update(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer_name: str
+) -> None:
     """Write this step's new K/V into `kv_cache` at the forward context's slots.
 
-    key/value: [num_tokens, num_kv_heads, head_size]; kv_cache: [2, num_blocks, block_size,
-    num_kv_heads, head_size]. A cross-attention layer (ENCODER_DECODER) writes the encoder
-    tokens at the cross slots. k/v scales come from the layer. Capturable: one kernel, no sync.
+    query: [num_tokens, num_heads, head_size], read for nothing but the checks (its rows and
+    device, so that a call the attention op would refuse writes nothing); key/value:
+    [num_tokens, num_kv_heads, head_size]; kv_cache: [2, num_blocks, block_size, num_kv_heads,
+    head_size]. A cross-attention layer (ENCODER_DECODER) writes the encoder tokens at the cross
+    slots. k/v scales come from the layer. Capturable: one kernel, no sync.
     """
-    call = get_layer(layer_name)
-    # the attention op's backend check, made here too so that foreign metadata writes nothing
-    md = current_metadata(call.impl.backend_cls.get_name())
-    call.impl.check_matches_metadata(key, kv_cache, md, call.attn_type)
+    call, md = checked_step(layer_name, query, key, value, kv_cache)
     cross = call.attn_type == AttentionType.ENCODER_DECODER
     slot_mapping = md.cross_slot_mapping if cross else md.slot_mapping
-    if slot_mapping is None:
-        raise ValueError("cross-attention K/V given but the metadata has no cross_block_tables")
-    check_cache_write(key, value, kv_cache, slot_mapping, md.num_blocks, md.block_size)
     write_kv_cache(key, value, kv_cache, slot_mapping, call.k_scale, call.v_scale)
 
 
 @register_fake("kv_cache_update")
-def _(key, value, kv_cache, layer_name) -> None:
+def _(query, key, value, kv_cache, layer_name) -> None:
     return None
-
-
-def _check_block_pairs(pairs: torch.Tensor, src_cache: torch.Tensor, dst_cache: torch.Tensor) -> None:
-    if pairs.dtype != torch.int64 or pairs.dim() != 2 or pairs.shape[1] != 2:
-        raise ValueError(
-            f"block pairs must be int64 [N, 2] of (src, dst), got {pairs.dtype} {tuple(pairs.shape)}"
-        )
-    if pairs.device.type != "cpu" or not pairs.numel():
-        return  # checking pairs that live on the GPU would sync the device
-    for col, cache in ((0, src_cache), (1, dst_cache)):
-        ids = pairs[:, col]
-        if int(ids.min()) < 0 or int(ids.max()) >= cache.shape[BLOCK_DIM]:
-            raise ValueError(
-                f"{('src', 'dst')[col]} block ids {ids.tolist()} outside the cache's "
-                f"0..{cache.shape[BLOCK_DIM] - 1}"
-            )
 
 
 @define_op("copy_blocks(Tensor(a!)[] kv_caches, Tensor src_to_dists) -> ()", reads_forward_context=False)
@@ -133,13 +75,15 @@ def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor) -> No
     """Copy whole blocks src -> dst inside each cache (all layers at once).
 
     kv_caches: list of [2, num_blocks, block_size, num_kv_heads, head_size]; src_to_dists: int64
-    [N, 2]. Sources are read before any destination is written.
+    [N, 2]. Every source of every cache is read before any destination is written, so a list
+    naming one cache twice (or a chain like 1->2, 2->3) copies what the blocks held before the call.
     """
-    for cache in kv_caches:
-        _check_block_pairs(src_to_dists, cache, cache)
-    for cache in kv_caches:
-        pairs = src_to_dists.to(cache.device, non_blocking=True)
-        cache[:, pairs[:, 1]] = cache[:, pairs[:, 0]]
+    for i, cache in enumerate(kv_caches):
+        check_block_pairs(src_to_dists, check_block_cache(cache, f"kv_caches[{i}]"), cache)
+    pairs = [src_to_dists.to(cache.device, non_blocking=True) for cache in kv_caches]
+    sources = [cache[:, p[:, 0]] for cache, p in zip(kv_caches, pairs, strict=True)]  # copies
+    for cache, p, src in zip(kv_caches, pairs, sources, strict=True):
+        cache[:, p[:, 1]] = src
 
 
 @register_fake("copy_blocks")
@@ -155,13 +99,15 @@ def swap_blocks(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_d
     Both caches: [2, num_blocks, block_size, num_kv_heads, head_size] (block counts may differ);
     src_to_dst: int64 [N, 2] of (src block, dst block).
     """
+    check_block_cache(src_kv_cache, "src_kv_cache")
+    check_block_cache(dst_kv_cache, "dst_kv_cache")
     if src_kv_cache.shape[:1] + src_kv_cache.shape[2:] != dst_kv_cache.shape[:1] + dst_kv_cache.shape[2:]:
         raise ValueError(
             f"caches differ beyond the block count: {tuple(src_kv_cache.shape)} vs {tuple(dst_kv_cache.shape)}"
         )
     if src_kv_cache.dtype != dst_kv_cache.dtype:
         raise ValueError(f"cache dtypes differ: {src_kv_cache.dtype} vs {dst_kv_cache.dtype}")
-    _check_block_pairs(src_to_dst, src_kv_cache, dst_kv_cache)
+    check_block_pairs(src_to_dst, src_kv_cache, dst_kv_cache)
     src_idx = src_to_dst[:, 0].to(src_kv_cache.device)
     dst_idx = src_to_dst[:, 1].to(dst_kv_cache.device)
     dst_kv_cache[:, dst_idx] = src_kv_cache[:, src_idx].to(dst_kv_cache.device)

@@ -4,51 +4,28 @@ from __future__ import annotations
 
 import torch
 
-from compiled_attn.abstract import AttentionImpl, AttentionMetadata, AttentionType
-from compiled_attn.forward_context import get_forward_context
+from compiled_attn.abstract import AttentionMetadata
+from compiled_attn.forward_context import LayerCall, get_forward_context, get_layer
+from compiled_attn.validation import check_output, check_step
 
 
-def current_metadata(backend_name: str) -> AttentionMetadata:
-    """The forward context's metadata, checked to come from `backend_name`'s builder."""
+def checked_step(
+    layer_name: str,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    kv_cache: torch.Tensor | None,
+    output: torch.Tensor | None = None,
+) -> tuple[LayerCall, AttentionMetadata]:
+    """The calling layer and the forward context's metadata, with this call checked against both
+    (`validation.check_step`; attention ops also pass their `output`) before the op writes or
+    reads anything. RuntimeError for a dead layer name or no forward context."""
+    call = get_layer(layer_name)
     md = get_forward_context().attn_metadata
-    check_metadata_backend(md, backend_name)
-    return md
-
-
-def check_metadata_backend(md: AttentionMetadata, backend_name: str) -> None:
-    built_by = getattr(md, "backend_name", None) or type(md).__name__
-    if built_by != backend_name:
-        raise ValueError(
-            f"{backend_name} got metadata built for {built_by}; build it with {backend_name}'s builder "
-            "(backend.get_builder_cls()(spec).build(...))"
-        )
-
-
-def check_query_rows(query: torch.Tensor, md: AttentionMetadata, kind: AttentionType) -> None:
-    """The query has as many rows as the metadata has tokens (encoder tokens for ENCODER)."""
-    expect = md.num_encoder_tokens if kind == AttentionType.ENCODER else md.num_prefill_tokens + md.num_decode_tokens
-    if query.device != md.slot_mapping.device:
-        raise ValueError(
-            f"query is on device {query.device}, the metadata on {md.slot_mapping.device}: build it on the query's"
-        )
-    if query.shape[0] != expect:
-        raise ValueError(
-            f"{kind.name} attention got {query.shape[0]} query tokens but the metadata describes "
-            f"{expect}: build the metadata for this batch"
-        )
-
-
-def check_layer_matches_spec(impl: AttentionImpl, md: AttentionMetadata) -> None:
-    """The layer's head layout is the spec's (the metadata was built for that spec)."""
-    spec = getattr(md, "spec", None)
-    if spec is None:
-        return
-    for name in ("num_heads", "num_kv_heads", "head_size"):
-        if getattr(impl, name) != getattr(spec, name):
-            raise ValueError(
-                f"layer has {name}={getattr(impl, name)} but the metadata's spec has {getattr(spec, name)}: "
-                "build the metadata with this layer group's spec"
-            )
+    check_step(call.impl, call.attn_type, md, query, key, value, kv_cache)
+    if output is not None:
+        check_output(query, output)
+    return call, md
 
 
 def alibi_bias(slopes: torch.Tensor, rel: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

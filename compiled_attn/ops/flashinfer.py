@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from compiled_attn.abstract import AttentionType
-from compiled_attn.forward_context import get_layer
-from compiled_attn.ops.common import check_query_rows, current_metadata
+from compiled_attn.ops.common import checked_step
 from compiled_attn.ops.library import define_attention_op, register_fake
 
 NAME = "FLASHINFER"
@@ -46,13 +45,8 @@ def flashinfer_attention(
     Capturable when the metadata comes from `FlashInferState.graph_capture_get_metadata_for_batch`
     (decode-only, `use_cuda_graph=True` wrapper): then it launches kernels only.
     """
-    call = get_layer(layer_name)
-    impl, kind = call.impl, call.attn_type
-    md = current_metadata(NAME)
-    step = md.step_plan
-    step.check_call(query, kv_cache, impl.scale, impl.sliding_window, impl.logits_soft_cap,
-                    impl.alibi_slopes is not None, kind)
-    check_query_rows(query, md, kind)
+    call, md = checked_step(layer_name, query, key, value, kv_cache, output)  # incl. the plan's check_call
+    kind, step = call.attn_type, md.step_plan
     if stream_capturing() and not step.graph_safe:
         raise RuntimeError(
             "FLASHINFER: capturing a CUDA graph with metadata from the builder, whose wrappers were "

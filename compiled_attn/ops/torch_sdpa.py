@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from compiled_attn.abstract import AttentionType
-from compiled_attn.forward_context import get_layer
-from compiled_attn.ops.common import alibi_bias, check_query_rows, current_metadata
+from compiled_attn.ops.common import alibi_bias, checked_step
 from compiled_attn.ops.library import define_attention_op, register_fake
 
 NAME = "TORCH_SDPA"
@@ -94,8 +93,7 @@ def torch_sdpa_attention(
     block_size, num_kv_heads, head_size] (already holding this step's K/V) or None.
     Scale, window, soft-cap and ALiBi come from the layer `layer_name`.
     """
-    md = current_metadata(NAME)
-    call = get_layer(layer_name)
+    call, md = checked_step(layer_name, query, key, value, kv_cache, output)
     impl, kind = call.impl, call.attn_type
     opts = dict(scale=impl.scale, sliding_window=impl.sliding_window or 0,
                 logits_soft_cap=impl.logits_soft_cap or 0.0, alibi_slopes=impl.alibi_on(query.device))
@@ -105,18 +103,10 @@ def torch_sdpa_attention(
         index = md.encoder_token_index if encoder else md.prefill_token_index
         q_pos = md.encoder_q_pos if encoder else md.prefill_q_pos
         flat = md.encoder_flat_index if encoder else md.prefill_flat_index
-        check_query_rows(query, md, kind)
-        if encoder and index is None:
-            raise ValueError("ENCODER attention needs metadata built with encoder_seq_lens")
-        if not encoder and md.num_decode_tokens:
-            raise ValueError("ENCODER_ONLY batches have no decodes (seq_len == query_len)")
         out = attend(query[index], key[index], value[index], lens, q_pos, False, **opts)
         output.copy_(out.flatten(0, 1)[flat])
         return
-    check_query_rows(query, md, kind)
     cross = kind == AttentionType.ENCODER_DECODER
-    if cross and md.cross_block_tables is None:
-        raise ValueError("ENCODER_DECODER attention needs metadata built with cross_block_tables")
     tables = md.cross_block_tables if cross else md.block_tables
     kv_lens = md.encoder_seq_lens_tensor if cross else md.seq_lens_tensor
     p, n_pre = md.num_prefills, md.num_prefill_tokens

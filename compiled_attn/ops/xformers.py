@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from compiled_attn.abstract import AttentionType
-from compiled_attn.forward_context import get_layer
-from compiled_attn.ops.common import alibi_bias, check_query_rows, current_metadata
+from compiled_attn.ops.common import alibi_bias, checked_step
 from compiled_attn.ops.library import define_attention_op, register_fake
 
 NAME = "XFORMERS"
@@ -137,25 +136,21 @@ def xformers_attention(
     Scale, window and ALiBi come from the layer `layer_name`. Capturable for decode batches: the
     decode branch only reads device tensors of the metadata's prebuilt bias and launches kernels.
     """
-    md = current_metadata(NAME)
-    call = get_layer(layer_name)
+    call, md = checked_step(layer_name, query, key, value, kv_cache, output)  # incl. md.check_options
     impl, kind = call.impl, call.attn_type
     scale, sliding_window = impl.scale, impl.sliding_window or 0
     alibi_slopes = impl.alibi_on(query.device)
-    md.check_options(sliding_window, alibi_slopes is not None)
     g = md.spec.num_kv_heads
     if alibi_slopes is not None:
         alibi_attention(md, query, key, value, kv_cache, output, scale, sliding_window, alibi_slopes, kind)
         return
     if kind in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
         role = "encoder" if kind == AttentionType.ENCODER else "encoder_only"
-        check_query_rows(query, md, kind)
         hpg = query.shape[1] // g
         out = run_xformers(grouped(query, g), expanded(key, hpg), expanded(value, hpg),
                            md.bias(role), scale, ("flash", "cutlass"))
         output.copy_(out.view_as(output))
         return
-    check_query_rows(query, md, kind)
     cross = kind == AttentionType.ENCODER_DECODER
     hpg = query.shape[1] // g
     n_pre = md.num_prefill_tokens

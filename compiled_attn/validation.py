@@ -1,0 +1,633 @@
+"""Every check of user input, in one module: each entry point calls these before anything is written.
+
+==========================================  ====================================================
+entry point                                 checks
+==========================================  ====================================================
+AttentionSpec(...)                          `check_spec`
+AttentionImpl(...) / ca.Attention(...)      `check_impl_args`, `check_kv_scales`, `as_attn_type`
+builder.build(...)                          `int_list`, `table_rows`, `check_table_array`,
+                                            `check_written_blocks`
+impl.forward, ca.Attention (eager and       `check_tensors` (no metadata, so it also runs at
+compiled), the runner's eager path          trace time), then inside every op before it writes
+                                            or reads: `check_step` (which calls
+                                            `check_layer_for_spec`)
+State.prepare_graph_input_buffers and the   `check_graph_step`: host data, before the static
+runner's graph path                         buffers are refilled (a replay checks nothing)
+copy_blocks / swap_blocks                   `check_block_cache`, `check_block_pairs`
+==========================================  ====================================================
+
+`check_layer_for_spec` depends only on (layer, attention type, spec): it is pure, so a caller may
+cache it per layer and metadata kind. Everything else is per step. No check reads device memory
+(shapes, dtypes, devices and host values only), so none syncs the device.
+
+Errors: ValueError for invalid input (whatever its Python type: a float, string, tensor or None
+where an int belongs is a ValueError too, never a TypeError from deep inside), NotImplementedError
+for a valid configuration a backend lacks, RuntimeError for lifecycle misuse.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from compiled_attn.abstract import AttentionMetadata, AttentionSpec, AttentionType, kv_cache_torch_dtype
+
+INT32_MAX = 2**31 - 1  # block tables, lengths and prefix sums are int32 on the device
+CACHE_WRITING_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
+CACHELESS_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+INT_DTYPE_KINDS = "iu"
+
+
+# ---------------------------------------------------------------------------------------------
+# Python values: ints, reals, enums
+
+
+def as_int(name: str, value: object, *, minimum: int | None = 1, maximum: int = INT32_MAX, why: str = "") -> int:
+    """`value` as a python int: ints, numpy ints and 0-d integer CPU tensors pass; floats (even
+    4.0), bools, strings, None and other tensors are a ValueError, as is a value outside
+    [minimum, maximum]."""
+    bad_tensor = isinstance(value, torch.Tensor) and (
+        value.dim() != 0 or value.dtype.is_floating_point or value.dtype == torch.bool or value.device.type != "cpu"
+    )
+    if isinstance(value, bool | np.bool_) or bad_tensor:
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
+    if minimum is not None and out < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {out}")
+    if out > maximum:
+        raise ValueError(f"{name} must be <= {maximum}{why}, got {out}")
+    return out
+
+
+def as_positive_finite(name: str, value: object) -> float:
+    """`value` as a float that is finite and > 0 (a real number, not a bool or a string)."""
+    if isinstance(value, bool | str | bytes) or not isinstance(value, numbers.Real | torch.Tensor | np.ndarray):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    try:
+        out = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}") from None
+    if not math.isfinite(out) or out <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return out
+
+
+def as_attn_type(value: object) -> AttentionType:
+    """An AttentionType from the enum or its value ("decoder", ...); ValueError for anything else."""
+    try:
+        return AttentionType(value)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"{value!r} is not a valid AttentionType; use one of {[t.value for t in AttentionType]}"
+        ) from None
+
+
+def as_device(name: str, value: object) -> torch.device:
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(
+            f"{name} must be a torch.device or a device string like 'cuda' or 'cpu', got {value!r}"
+        ) from None
+
+
+def check_device_available(device: torch.device) -> None:
+    """A CUDA device this machine has (CPU and meta always exist); ValueError otherwise, before
+    anything is allocated on it."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"the spec's device is {device} but no CUDA device is visible: use device='cpu' "
+                         "(TORCH_SDPA) or run on a machine with a GPU")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"the spec's device is {device} but this machine has {torch.cuda.device_count()} "
+                         "CUDA devices")
+
+
+# ---------------------------------------------------------------------------------------------
+# Spec and layer options (construction time)
+
+
+def check_head_counts(num_heads: int, num_kv_heads: int) -> None:
+    """Queries are grouped over KV heads (GQA / MQA): the counts must divide."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA/MQA)"
+        )
+
+
+def check_impl_options(
+    num_heads: int,
+    sliding_window: object,
+    logits_soft_cap: object,
+    alibi_slopes: object,
+) -> tuple[int | None, float | None, torch.Tensor | None]:
+    """The per-layer options shared by the spec and every impl, validated in one place; returns
+    them normalised (window an int, soft-cap a float, slopes a float tensor)."""
+    window = None
+    if sliding_window is not None:
+        try:
+            window = as_int("sliding_window", sliding_window)
+        except ValueError:
+            raise ValueError(
+                f"sliding_window must be None or >= 1 (an int <= {INT32_MAX}), got {sliding_window!r}"
+            ) from None
+    cap = None
+    if logits_soft_cap is not None:
+        try:
+            cap = as_positive_finite("logits_soft_cap", logits_soft_cap)
+        except ValueError:
+            # inf is no cap at all, and tanh(s / inf) * inf is NaN
+            raise ValueError(f"logits_soft_cap must be None or > 0 and finite, got {logits_soft_cap!r}") from None
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes
+        if not isinstance(slopes, torch.Tensor) or not slopes.dtype.is_floating_point:
+            try:
+                slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(f"alibi_slopes must be a float tensor [num_heads], got {alibi_slopes!r}") from None
+        if tuple(slopes.shape) != (num_heads,):
+            raise ValueError(
+                f"alibi_slopes must have shape [num_heads]=[{num_heads}], got {tuple(slopes.shape)}"
+            )
+        if slopes.device.type != "meta" and not bool(torch.isfinite(slopes).all()):
+            raise ValueError(f"alibi_slopes must be finite, got {slopes.tolist()}")
+    return window, cap, slopes
+
+
+def check_kv_cache_dtype(kv_cache_dtype: object) -> str:
+    kv_cache_torch_dtype(kv_cache_dtype, torch.float32)  # ValueError for an unknown name
+    return kv_cache_dtype
+
+
+def check_spec(spec: AttentionSpec) -> dict[str, Any]:
+    """Every field of `spec`, checked; returns the values to store (ints, torch.device, float
+    slopes, the AttentionType). The device need not exist here: see check_device_available."""
+    out: dict[str, Any] = {}
+    for name in ("num_heads", "num_kv_heads", "head_size", "block_size", "num_blocks", "max_seq_len_to_capture"):
+        why = " (block ids are int32 on the device)" if name == "num_blocks" else ""
+        out[name] = as_int(f"AttentionSpec.{name}", getattr(spec, name), why=why)
+    check_head_counts(out["num_heads"], out["num_kv_heads"])
+    if not isinstance(spec.dtype, torch.dtype) or not spec.dtype.is_floating_point:
+        raise ValueError(
+            f"AttentionSpec.dtype must be a floating torch.dtype (torch.bfloat16, ...), got {spec.dtype!r}"
+        )
+    out["device"] = as_device("AttentionSpec.device", spec.device)
+    check_kv_cache_dtype(spec.kv_cache_dtype)
+    if spec.scale is not None:
+        out["scale"] = as_positive_finite("AttentionSpec.scale", spec.scale)
+    window, cap, slopes = check_impl_options(out["num_heads"], spec.sliding_window, spec.logits_soft_cap,
+                                             spec.alibi_slopes)
+    out.update(sliding_window=window, logits_soft_cap=cap, alibi_slopes=slopes, attn_type=as_attn_type(spec.attn_type))
+    return out
+
+
+def check_impl_args(
+    num_heads: object, head_size: object, scale: object, num_kv_heads: object, alibi_slopes: object,
+    sliding_window: object, kv_cache_dtype: object, logits_soft_cap: object,
+) -> dict[str, Any]:
+    """An impl's constructor arguments, checked and normalised (ALiBi slopes as float32)."""
+    num_heads = as_int("num_heads", num_heads)
+    num_kv_heads = num_heads if num_kv_heads is None else as_int("num_kv_heads", num_kv_heads)
+    check_head_counts(num_heads, num_kv_heads)
+    if alibi_slopes is not None and isinstance(alibi_slopes, torch.Tensor | Sequence | np.ndarray):
+        try:
+            alibi_slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"alibi_slopes must be a float tensor [num_heads], got {alibi_slopes!r}") from None
+    window, cap, slopes = check_impl_options(num_heads, sliding_window, logits_soft_cap, alibi_slopes)
+    return dict(
+        num_heads=num_heads, head_size=as_int("head_size", head_size), scale=as_positive_finite("scale", scale),
+        num_kv_heads=num_kv_heads, alibi_slopes=slopes, sliding_window=window,
+        kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype), logits_soft_cap=cap,
+    )
+
+
+def check_kv_scales(k_scale: object, v_scale: object) -> tuple[float, float]:
+    # fp8 caches store K / k_scale
+    return as_positive_finite("k_scale", k_scale), as_positive_finite("v_scale", v_scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# The builder: lengths and block tables (host lists / arrays)
+
+
+def int_list(values: object, what: str) -> list[int]:
+    """A 1-D sequence of ints (list, tuple, numpy array or CPU tensor) as a list of python ints,
+    each <= INT32_MAX (they become int32 on the device); ValueError otherwise. Lower bounds are
+    the caller's (they come with their own messages)."""
+    if isinstance(values, torch.Tensor | np.ndarray):
+        kind = values.dtype.kind if isinstance(values, np.ndarray) else (
+            "f" if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool else "i")
+        if values.ndim != 1 or kind not in INT_DTYPE_KINDS or (isinstance(values, torch.Tensor) and values.is_cuda):
+            raise ValueError(f"{what} must be a 1-D host array of ints, got {values.dtype} {tuple(values.shape)}")
+        out = values.tolist()
+    elif isinstance(values, list | tuple | range):
+        out = values if type(values) is list and all(type(v) is int for v in values) else [
+            as_int(f"{what}[{i}]", v, minimum=None) for i, v in enumerate(values)]
+    else:
+        raise ValueError(f"{what} must be a list of ints, got {type(values).__name__}")
+    if out and (max(out) > INT32_MAX or min(out) < -INT32_MAX):
+        raise ValueError(f"{what} must hold ints within int32 (the device's lengths), got {max(out, key=abs)}")
+    return list(out)
+
+
+def check_total(lens: list[int], what: str) -> None:
+    """Prefix sums of `lens` are int32 on the device."""
+    if sum(lens) > INT32_MAX:
+        raise ValueError(f"sum({what})={sum(lens)} > {INT32_MAX}: a step's tokens must fit int32")
+
+
+def _block_row(row: object, what: str) -> np.ndarray:
+    """One request's needed block ids as int64 (ints only: not floats, bools, strings or None)."""
+    if isinstance(row, torch.Tensor):
+        if row.is_cuda or row.dtype.is_floating_point or row.dtype == torch.bool:
+            raise ValueError(
+                f"{what} must hold integer block ids on the host, got a {row.dtype} tensor on {row.device}"
+            )
+        row = row.numpy()
+    elif isinstance(row, list | tuple) and not {bool, np.bool_}.isdisjoint(map(type, row)):  # C-speed scan
+        raise ValueError(f"{what} holds a bool: block ids are ints, got {list(row)!r}")
+    try:
+        a = np.asarray(row)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{what} must hold int block ids, got {row!r}") from None
+    if a.dtype.kind not in INT_DTYPE_KINDS or a.ndim != 1:
+        items = list(row) if isinstance(row, list | tuple) else list(np.ravel(a))
+        bad = [b for b in items if not isinstance(b, numbers.Integral)]
+        if not bad:  # python ints past int64
+            raise ValueError(f"{what} names block {max(items, key=abs)}, outside any cache")
+        raise ValueError(f"{what} holds block id {bad[0]!r}: block ids are ints")
+    if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{what} names block {int(a.max())}, outside any cache")
+    return a.astype(np.int64, copy=False)
+
+
+def table_rows(block_tables: object, lens: list[int], block_size: int, what: str) -> list[np.ndarray]:
+    """Each request's needed blocks (the first ceil(len / block_size) of its table) as int64 arrays.
+
+    Entries past a request's need are ignored: never read, checked or copied to the device.
+    ValueError for a table that is not a list (or array) of ints, or too short for its request.
+    """
+    if not isinstance(block_tables, list | tuple | np.ndarray | torch.Tensor):
+        raise ValueError(f"{what} must be a list of lists of block ids, got {type(block_tables).__name__}")
+    if len(block_tables) != len(lens):
+        raise ValueError(f"len({what})={len(block_tables)} != number of requests {len(lens)}")
+    heads, needs = [], []
+    for i, (table, n) in enumerate(zip(block_tables, lens, strict=True)):
+        need = -(-n // block_size)
+        try:
+            have = len(table)
+        except TypeError:
+            raise ValueError(f"{what}[{i}] must be a list of block ids, got {type(table).__name__}") from None
+        if have < need:
+            raise ValueError(
+                f"{what}[{i}] has {have} blocks but seq_len={n} needs {need} of block_size={block_size}"
+            )
+        heads.append(table[:need])
+        needs.append(need)
+    if all(type(h) is list for h in heads):  # lists of python ints: one conversion for the whole step
+        flat = list(itertools.chain.from_iterable(heads))
+        if set(map(type, flat)) <= {int} and (not flat or min(flat) >= -(2**63) and max(flat) < 2**63):
+            return np.split(np.array(flat, dtype=np.int64), np.cumsum(needs)[:-1])
+    return [_block_row(h, f"{what}[{i}]") for i, h in enumerate(heads)]
+
+
+def check_block_ids(ids: np.ndarray, request: np.ndarray, num_blocks: int, what: str) -> None:
+    """Block ids the requests read (`ids`, of request `request[k]`, in request order) exist in the
+    cache, and no request names a block twice (its blocks hold different positions)."""
+    if not ids.size:
+        return
+    bad = (ids < 0) | (ids >= num_blocks)
+    if bad.any():
+        k = int(np.argmax(bad))
+        raise ValueError(f"{what}[{request[k]}] names block {ids[k]}, outside the cache's 0..{num_blocks - 1}")
+    keys = np.sort(request.astype(np.int64) * num_blocks + ids)  # (request, block) pairs, sorted
+    dup = keys[1:] == keys[:-1]
+    if dup.any():
+        i, b = divmod(int(keys[1:][dup][0]), num_blocks)
+        raise ValueError(f"{what}[{i}] names block {b} twice: a request's blocks hold different positions, so "
+                         "they are distinct")
+
+
+def needed_ids(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """`table_rows` flattened: (block ids, request of each) in request order."""
+    if not rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(rows), np.repeat(np.arange(len(rows)), [len(r) for r in rows])
+
+
+def check_table_array(tables: np.ndarray, lens: Sequence[int], block_size: int, num_blocks: int, what: str) -> None:
+    """`check_block_ids` on a padded host table (int [num_seqs, width], what the device got): row i's
+    first ceil(lens[i] / block_size) entries are the ones read."""
+    need = -(-np.asarray(lens, dtype=np.int64) // block_size)
+    if tables.ndim != 2 or tables.shape[0] != need.shape[0] or (need.size and need.max() > tables.shape[1]):
+        raise ValueError(f"{what}: a [{need.shape[0]}, >= {need.max(initial=0)}] table is needed, got "
+                         f"{tuple(tables.shape)}")
+    live = np.arange(tables.shape[1])[None, :] < need[:, None]
+    check_block_ids(tables[live].astype(np.int64), np.nonzero(live)[0], num_blocks, what)
+
+
+def check_written_blocks(slots: np.ndarray, writers: Sequence[int], ids: np.ndarray, request: np.ndarray,
+                         block_size: int, what: str) -> None:
+    """A block written this step belongs to one request: no two requests write one slot, and no
+    request reads a block another one writes (share only full blocks nobody writes this step).
+
+    slots: int64 cache slots written, in request order; writers: tokens written per request
+    (requests 0..len(writers)-1); ids / request: every request's needed blocks (`needed_ids`).
+    """
+    named = np.sort(ids)
+    shared = named[1:][named[1:] == named[:-1]]  # named by several requests (rows hold distinct blocks)
+    if not slots.size or not shared.size:
+        return
+    clash = np.intersect1d(shared, slots // block_size)
+    if clash.size:
+        b = int(clash[0])
+        own = int(np.repeat(np.arange(len(writers)), writers)[slots // block_size == b][0])
+        other = int(request[(ids == b) & (request != own)][0])
+        raise ValueError(
+            f"{what}: block {b} is written this step by request {own} and named by request {other} too "
+            "(two requests writing one slot, or one reading what another writes): a block being written "
+            "belongs to one request"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer x spec (static: depends on nothing that changes per step)
+
+
+def check_layer_for_spec(impl: Any, attn_type: AttentionType, spec: AttentionSpec | None) -> None:
+    """The layer can run on metadata built for `spec`: same head layout, and a layer that reads
+    and writes a cache only on a spec that has one. Backends that plan from the spec add their
+    own checks in `impl.check_matches_metadata` (per step: they see the tensors' dtypes)."""
+    if spec is None:
+        raise ValueError("the metadata has no spec: build it with the backend's builder")
+    for name in ("num_heads", "num_kv_heads", "head_size"):
+        if getattr(impl, name) != getattr(spec, name):
+            raise ValueError(
+                f"layer has {name}={getattr(impl, name)} but the metadata's spec has {getattr(spec, name)}: "
+                "build the metadata with this layer group's spec"
+            )
+    if attn_type in CACHE_WRITING_TYPES and spec.attn_type in CACHELESS_TYPES:
+        raise ValueError(
+            f"a {attn_type.name} layer attends over a KV cache, but the metadata was built for a "
+            f"{spec.attn_type.name} spec, which has none: build it with this layer group's spec"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward: tensors without metadata (trace time too), then the step (inside every op)
+
+
+def _tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_cache_tensor(impl: Any, kv_cache: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cache of this layer's layout and cache dtype, on `device`."""
+    cache = _tensor("kv_cache", kv_cache)
+    if cache.dim() != 5 or cache.shape[0] != 2 or tuple(cache.shape[3:]) != (impl.num_kv_heads, impl.head_size):
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, {impl.num_kv_heads}, {impl.head_size}], "
+            f"got {tuple(cache.shape)}"
+        )
+    if cache.device != device:
+        raise ValueError(f"kv_cache is on {cache.device}, query on {device}: move them to one device")
+    want = kv_cache_torch_dtype(impl.kv_cache_dtype, dtype)
+    if cache.dtype != want:
+        raise ValueError(
+            f"kv_cache dtype {cache.dtype} != {want} (kv_cache_dtype={impl.kv_cache_dtype!r}, query "
+            f"{dtype}): allocate the cache with kv_cache_torch_dtype(kv_cache_dtype, model dtype)"
+        )
+    return cache
+
+
+def check_tensors(
+    impl: Any,
+    query: object,
+    key: object,
+    value: object,
+    kv_cache: object,
+    attn_type: AttentionType,
+) -> None:
+    """Types, shapes, dtypes and devices of a layer call: query [num_tokens, num_heads * head_size],
+    key/value [num_tokens, num_kv_heads * head_size] (or both None for cross attention), the
+    cache for cache-writing types. Needs no metadata, so it runs at trace time too."""
+    q_width = impl.num_heads * impl.head_size
+    kv_width = impl.num_kv_heads * impl.head_size
+    query = _tensor("query", query)
+    if query.dim() != 2 or query.shape[1] != q_width:
+        raise ValueError(
+            f"query must be [num_tokens, num_heads * head_size = {q_width}], got {tuple(query.shape)}"
+        )
+    if not query.dtype.is_floating_point:
+        raise ValueError(f"query/key/value dtype {query.dtype} must be one float dtype")
+    if (key is None) != (value is None):
+        raise ValueError("key and value must both be tensors or both be None")
+    if key is None:
+        if attn_type != AttentionType.ENCODER_DECODER:
+            raise ValueError(f"key/value may be None only for cross attention, not {attn_type.name}")
+    else:
+        for name, t in (("key", key), ("value", value)):
+            t = _tensor(name, t)
+            if t.dim() != 2 or t.shape[1] != kv_width:
+                raise ValueError(
+                    f"{name} must be [num_tokens, num_kv_heads * head_size = {kv_width}], got {tuple(t.shape)}"
+                )
+            if t.dtype != query.dtype:
+                raise ValueError(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
+            if t.device != query.device:
+                raise ValueError(f"{name} is on {t.device}, query on {query.device}: move them to one device")
+    if attn_type in CACHE_WRITING_TYPES:
+        if kv_cache is None:
+            raise ValueError(f"{attn_type.name} attention needs a kv_cache")
+        check_cache_tensor(impl, kv_cache, query.dtype, query.device)
+
+
+def check_metadata(md: object, backend_name: str) -> AttentionMetadata:
+    """Metadata from `backend_name`'s builder (or State)."""
+    if not isinstance(md, AttentionMetadata):
+        raise ValueError(f"attn_metadata must be AttentionMetadata from a builder, got {type(md)}")
+    built_by = getattr(md, "backend_name", None) or type(md).__name__
+    if built_by != backend_name:
+        raise ValueError(
+            f"{backend_name} got metadata built for {built_by}; build it with {backend_name}'s builder "
+            "(backend.get_builder_cls()(spec).build(...))"
+        )
+    return md
+
+
+def check_step(
+    impl: Any,
+    attn_type: AttentionType,
+    md: AttentionMetadata,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    kv_cache: torch.Tensor | None,
+) -> None:
+    """Everything about one layer call that needs the metadata, checked before the op writes or
+    reads anything: the layer against the spec, each tensor's rows against the step's tokens,
+    devices, and the cache against the spec's shape. query: [num_tokens, num_heads, head_size],
+    key/value: [num_tokens, num_kv_heads, head_size] or None (the ops' views). Host values only:
+    runs inside the ops, where the metadata is, at run time."""
+    check_metadata(md, impl.backend_cls.get_name())
+    check_layer_for_spec(impl, attn_type, md.spec)
+    device = md.slot_mapping.device
+    query = _tensor("query", query)
+    if not query.dtype.is_floating_point:
+        raise ValueError(f"query/key/value dtype {query.dtype} must be one float dtype")
+    if (key is None) != (value is None):
+        raise ValueError("key and value must both be tensors or both be None")
+    for name, t, heads in (("query", query, impl.num_heads), ("key", key, impl.num_kv_heads),
+                           ("value", value, impl.num_kv_heads)):
+        if t is None:
+            continue
+        if _tensor(name, t).dim() != 3 or tuple(t.shape[1:]) != (heads, impl.head_size):
+            raise ValueError(f"{name} must be [num_tokens, {heads}, {impl.head_size}] here, got {tuple(t.shape)}")
+        if t.dtype != query.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} is on device {t.device}, the metadata on {device}: build it on the query's")
+    if attn_type in CACHE_WRITING_TYPES:
+        cache = check_cache_tensor(impl, kv_cache, query.dtype, device)
+        want = (2, md.num_blocks, md.block_size, impl.num_kv_heads, impl.head_size)
+        if tuple(cache.shape) != want:
+            raise ValueError(
+                f"kv_cache has shape {tuple(cache.shape)}, expected {want} (kv, num_blocks, block_size, "
+                "num_kv_heads, head_size) for this spec and these keys: allocate it with "
+                "backend.get_kv_cache_shape(...)"
+            )
+        if not cache.is_contiguous():
+            raise ValueError("kv_cache must be contiguous (allocate it with torch.empty(shape))")
+    impl.check_matches_metadata(query, kv_cache, md, attn_type)  # what a backend planned from the spec
+    num_tokens = md.num_prefill_tokens + md.num_decode_tokens
+    expect, kv_rows = num_tokens, num_tokens
+    if attn_type == AttentionType.ENCODER:
+        if md.encoder_seq_lens is None:
+            raise ValueError("ENCODER attention needs metadata built with encoder_seq_lens")
+        expect = kv_rows = md.num_encoder_tokens
+    elif attn_type == AttentionType.ENCODER_ONLY:
+        if md.num_decode_tokens or sum(md.seq_lens) != num_tokens:
+            raise ValueError("ENCODER_ONLY batches are fresh prompts (seq_len == query_len, no decodes)")
+    elif attn_type == AttentionType.ENCODER_DECODER:
+        if md.cross_block_tables is None:
+            raise ValueError("ENCODER_DECODER attention needs metadata built with cross_block_tables")
+        kv_rows = md.cross_slot_mapping.shape[0]  # the prefills' encoder tokens
+        if key is None and md.num_prefills:
+            raise ValueError(
+                f"ENCODER_DECODER attention on a step with {md.num_prefills} prefills needs their encoder "
+                "key/value (written at the cross slots now); key/value may be None on decode-only steps"
+            )
+    if query.shape[0] != expect:
+        raise ValueError(
+            f"{attn_type.name} attention got {query.shape[0]} query tokens but the metadata describes "
+            f"{expect}: build the metadata for this batch"
+        )
+    if key is not None and (key.shape[0] != kv_rows or value.shape[0] != kv_rows):
+        raise ValueError(
+            f"key/value have {key.shape[0]}/{value.shape[0]} tokens but the metadata's slot_mapping has "
+            f"{kv_rows}: build the metadata for this batch"
+        )
+
+
+def check_output(query: torch.Tensor, output: object) -> None:
+    """An attention op's `output`: the query's shape, dtype and device (the op writes every row)."""
+    out = _tensor("output", output)
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(f"output must be like the query ({query.dtype} {tuple(query.shape)} on {query.device}), "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Graph replay: everything a replay would otherwise read unchecked
+
+
+def check_graph_step(md: Any, spec: AttentionSpec, backend_name: str, batch_size: int, device: torch.device) -> None:
+    """A step that a decode graph captured for `spec` and `batch_size` can replay: checked by every
+    State before it copies the step into its static buffers (nothing is checked at replay, so a
+    slot or block beyond the cache would be read or written out of bounds). The block ids are
+    checked on the host arrays `build()` copied to the device, with the builder's own checks."""
+    check_metadata(md, backend_name)
+    if md.num_prefills:
+        raise ValueError(f"graphs replay decode-only steps; this one has {md.num_prefills} prefills: run it eagerly")
+    if not 1 <= md.num_seqs <= batch_size:
+        raise ValueError(f"{md.num_seqs} decodes do not fit the graph of batch size {batch_size}: run it eagerly")
+    if md.longest_seq_len > spec.max_seq_len_to_capture:
+        raise ValueError(f"a sequence of {md.longest_seq_len} tokens > spec.max_seq_len_to_capture="
+                         f"{spec.max_seq_len_to_capture}: run this step eagerly")
+    if (md.num_blocks, md.block_size) != (spec.num_blocks, spec.block_size):
+        raise ValueError(f"metadata for num_blocks={md.num_blocks}, block_size={md.block_size} does not match "
+                         f"the state's spec ({spec.num_blocks}, {spec.block_size})")
+    if md.slot_mapping.device != device:
+        raise ValueError(f"metadata on {md.slot_mapping.device}, graph buffers on {device}")
+    tables = (("block_tables", md.seq_lens),) + (
+        (("cross_block_tables", md.encoder_seq_lens),) if md.cross_block_tables is not None else ())
+    for name, lens in tables:
+        host = getattr(md, f"{name}_host", None)
+        if host is None or tuple(host.shape) != tuple(getattr(md, name).shape):
+            raise ValueError(f"{backend_name} graphs replay metadata from {backend_name}'s builder (its {name} "
+                             "with the host copy they were made from)")
+        check_table_array(host, lens, spec.block_size, spec.num_blocks, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block copies and swaps
+
+
+def check_cache_list(kv_caches: object, what: str = "kv_caches") -> None:
+    """A list (or tuple) of cache tensors."""
+    if not isinstance(kv_caches, list | tuple) or not all(isinstance(c, torch.Tensor) for c in kv_caches):
+        raise ValueError(f"{what} must be a list of cache tensors, got {type(kv_caches).__name__}")
+
+
+def check_block_op_args(kv_caches: object, pairs: object, what: str = "kv_caches") -> None:
+    """Python types of copy_blocks / swap_blocks arguments, before the op's dispatcher sees them."""
+    if what == "kv_caches":
+        check_cache_list(kv_caches)
+    else:
+        _tensor(what, kv_caches)
+    if not isinstance(pairs, torch.Tensor):
+        raise ValueError(f"block pairs must be an int64 tensor [N, 2] of (src, dst), got {type(pairs).__name__}")
+
+
+def check_block_cache(cache: object, what: str) -> torch.Tensor:
+    """A cache the block ops can index: [2, num_blocks, block_size, num_kv_heads, head_size]."""
+    cache = _tensor(what, cache)
+    if cache.dim() != 5 or cache.shape[0] != 2:
+        raise ValueError(
+            f"{what} must be [2, num_blocks, block_size, num_kv_heads, head_size], got {tuple(cache.shape)}"
+        )
+    return cache
+
+
+def check_block_pairs(pairs: object, src_cache: torch.Tensor, dst_cache: torch.Tensor) -> None:
+    """int64 [N, 2] of (src, dst) block ids; on the host, ids inside each cache and no destination
+    named twice (the copy would be racy). Pairs on the GPU are not read: that would sync."""
+    if not isinstance(pairs, torch.Tensor) or pairs.dtype != torch.int64 or pairs.dim() != 2 or pairs.shape[1] != 2:
+        desc = f"{pairs.dtype} {tuple(pairs.shape)}" if isinstance(pairs, torch.Tensor) else type(pairs).__name__
+        raise ValueError(f"block pairs must be an int64 tensor [N, 2] of (src, dst), got {desc}")
+    if pairs.device.type != "cpu" or not pairs.numel():
+        return
+    for col, cache in ((0, src_cache), (1, dst_cache)):
+        ids = pairs[:, col]
+        if int(ids.min()) < 0 or int(ids.max()) >= cache.shape[1]:
+            raise ValueError(
+                f"{('src', 'dst')[col]} block ids {ids.tolist()} outside the cache's 0..{cache.shape[1] - 1}"
+            )
+    dst = pairs[:, 1]
+    if torch.unique(dst).numel() != dst.numel():
+        raise ValueError(f"dst block ids {dst.tolist()} name a block twice: each destination gets one source")

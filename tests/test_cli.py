@@ -1,0 +1,97 @@
+"""Command-line arguments are checked when parsed: a bad one exits with usage (status 2) before
+any model is built or benchmark run, never with a traceback after the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from compiled_attn import __main__ as cli
+from compiled_attn.bench import e2e
+
+ROOT = Path(__file__).parent.parent
+
+
+def not_reached(*args, **kwargs):
+    raise AssertionError("the run started before the arguments were checked")
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def no_runs(monkeypatch):
+    import compiled_attn.bench.suite as suite
+    import compiled_attn.demo as demo
+
+    monkeypatch.setattr(demo, "run_demo", not_reached)
+    monkeypatch.setattr(suite, "run_bench", not_reached)
+    monkeypatch.setattr(e2e, "run", not_reached)
+
+
+@pytest.fixture
+def a_file(tmp_path) -> str:
+    path = tmp_path / "results.json"
+    path.write_text("{}")
+    return str(path)
+
+
+BAD_MAIN_ARGS = {
+    "demo_zero_steps": ["demo", "--steps", "0"],  # once: ZeroDivisionError after the whole run
+    "demo_negative_steps": ["demo", "--steps", "-3"],
+    "demo_steps_past_the_cache": ["demo", "--steps", "5000"],  # once: "KV cache full" mid-run
+    "demo_float_steps": ["demo", "--steps", "2.5"],
+    "demo_zero_tp": ["demo", "--tp", "0"],
+    "demo_unknown_backend": ["demo", "--backend", "FLASH"],
+    "bench_unknown_suite": ["bench", "--suite", "e2ee"],  # once: ran nothing, exit 0
+    "bench_unknown_backend": ["bench", "--backend", "XFORMER"],  # once: silently dropped its suite
+}
+
+
+@pytest.mark.parametrize("argv", list(BAD_MAIN_ARGS.values()), ids=list(BAD_MAIN_ARGS))
+def test_bad_arguments_exit_with_usage_before_running(no_runs, argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_bench_out_that_is_a_file_exits_before_running(no_runs, a_file):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "--out", a_file])
+    assert exit_.value.code == 2
+
+
+@pytest.mark.parametrize("argv", [["--point", "64x"], ["--point", "0x1024"], ["--block-size", "0"],
+                                  ["--backend", "nope"]],
+                         ids=["point_missing_ctx", "point_zero", "block_size", "backend"])
+def test_e2e_bad_arguments_exit_before_running(no_runs, argv):
+    with pytest.raises(SystemExit) as exit_:
+        e2e.main(argv)
+    assert exit_.value.code == 2
+
+
+@pytest.mark.parametrize("bad", [["--iters", "0"], ["--tp", "0"], ["--batch", "-1"], ["--out", "FILE"]],
+                         ids=["iters", "tp", "batch", "out_is_a_file"])
+def test_tp_bench_bad_arguments_exit_before_running(monkeypatch, a_file, bad):
+    tp_bench = script("tp_bench")
+    monkeypatch.setattr(tp_bench.tpm, "run_ranks", not_reached)
+    with pytest.raises(SystemExit) as exit_:
+        tp_bench.main([a if a != "FILE" else a_file for a in bad])
+    assert exit_.value.code == 2
+
+
+def test_fault_hunt_refuses_zero_examples(monkeypatch):
+    hunt = script("fault_hunt")
+    monkeypatch.setattr(hunt, "hunt", not_reached)
+    monkeypatch.setattr(sys, "argv", ["fault_hunt.py", "TORCH_SDPA", "--examples", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        hunt.main()
+    assert exit_.value.code == 2
