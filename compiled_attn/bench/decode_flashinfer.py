@@ -31,8 +31,9 @@ VARIANTS = {
     "tensor-core": dict(tensor_cores=True),
     "tensor-core, no split-kv": dict(tensor_cores=True, disable_split_kv=True),
     "cuda-core": dict(tensor_cores=False),
-    "cudnn": dict(tensor_cores=True, backend="cudnn"),
 }
+# Not measured: backend="cudnn" fetches prebuilt cubins over the network at first use (the
+# device machine has none; it retried for minutes), and "fa3" is a multi-minute JIT build.
 
 
 def _spec(batch: int, ctx: int, block_size: int) -> ca.AttentionSpec:
@@ -94,9 +95,10 @@ def _sdpa(batch: int, ctx: int, q: torch.Tensor) -> Callable[[], object]:
     return lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
 
 
-def variant_rows(replays: int = 20) -> list[dict]:
+def variant_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
     """Each of VARIANTS at each of VARIANT_POINTS (page 16), plus SDPA over a contiguous cache;
-    a variant this FlashInfer build or machine lacks gets a row saying why."""
+    a variant this FlashInfer build or machine lacks gets a row saying why. `on_row` sees each
+    row as it is measured (a run cut short keeps what it printed)."""
     peak, rows = nominal_bandwidth(), []
     for batch, ctx in VARIANT_POINTS:
         spec, md, kv_cache, q, out = _decode_case(batch, ctx, BLOCK_SIZE)
@@ -111,10 +113,12 @@ def variant_rows(replays: int = 20) -> list[dict]:
                 rows.append({"suite": "decode_variants", "card": card_name(), "impl": name, "batch": batch,
                              "ctx": ctx, "page": BLOCK_SIZE, "error": f"{type(e).__name__}: {str(e)[:120]}"})
             fn = None
+            on_row(rows[-1])
         del kv_cache
         torch.cuda.empty_cache()
         rows.append(_row("decode_variants", "torch sdpa", batch, ctx, None,
                          graph_time_us(_sdpa(batch, ctx, q), replays=replays), cache_bytes, peak))
+        on_row(rows[-1])
         torch.cuda.empty_cache()
     return rows
 
@@ -183,14 +187,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--variants", action="store_true", help="only the kernel / plan-option table")
     args = parser.parse_args()
-    rows = variant_rows() if args.variants else run(args.quick)
-    print(f"{'impl':<24}{'batch':>6}{'ctx':>7}{'page':>5}{'us':>10}{'HBM frac':>10}  ({rows[0]['card']})")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['impl']:<24}{r['batch']:>6}{r['ctx']:>7}{r['page'] or '':>5}  {r['error']}")
-            continue
-        print(f"{r['impl']:<24}{r['batch']:>6}{r['ctx']:>7}{r['page'] or '':>5}{r['us']:>10.1f}"
-              f"{r['hbm_frac'] or 0:>10.3f}")
+    print(f"{'impl':<26}{'batch':>6}{'ctx':>7}{'page':>5}{'us':>10}{'HBM frac':>10}  ({card_name()})", flush=True)
+    if args.variants:
+        variant_rows(on_row=_print_row)
+    else:
+        for r in run(args.quick):
+            _print_row(r)
+
+
+def _print_row(r: dict) -> None:
+    head = f"{r['impl']:<26}{r['batch']:>6}{r['ctx']:>7}{r['page'] or '':>5}"
+    if "error" in r:
+        print(f"{head}  {r['error']}", flush=True)
+    else:
+        print(f"{head}{r['us']:>10.1f}{r['hbm_frac'] or 0:>10.3f}", flush=True)
 
 
 if __name__ == "__main__":
