@@ -652,8 +652,8 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name):
                              capture_sizes=[1, 2, 4], max_batch_size=4, progress=False, compile=True,
                              postprocess=lambda logits: logits.argmax(-1))
     runner.capture()
-    ref = Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec)))
-    eng = Engine(spec, runner.run)
+    ref = Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec)), backend_name=name)
+    eng = Engine(spec, runner.run, backend_name=name)
     step = prompts(3, seed=5, vocab=GPU_CONFIG.vocab_size)
     agree = total = 0
     for i in range(16):
