@@ -152,6 +152,26 @@ def test_encoder_only_plans_non_causal_ragged(fake_flashinfer):
     assert qo.tolist() == kv.tolist() == [0, 5, 8] and kw["causal"] is False
 
 
+def test_split_kv_is_off_from_the_measured_number_of_request_kv_head_pairs(fake_flashinfer):
+    """Graph wrappers plan by their batch size (capture and every replay: one grid), eager decodes
+    by their own count; only the tensor-core kernel (group >= 4) drops split-kv."""
+    spec = spec_of(num_heads=8, num_kv_heads=2, max_seq_len_to_capture=64)  # group 4: tensor cores
+    big = fib.NO_SPLIT_KV_MIN_PAIRS // spec.num_kv_heads
+    _, graphs = capture_state(spec, [big, big - 1])
+    md = FlashInferBackend.get_builder_cls()(spec).build([17, 3], [1, 1], [[5, 6], [7]])
+    for bs, want in ((big, True), (big - 1, False)):
+        _, bufs, graph_state = graphs[bs]
+        graph_state.prepare_graph_input_buffers(bufs, md)  # two live rows in either graph
+        graph_state.begin_forward(md)
+        plans = graph_state._slots[bs].wrapper.plans
+        assert [kw.get("disable_split_kv", False) for _, kw in plans] == [want, want]
+    for heads, n, want in ((8, big, True), (8, big - 1, False), (2, big, False)):  # (2, 2): CUDA cores
+        step = FlashInferBackend.get_builder_cls()(spec_of(num_heads=heads, num_kv_heads=2, num_blocks=n)).build(
+            [5] * n, [1] * n, [[i] for i in range(n)])
+        step.step_plan.ensure_planned()
+        assert step.step_plan.wrapper("decode").plans[0][1].get("disable_split_kv", False) is want
+
+
 def capture_state(spec, sizes):
     state = FlashInferBackend.get_state_cls()(spec)
     out = {}

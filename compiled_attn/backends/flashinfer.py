@@ -47,6 +47,13 @@ WORKSPACE_BYTES = 128 << 20
 # (FlashInfer's prefill kernel) is 1.05-1.7x faster at every batch and context (0.92 vs 0.59 of
 # HBM bandwidth at 256 x 16384), so it serves groups >= 4; smaller groups stay on CUDA cores.
 MAX_CUDA_CORE_GROUP = 3
+# Split-kv spreads each (request, KV head) pair over several CTAs and merges their partial
+# outputs: worth it while there are few pairs for the SMs, a cost (partials written, read back and
+# merged) once there are many. Measured on an H200 (`decode_flashinfer --variants`, tensor-core
+# kernel, 32 q / 8 kv heads, d 128, page 16): without split-kv 1.3-5x slower at 8 and 64 pairs
+# (B=1, 8), 1-5 % faster at 512 and 2048 (B=64, 256; ctx 1024 and 4096). Pairs in between were not
+# measured and keep split-kv.
+NO_SPLIT_KV_MIN_PAIRS = 512
 # Prefill through FlashInfer's FA2 kernels on every card: FA3 lacks ALiBi and fp8 KV with 16-bit
 # queries, and each FA3 variant is a separate multi-minute JIT build.
 PREFILL_BACKEND = "fa2"
@@ -201,6 +208,14 @@ def decode_uses_tensor_cores(spec: AttentionSpec) -> bool:
     return spec.num_heads // spec.num_kv_heads > MAX_CUDA_CORE_GROUP
 
 
+def decode_split_options(spec: AttentionSpec, num_decodes: int) -> dict[str, Any]:
+    """Plan keywords of a decode over `num_decodes` requests: split-kv off from
+    NO_SPLIT_KV_MIN_PAIRS (request, KV head) pairs up (tensor-core kernel only: the one measured)."""
+    if decode_uses_tensor_cores(spec) and num_decodes * spec.num_kv_heads >= NO_SPLIT_KV_MIN_PAIRS:
+        return {"disable_split_kv": True}
+    return {}
+
+
 def plan_options(spec: AttentionSpec) -> dict[str, Any]:
     """The plan() keywords every wrapper of `spec` gets (FlashInfer compiles a module per set)."""
     return dict(
@@ -336,6 +351,7 @@ class StepPlan(_PlanChecks):
         w.plan(
             md.paged_kv_indptr[p:] - first, md.paged_kv_indices[first:], md.paged_kv_last_page_len[p:],
             spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, **plan_options(spec),
+            **decode_split_options(spec, md.num_decodes),
         )
 
     def _plan_ragged(self, w: Any) -> None:
@@ -469,8 +485,11 @@ class FlashInferState(GraphState):
     def plan(self, md: FlashInferMetadata | None, batch_size: int) -> None:
         spec = self.spec
         inputs = self._padded_plan_inputs(md, batch_size)
+        # split-kv by the graph's size, not the live rows: capture and every replay plan one grid
+        split = decode_split_options(spec, batch_size)
         self._slots[batch_size].plan(self, lambda w: w.plan(
-            *inputs, spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, **plan_options(spec)
+            *inputs, spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, **plan_options(spec),
+            **split,
         ))
 
     def _padded_plan_inputs(self, md: FlashInferMetadata | None, bs: int) -> tuple[torch.Tensor, ...]:
