@@ -26,8 +26,7 @@ from compiled_attn.validation import (
     check_total,
     check_written_blocks,
     int_list,
-    needed_ids,
-    table_rows,
+    needed_table,
 )
 
 
@@ -81,6 +80,8 @@ class CommonMetadata(AttentionMetadata):
     def __post_init__(self) -> None:
         self._views: dict[str, AttentionMetadata | None] = {}
         self._builder: CommonMetadataBuilder | None = None
+        # the checked block ids each request reads, flat in request order (for page layouts)
+        self._needed_block_ids: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -133,33 +134,44 @@ def split_prefills(seq_lens: list[int], query_lens: list[int]) -> int:
     """Validate the per-request lengths and return the number of prefills (they come first)."""
     if len(seq_lens) != len(query_lens):
         raise ValueError(f"len(seq_lens)={len(seq_lens)} != len(query_lens)={len(query_lens)}")
-    num_prefills = None
-    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        if query_len < 1:
-            raise ValueError(f"request {i}: query_len={query_len} < 1")
-        if seq_len < query_len:
-            raise ValueError(f"request {i}: seq_len={seq_len} < query_len={query_len}")
-        is_decode = query_len == 1 and seq_len > 1
-        if is_decode and num_prefills is None:
-            num_prefills = i
-        elif not is_decode and num_prefills is not None:
-            raise ValueError(
-                f"request {i} (seq_len={seq_len}, query_len={query_len}) is a prefill after "
-                f"decode {num_prefills}: order the batch as prefills first, then decodes"
-            )
-    return len(seq_lens) if num_prefills is None else num_prefills
+    s, q = np.asarray(seq_lens, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
+    bad = (q < 1) | (s < q)
+    if bad.any():
+        i = int(np.argmax(bad))
+        if q[i] < 1:
+            raise ValueError(f"request {i}: query_len={q[i]} < 1")
+        raise ValueError(f"request {i}: seq_len={s[i]} < query_len={q[i]}")
+    decode = (q == 1) & (s > 1)
+    num_prefills = int(np.argmax(decode)) if decode.any() else len(seq_lens)
+    late = ~decode[num_prefills:]
+    if late.any():
+        i = num_prefills + int(np.argmax(late))
+        raise ValueError(
+            f"request {i} (seq_len={s[i]}, query_len={q[i]}) is a prefill after "
+            f"decode {num_prefills}: order the batch as prefills first, then decodes"
+        )
+    return num_prefills
 
 
-def slots_for(
-    block_tables: list[list[int]] | list[np.ndarray], starts: list[int], ends: list[int], block_size: int
-) -> np.ndarray:
-    """Cache slots of positions [start, end) of each request, concatenated (int64)."""
-    parts = []
-    for table, start, end in zip(block_tables, starts, ends, strict=True):
-        pos = np.arange(start, end, dtype=np.int64)
-        blocks = np.asarray(table[: -(-end // block_size)], dtype=np.int64)[pos // block_size]
-        parts.append(blocks * block_size + pos % block_size)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+def slots_for(tables: np.ndarray, starts: np.ndarray, ends: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slots of positions [starts[i], ends[i]) of each request i, concatenated (int64).
+
+    tables: int [num_seqs, width], row i covering request i's first ceil(ends[i] / block_size)
+    positions' blocks."""
+    starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+    counts = ends - starts
+    request = np.repeat(np.arange(counts.size), counts)
+    offset = np.arange(request.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    pos = starts[request] + offset
+    return tables[request, pos // block_size].astype(np.int64) * block_size + pos % block_size
+
+
+def _host_tables(block_tables: object, num_seqs: int) -> list[list[int]] | np.ndarray:
+    """The tables as given, for the metadata's views: a 2-D array kept as is (views slice it), a
+    list of tables copied per request."""
+    if isinstance(block_tables, np.ndarray | torch.Tensor) and block_tables.ndim == 2:
+        return block_tables
+    return [list(t) for t in block_tables]
 
 
 def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -167,15 +179,6 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     driver stages the bytes before the call returns (the array may be dropped at once); a blocking
     copy would also wait for all queued GPU work, so building step t+1 could not overlap step t."""
     return torch.from_numpy(a).to(device, non_blocking=True)
-
-
-def padded_table(rows: list[np.ndarray], width: int) -> np.ndarray:
-    """Each request's needed blocks (`table_rows`, ids checked) as one int32 [num_seqs, width]
-    array, padded with block 0 (always valid)."""
-    out = np.zeros((len(rows), width), dtype=np.int32)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = row
-    return out
 
 
 def prefix_sums(lens: list[int]) -> np.ndarray:
@@ -196,6 +199,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
             raise ValueError(f"a builder is made from an AttentionSpec, got {type(spec).__name__}")
         super().__init__(spec)
         self.device = spec.device
+        self._block_scratch: np.ndarray | None = None
         check_device_available(self.device)
         self._check_backend_serves(spec)
 
@@ -218,45 +222,47 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
 
     def build(
         self,
-        seq_lens: list[int],
-        query_lens: list[int],
-        block_tables: list[list[int]],
+        seq_lens: list[int] | np.ndarray,
+        query_lens: list[int] | np.ndarray,
+        block_tables: list[list[int]] | np.ndarray,
         encoder_seq_lens: list[int] | None = None,
-        cross_block_tables: list[list[int]] | None = None,
+        cross_block_tables: list[list[int]] | np.ndarray | None = None,
     ) -> CommonMetadata:
+        """Validate one step and build its metadata. Lengths: lists or 1-D int arrays; tables: a
+        list of per-request lists, or one 2-D int array [num_seqs, >= blocks needed] (entries past
+        a request's need are ignored): the array form does no per-element Python work."""
         spec = self.spec
         seq_lens, query_lens = int_list(seq_lens, "seq_lens"), int_list(query_lens, "query_lens")
         num_prefills = split_prefills(seq_lens, query_lens)
         check_total(query_lens, "query_lens")
+        seq_a, query_a = np.asarray(seq_lens, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
+        starts = seq_a - query_a
         uses_cache = spec.attn_type not in CACHELESS_TYPES
-        if not uses_cache:
-            for i, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
-                if s != q:
-                    raise ValueError(
-                        f"request {i}: {spec.attn_type.name} attention has no cache, so "
-                        f"seq_len ({s}) must equal query_len ({q})"
-                    )
-            rows = [np.zeros(0, dtype=np.int64) for _ in seq_lens]  # block tables are ignored
-        else:
-            rows = table_rows(block_tables, seq_lens, spec.block_size, "block_tables")
-        starts = [s - q for s, q in zip(seq_lens, query_lens, strict=True)]
-        num_prefill_tokens = sum(query_lens[:num_prefills])
-        num_tokens = sum(query_lens)
-        width = max([len(r) for r in rows] + [1])
+        num_prefill_tokens = int(query_a[:num_prefills].sum())
+        num_tokens = int(query_a.sum())
         if uses_cache:
-            ids, request = needed_ids(rows)
-            check_block_ids(ids, request, spec.num_blocks, "block_tables")
-            slot_mapping = slots_for(rows, starts, seq_lens, spec.block_size)
-            check_written_blocks(slot_mapping, query_lens, ids, request, spec.block_size, "block_tables")
+            table, ids, row_ends = needed_table(block_tables, seq_a, spec.block_size, "block_tables")
+            shared = check_block_ids(ids, row_ends, spec.num_blocks, "block_tables", self._scratch())
+            slot_mapping = slots_for(table, starts, seq_a, spec.block_size)
+            if shared:
+                check_written_blocks(slot_mapping, query_lens, ids, row_ends, spec.block_size, "block_tables")
         else:
+            bad = np.nonzero(seq_a != query_a)[0]
+            if bad.size:
+                i = int(bad[0])
+                raise ValueError(
+                    f"request {i}: {spec.attn_type.name} attention has no cache, so "
+                    f"seq_len ({seq_lens[i]}) must equal query_len ({query_lens[i]})"
+                )
+            table, ids = np.zeros((len(seq_lens), 1), dtype=np.int32), np.zeros(0, dtype=np.int64)
             slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
         int32_parts = {
-            "seq_lens_tensor": np.asarray(seq_lens, dtype=np.int32),
-            "context_lens_tensor": np.asarray(starts, dtype=np.int32),
+            "seq_lens_tensor": seq_a.astype(np.int32),
+            "context_lens_tensor": starts.astype(np.int32),
             "query_start_loc": prefix_sums(query_lens),
         }
         int64_parts = {"slot_mapping": slot_mapping}
-        tables = {"block_tables": padded_table(rows, width)}  # ids checked: int32 holds them
+        tables = {"block_tables": table}  # ids checked: int32 holds them
         cross: dict[str, Any] = {}
         if encoder_seq_lens is not None:
             cross = self._cross_fields(
@@ -268,13 +274,15 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
                 "attention, cross_block_tables) in build()"
             )
         tensors = self._to_device(int32_parts, int64_parts, tables)
+        for checked in tables.values():  # graph refills trust these host tables while nobody can edit them
+            checked.flags.writeable = False
         md = self.metadata_cls(
             num_prefills=num_prefills,
             num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=num_tokens - num_prefill_tokens,
             seq_lens=seq_lens,
             query_lens=query_lens,
-            block_tables_list=[list(t) for t in block_tables] if uses_cache else [[] for _ in seq_lens],
+            block_tables_list=_host_tables(block_tables, len(seq_lens)) if uses_cache else [[] for _ in seq_lens],
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             backend_name=self.backend_name,
@@ -288,7 +296,14 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
             **self.add_backend_fields(seq_lens, query_lens, num_prefills, cross.get("encoder_seq_lens")),
         )
         md._builder = self
+        md._needed_block_ids = ids
         return md
+
+    def _scratch(self) -> np.ndarray:
+        """An int64 [num_blocks] array for `check_block_ids`, allocated (and paged in) once."""
+        if self._block_scratch is None:
+            self._block_scratch = np.zeros(self.spec.num_blocks, dtype=np.int64)
+        return self._block_scratch
 
     def _cross_fields(
         self,
@@ -312,20 +327,21 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         int32_parts["encoder_seq_lens_tensor"] = np.asarray(encoder_seq_lens, dtype=np.int32)
         int32_parts["encoder_seq_start_loc"] = prefix_sums(encoder_seq_lens)
         if cross_block_tables is not None:
-            rows = table_rows(cross_block_tables, encoder_seq_lens, spec.block_size, "cross_block_tables")
-            ids, request = needed_ids(rows)
-            check_block_ids(ids, request, spec.num_blocks, "cross_block_tables")
+            enc = np.asarray(encoder_seq_lens, dtype=np.int64)
+            table, ids, row_ends = needed_table(cross_block_tables, enc, spec.block_size, "cross_block_tables")
+            shared = check_block_ids(ids, row_ends, spec.num_blocks, "cross_block_tables", self._scratch())
             pre = encoder_seq_lens[:num_prefills]
-            int64_parts["cross_slot_mapping"] = slots = slots_for(rows[:num_prefills], [0] * len(pre), pre,
+            int64_parts["cross_slot_mapping"] = slots = slots_for(table[:num_prefills], np.zeros(len(pre)), pre,
                                                                   spec.block_size)
-            check_written_blocks(slots, pre, ids, request, spec.block_size, "cross_block_tables")
-            tables["cross_block_tables"] = padded_table(rows, max([len(r) for r in rows] + [1]))
+            if shared:
+                check_written_blocks(slots, pre, ids, row_ends, spec.block_size, "cross_block_tables")
+            tables["cross_block_tables"] = table
         elif spec.attn_type == AttentionType.ENCODER_DECODER:
             raise ValueError("ENCODER_DECODER attention needs cross_block_tables in build()")
         return {
             "encoder_seq_lens": encoder_seq_lens,
             "cross_block_tables_list": None if cross_block_tables is None
-            else [list(t) for t in cross_block_tables],
+            else _host_tables(cross_block_tables, len(encoder_seq_lens)),
             "max_encoder_seq_len": max(encoder_seq_lens, default=0),
             "num_encoder_tokens": sum(encoder_seq_lens),
         }

@@ -304,28 +304,87 @@ def table_rows(block_tables: object, lens: list[int], block_size: int, what: str
     return [_block_row(h, f"{what}[{i}]") for i, h in enumerate(heads)]
 
 
-def check_block_ids(ids: np.ndarray, request: np.ndarray, num_blocks: int, what: str) -> None:
-    """Block ids the requests read (`ids`, of request `request[k]`, in request order) exist in the
-    cache, and no request names a block twice (its blocks hold different positions)."""
+def check_block_ids(ids: np.ndarray, row_ends: np.ndarray, num_blocks: int, what: str,
+                    scratch: np.ndarray | None = None) -> bool:
+    """Block ids the requests read (`ids`, request i's in ids[row_ends[i-1]:row_ends[i]]) exist in
+    the cache, and no request names a block twice (its blocks hold different positions). Returns
+    whether any block is named more than once in the step (by several requests: shared prefix
+    blocks), which `check_written_blocks` then looks at. `scratch`: int64 [>= num_blocks] to reuse
+    (a builder keeps one: a fresh array of a large cache's size costs its page faults each step)."""
     if not ids.size:
-        return
-    bad = (ids < 0) | (ids >= num_blocks)
-    if bad.any():
-        k = int(np.argmax(bad))
-        raise ValueError(f"{what}[{request[k]}] names block {ids[k]}, outside the cache's 0..{num_blocks - 1}")
-    keys = np.sort(request.astype(np.int64) * num_blocks + ids)  # (request, block) pairs, sorted
+        return False
+    if int(ids.min()) < 0 or int(ids.max()) >= num_blocks:
+        k = int(np.argmax((ids < 0) | (ids >= num_blocks)))
+        raise ValueError(f"{what}[{_row_of(k, row_ends)}] names block {ids[k]}, outside the cache's "
+                         f"0..{num_blocks - 1}")
+    # O(n) first: scatter each entry's index to its block and read it back; an entry that does not
+    # get its own index back shares its block with another entry. Only then the sort.
+    index = np.arange(ids.size, dtype=np.int64)
+    last = np.empty(num_blocks, dtype=np.int64) if scratch is None else scratch
+    last[ids] = index
+    repeated = last[ids] != index
+    if not repeated.any():
+        return False
+    sub = np.isin(ids, ids[repeated])  # every entry of a repeated block
+    rows = np.searchsorted(row_ends, index[sub], side="right")
+    keys = np.sort(rows * num_blocks + ids[sub])  # (request, block) pairs, sorted
     dup = keys[1:] == keys[:-1]
     if dup.any():
         i, b = divmod(int(keys[1:][dup][0]), num_blocks)
         raise ValueError(f"{what}[{i}] names block {b} twice: a request's blocks hold different positions, so "
                          "they are distinct")
+    return True
 
 
-def needed_ids(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """`table_rows` flattened: (block ids, request of each) in request order."""
-    if not rows:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(rows), np.repeat(np.arange(len(rows)), [len(r) for r in rows])
+def _row_of(k: int, row_ends: np.ndarray) -> int:
+    """The request of flat entry k (row_ends: cumulative entries per request)."""
+    return int(np.searchsorted(row_ends, k, side="right"))
+
+
+def needed_table(block_tables: object, lens: np.ndarray, block_size: int,
+                 what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every request's needed blocks (the first ceil(len / block_size) of its table) as
+    (padded int32 [num_seqs, max(1, max need)] with block 0 past each need, the needed ids
+    int64 flat in request order, row_ends int64 [num_seqs]: cumulative ids per request).
+
+    `block_tables`: a list of per-request lists (or arrays), or one 2-D integer array / CPU
+    tensor [num_seqs, >= max need] (no per-element Python work: what a server keeps). Entries
+    past a request's need are ignored: never read, checked or copied to the device.
+    """
+    need = -(-lens.astype(np.int64) // block_size)
+    width = max(int(need.max(initial=0)), 1)
+    if isinstance(block_tables, np.ndarray | torch.Tensor) and block_tables.ndim == 2:
+        table = _table_array(block_tables, need, what)[:, :width]
+    else:
+        rows = table_rows(block_tables, lens.tolist(), block_size, what)
+        table = np.zeros((len(rows), width), dtype=np.int64)
+        for i, row in enumerate(rows):
+            table[i, : row.size] = row
+    row_ends = np.cumsum(need)
+    if need.size and bool((need == width).all()):  # every row full: no mask
+        ids = table.reshape(-1).astype(np.int64, copy=False)
+        return table.astype(np.int32), ids, row_ends
+    live = np.arange(width)[None, :] < need[:, None]
+    return np.where(live, table, 0).astype(np.int32, copy=False), table[live].astype(np.int64, copy=False), row_ends
+
+
+def _table_array(tables: np.ndarray | torch.Tensor, need: np.ndarray, what: str) -> np.ndarray:
+    """A 2-D host array of int block ids with a row per request, each as long as its need."""
+    if isinstance(tables, torch.Tensor):
+        if tables.is_cuda or tables.dtype.is_floating_point or tables.dtype.is_complex or tables.dtype == torch.bool:
+            raise ValueError(f"{what} must hold integer block ids on the host, got a {tables.dtype} tensor on "
+                             f"{tables.device}")
+        tables = tables.numpy()
+    if tables.dtype.kind not in INT_DTYPE_KINDS:
+        raise ValueError(f"{what} must hold integer block ids, got a {tables.dtype} array")
+    if tables.shape[0] != need.shape[0]:
+        raise ValueError(f"len({what})={tables.shape[0]} != number of requests {need.shape[0]}")
+    if need.size and int(need.max()) > tables.shape[1]:
+        i = int(np.argmax(need > tables.shape[1]))
+        raise ValueError(f"{what}[{i}] has {tables.shape[1]} blocks but needs {int(need[i])} for its tokens")
+    if tables.dtype.kind == "u" and tables.size and int(tables.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{what} names block {int(tables.max())}, outside any cache")
+    return tables
 
 
 def check_table_array(tables: np.ndarray, lens: Sequence[int], block_size: int, num_blocks: int, what: str) -> None:
@@ -336,16 +395,17 @@ def check_table_array(tables: np.ndarray, lens: Sequence[int], block_size: int, 
         raise ValueError(f"{what}: a [{need.shape[0]}, >= {need.max(initial=0)}] table is needed, got "
                          f"{tuple(tables.shape)}")
     live = np.arange(tables.shape[1])[None, :] < need[:, None]
-    check_block_ids(tables[live].astype(np.int64), np.nonzero(live)[0], num_blocks, what)
+    check_block_ids(tables[live].astype(np.int64), np.cumsum(need), num_blocks, what)
 
 
-def check_written_blocks(slots: np.ndarray, writers: Sequence[int], ids: np.ndarray, request: np.ndarray,
+def check_written_blocks(slots: np.ndarray, writers: Sequence[int], ids: np.ndarray, row_ends: np.ndarray,
                          block_size: int, what: str) -> None:
     """A block written this step belongs to one request: no two requests write one slot, and no
     request reads a block another one writes (share only full blocks nobody writes this step).
+    Call it only when `check_block_ids` found a block named more than once (otherwise it holds).
 
     slots: int64 cache slots written, in request order; writers: tokens written per request
-    (requests 0..len(writers)-1); ids / request: every request's needed blocks (`needed_ids`).
+    (requests 0..len(writers)-1); ids / row_ends: every request's needed blocks (`needed_table`).
     """
     named = np.sort(ids)
     shared = named[1:][named[1:] == named[:-1]]  # named by several requests (rows hold distinct blocks)
@@ -355,6 +415,7 @@ def check_written_blocks(slots: np.ndarray, writers: Sequence[int], ids: np.ndar
     if clash.size:
         b = int(clash[0])
         own = int(np.repeat(np.arange(len(writers)), writers)[slots // block_size == b][0])
+        request = np.searchsorted(row_ends, np.arange(ids.size), side="right")
         other = int(request[(ids == b) & (request != own)][0])
         raise ValueError(
             f"{what}: block {b} is written this step by request {own} and named by request {other} too "
@@ -581,7 +642,8 @@ def check_graph_step(md: Any, spec: AttentionSpec, backend_name: str, batch_size
         if host is None or tuple(host.shape) != tuple(getattr(md, name).shape):
             raise ValueError(f"{backend_name} graphs replay metadata from {backend_name}'s builder (its {name} "
                              "with the host copy they were made from)")
-        check_table_array(host, lens, spec.block_size, spec.num_blocks, name)
+        if host.flags.writeable:  # the builder freezes the tables it checked; anything else is checked here
+            check_table_array(host, lens, spec.block_size, spec.num_blocks, name)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ TORCH_SDPA's padded layout, checked against values worked out by hand."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -156,3 +157,58 @@ def test_sdpa_encoder_padded_layout():
     assert md.encoder_token_index.tolist() == [[0, 0, 0], [1, 2, 3]]
     assert md.encoder_q_pos.tolist() == [[0, 0, 0], [0, 1, 2]]
     assert md.encoder_flat_index.tolist() == [0, 3, 4, 5]
+
+
+# -------------------------------------------------------------------------------------------
+# Block tables as one array (what a server keeps): the same metadata as lists, no per-element work
+
+
+def _same_metadata(a, b) -> None:
+    for name in ("num_prefills", "num_prefill_tokens", "num_decode_tokens", "seq_lens", "query_lens",
+                 "max_seq_len", "max_query_len"):
+        assert getattr(a, name) == getattr(b, name), name
+    for name in ("slot_mapping", "seq_lens_tensor", "context_lens_tensor", "query_start_loc", "block_tables"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("backend_name", ["TORCH_SDPA", "FLASHINFER"])
+def test_array_tables_build_what_lists_build(backend_name):
+    spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
+                            dtype=torch.bfloat16, device="cpu")
+    b = ca.registry.BACKEND_CLASSES()[backend_name].get_builder_cls()(spec)  # host logic: no FlashInfer needed
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        n = int(rng.integers(1, 6))
+        seq = rng.integers(1, 6 * BS, n)
+        query = np.where(np.arange(n) < n // 2, np.minimum(seq, rng.integers(1, 9, n)), 1)  # prefills, then decodes
+        seq = np.where(query == 1, np.maximum(seq, 2), seq)
+        need = -(-seq // BS)
+        table = rng.permutation(NB)[: n * 6].reshape(n, 6).astype(np.int32)
+        table[np.arange(6)[None, :] >= need[:, None]] = -77  # junk past each request's need: ignored
+        want = b.build(seq.tolist(), query.tolist(), [row[:k].tolist() for row, k in zip(table, need, strict=True)])
+        for tables in (table, torch.from_numpy(table).long(), table.astype(np.int64)):
+            got = b.build(seq, query, tables)
+            _same_metadata(got, want)
+            if backend_name == "FLASHINFER":
+                assert torch.equal(got.paged_kv_indices, want.paged_kv_indices), trial
+                assert torch.equal(got.paged_kv_indptr, want.paged_kv_indptr)
+
+
+@pytest.mark.parametrize(
+    ("tables", "match"),
+    [
+        (lambda t: t.astype(np.float32), "integer block ids"),
+        (lambda t: t[:, :1], r"block_tables\[0\] has 1 blocks but needs 3"),
+        (lambda t: t[:1], "number of requests"),
+        (lambda t: np.where(t == t[1, 0], NB, t), f"names block {NB}, outside"),
+        (lambda t: np.where(t == t[1, 1], t[1, 0], t), "names block .* twice"),
+        (lambda t: np.where(t == t[1, 2], t[0, 2], t), "written this step by request"),
+        (lambda t: torch.from_numpy(t).float(), "integer block ids"),
+    ],
+    ids=["float", "too_narrow", "rows", "range", "duplicate", "shared_written_block", "float_tensor"],
+)
+def test_bad_array_tables_raise_before_anything_is_built(tables, match):
+    seq, query = np.array([9, 10]), np.array([1, 1])  # two decodes needing 3 blocks each
+    table = np.array([[3, 4, 5, 17], [6, 7, 8, 19]], dtype=np.int32)
+    with pytest.raises(ValueError, match=match):
+        builder().build(seq, query, tables(table))

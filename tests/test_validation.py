@@ -401,6 +401,9 @@ def test_graph_refill_refuses_a_block_the_builder_would_reject(bad):
     spec = make_spec(max_seq_len_to_capture=32)
     bufs, graph_state = prepared_state(spec)
     md = build([13, 2], [1, 1], [[1, 2, 3, 4], [5]], spec=spec)
+    with pytest.raises(ValueError, match="read-only"):
+        md.block_tables_host[0, 2] = bad  # the builder froze the table it checked
+    md.block_tables_host.flags.writeable = True  # forced open and edited: the refill checks it again
     md.block_tables_host[0, 2] = bad  # what the device table was made from, edited after build
     before = {k: v.clone() for k, v in bufs.items()}
     with pytest.raises(ValueError, match=rf"names block {bad}, outside the cache"):

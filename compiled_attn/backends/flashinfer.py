@@ -170,19 +170,19 @@ class FlashInferMetadata(CommonMetadata):
 
 
 def paged_kv_layout(
-    seq_lens: list[int], block_tables: list[list[int]] | np.ndarray, block_size: int
+    seq_lens: list[int], needed_ids: np.ndarray, block_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """FlashInfer's page CSR for requests of `seq_lens` tokens: (indptr, indices, last_page_len).
 
-    indptr int32 [n + 1]; indices int32 [indptr[-1]], the first ceil(seq_len / block_size) blocks
-    of each table; last_page_len int32 [n] in 1..block_size.
+    needed_ids: each request's first ceil(seq_len / block_size) blocks, flat in request order
+    (what the builder checked). indptr int32 [n + 1]; indices int32 [indptr[-1]];
+    last_page_len int32 [n] in 1..block_size.
     """
-    pages = [-(-s // block_size) for s in seq_lens]
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    pages = -(-seq // block_size)
     indptr = prefix_sums(pages)
-    parts = [np.asarray(t[:p], dtype=np.int32) for t, p in zip(block_tables, pages, strict=True)]
-    indices = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-    last = np.asarray(seq_lens, dtype=np.int32) - (np.asarray(pages, dtype=np.int32) - 1) * block_size
-    return indptr, indices.astype(np.int32, copy=False), last.astype(np.int32)
+    last = seq - (pages - 1) * block_size
+    return indptr, needed_ids.astype(np.int32), last.astype(np.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,7 +398,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
         md = super().build(seq_lens, query_lens, block_tables, encoder_seq_lens, cross_block_tables)
         md.qo_indptr = torch.from_numpy(prefix_sums(md.query_lens))
         if self.spec.attn_type == AttentionType.DECODER:
-            indptr, indices, last = paged_kv_layout(md.seq_lens, md.block_tables_host, self.spec.block_size)
+            indptr, indices, last = paged_kv_layout(md.seq_lens, md._needed_block_ids, self.spec.block_size)
             md.paged_kv_indptr = torch.from_numpy(indptr)
             md.paged_kv_indices = to_device(indices, self.device)
             md.paged_kv_last_page_len = torch.from_numpy(last)

@@ -155,8 +155,10 @@ class PagedLoop:
         self.caches = [c.copy_(torch.randn_like(c, dtype=torch.bfloat16))
                        for c in allocate_kv_caches(config, backend, self.spec)]
         # shuffled block ids: requests own scattered blocks, as after a while of serving
-        ids = np.random.default_rng(seed).permutation(batch * pages)
-        self.tables = [ids[i * pages:(i + 1) * pages].tolist() for i in range(batch)]
+        # one int32 array [batch, pages], as a server keeps its block tables (build() reads only
+        # each request's needed prefix, with no per-element Python work)
+        self.tables = np.random.default_rng(seed).permutation(batch * pages).astype(np.int32).reshape(batch, pages)
+        self.query_lens = np.ones(batch, dtype=np.int64)
         self.builder = backend.get_builder_cls()(self.spec)
         self.runner = CUDAGraphRunner(model, backend, self.spec, self.caches, max_batch_size=batch,
                                       capture_sizes=[batch], progress=False, postprocess=greedy, **(runner_kw or {}))
@@ -165,7 +167,7 @@ class PagedLoop:
 
     def step(self, tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
         """One decode step for every request at `seq_len` tokens (the last one is `tokens`)."""
-        md = self.builder.build([seq_len] * self.batch, [1] * self.batch, self.tables)
+        md = self.builder.build(np.full(self.batch, seq_len), self.query_lens, self.tables)
         positions = torch.from_numpy(np.full(self.batch, seq_len - 1, dtype=np.int64)).to("cuda", non_blocking=True)
         return self.runner.run(md, tokens, positions)
 

@@ -50,6 +50,35 @@ def run(quick: bool = False) -> list[dict]:
     for backend_name, backend in BACKEND_CLASSES().items():
         if backend.unavailable_reason() is None:
             rows += backend_rows(backend_name, backend, device, iters)
+    return rows + build_rows(quick)
+
+
+# Decode steps whose host work `build()` does each step: (requests, tokens each).
+BUILD_POINTS = ((64, 1024), (256, 4096))
+
+
+def build_rows(quick: bool) -> list[dict]:
+    """Host time of `builder.build()` for a decode step of shuffled tables, block tables given as
+    lists of lists and as one int32 array (what a server keeps), per builder (CPU specs: host
+    work only, no device copies)."""
+    import numpy as np
+
+    rows, iters = [], 10 if quick else 50
+    for batch, ctx in BUILD_POINTS:
+        width = -(-(ctx + 1) // 16)
+        spec = ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+                                num_blocks=batch * width, dtype=torch.float32, device="cpu")
+        table = np.random.default_rng(0).permutation(batch * width).reshape(batch, width).astype(np.int32)
+        seq_lens, query_lens = np.full(batch, ctx + 1), np.ones(batch, dtype=np.int64)
+        for backend_name, backend in BACKEND_CLASSES().items():
+            if not backend.supports_block_size(16):
+                continue
+            builder = backend.get_builder_cls()(spec)
+            for form, tables, lens in (("array", table, (seq_lens, query_lens)),
+                                       ("lists", table.tolist(), (seq_lens.tolist(), query_lens.tolist()))):
+                us = eager_time_us(lambda b=builder, t=tables, ln=lens: b.build(*ln, t), iters=iters)
+                rows.append({"card": "host CPU", "what": f"{backend_name}: build() {batch} decodes x {ctx} tokens, "
+                             f"tables as {form}", "us/call": us})
     return rows
 
 
