@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one command the device tool runs: GPU-marked tests, then benchmarks; results under $OUT.
 #   device run:  source .whl/setup.sh && bash scripts/gpu_check.sh; save_jit_cache   (carry [".whl"])
-# PARTS selects what runs (default: "tests fuzz bench"; "fuzz" is the mutation fuzzer's GPU tests,
+# PARTS selects what runs (default: "tests fuzz bench"; "loop" profiles the 8B decode loop against
+# gpt-fast's (B=64 then B=1, ctx 1024, one process each) and times FlashInfer's decode variants;
+# "fuzz" is the mutation fuzzer's GPU tests,
 # FUZZ_EXAMPLES examples per mutation; "hunt" looks for the differential example that faults or
 # mismatches on HUNT_BACKEND); PYTEST_ARGS narrows the tests.
 set -uo pipefail
@@ -15,6 +17,15 @@ if [[ " $PARTS " == *" tests "* ]]; then
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/test_fuzz.py \
     ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
   status=${PIPESTATUS[0]}
+fi
+if [[ " $PARTS " == *" loop "* ]]; then
+  for point in 64x1024 1x1024; do
+    timeout "${LOOP_TIMEOUT:-300}" python3 scripts/profile_decode.py --point "$point" --variant compile \
+      --out "$OUT/loop-$point" > "$OUT/loop-$point.log" 2>&1 || status=1
+    grep -h "^\*\*" "$OUT/loop-$point.log"
+  done
+  timeout 120 python3 -m compiled_attn.bench.decode_flashinfer --variants 2>&1 | grep -v " - INFO - " \
+    | tee "$OUT/decode-variants.log" | tail -40
 fi
 if [[ " $PARTS " == *" fuzz "* ]]; then
   timeout "${FUZZ_TIMEOUT:-400}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fuzz.py \

@@ -24,6 +24,7 @@ SUITES = [
     ("compiled_attn.bench.decode_xformers", True, "XFORMERS"),
     ("compiled_attn.bench.graphs_bench", True, None),
     ("compiled_attn.bench.e2e", True, None),
+    ("compiled_attn.bench.decode_loop", True, None),
 ]
 
 
