@@ -297,8 +297,6 @@ def test_build_takes_numpy_and_tensor_lengths_and_tables(batch):
 @pytest.mark.parametrize("arg", ["query", "key", "kv_cache", "k_scale", "v_scale", "attn_type", "metadata"])
 @pytest.mark.parametrize("value", [None, "x", -1.5], ids=str)
 def test_forward_type_mistakes_are_value_errors(batch, arg, value):
-    if arg == "key" and value is None:
-        pytest.skip("key=None with a value is covered by test_errors")
     args = dict(query=batch.query, key=batch.key, value=batch.value, kv_cache=batch.kv_cache,
                 attn_metadata=batch.build(SDPA))
     args[{"metadata": "attn_metadata"}.get(arg, arg)] = value
