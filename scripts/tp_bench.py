@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 import compiled_attn as ca
-from compiled_attn.__main__ import output_dir, positive_int, print_table
+from compiled_attn.bench.report import print_table
+from compiled_attn.cli import output_dir, positive_int
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models import tp as tpm
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model

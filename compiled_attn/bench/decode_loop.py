@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import compiled_attn as ca
+from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, nominal_bandwidth
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models.llama import Llama, LlamaConfig, allocate_kv_caches, apply_rotary, build_model
@@ -300,8 +301,6 @@ def fp8_rows(peer_ms: dict[tuple[int, int], float]) -> list[dict]:
 
 
 def main() -> None:
-    from compiled_attn.__main__ import print_table
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--backend", action="append", default=None)

@@ -27,6 +27,7 @@ import logging
 import torch
 
 import compiled_attn as ca
+from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, eager_time_us
 from compiled_attn.graphs import DEFAULT_CAPTURE_SIZES, CUDAGraphRunner
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
@@ -150,8 +151,6 @@ def run(quick: bool) -> list[dict]:
 
 
 def main() -> None:
-    from compiled_attn.__main__ import print_table
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     print_table(run(parser.parse_args().quick))
