@@ -1,9 +1,9 @@
 """compiled_attn: paged attention that survives torch.compile(fullgraph=True) and CUDA graphs.
 
-The public contract is pinned in DESIGN.md; everything here is part of it.
+The public contract is described in docs/design.md; everything here is part of it.
 """
 
-from compiled_attn import ops  # noqa: F401  (registers the torch.ops.compiled_attn cache ops)
+from compiled_attn import backends, ops  # noqa: F401  (register the shipped backends and the cache ops)
 from compiled_attn.abstract import (
     AttentionBackend,
     AttentionImpl,

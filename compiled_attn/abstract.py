@@ -13,45 +13,28 @@ A backend is a set of five classes behind one static factory (`AttentionBackend`
 from __future__ import annotations
 
 import dataclasses
-import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
+from compiled_attn.base import KV_CACHE_DTYPES, AttentionMetadata, AttentionType, kv_cache_torch_dtype
+from compiled_attn.capabilities import cuda_unavailable_reason, spec_unsupported_reason
+from compiled_attn.validation import as_int, check_block_op_args, check_device_available, check_spec
 
-class AttentionType(str, enum.Enum):
-    """Which tokens attend to which: causal self-attention, bidirectional, or cross attention."""
-
-    DECODER = "decoder"  # causal self-attention over the request's cached + new keys
-    ENCODER = "encoder"  # bidirectional over the encoder tokens of an encoder-decoder model
-    ENCODER_ONLY = "encoder_only"  # bidirectional over the request's tokens (BERT-style), no cache
-    ENCODER_DECODER = "encoder_decoder"  # decoder queries attend to the request's encoder K/V
-
-
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-
-
-def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """The element type to allocate KV caches with.
-
-    >>> kv_cache_torch_dtype("fp8", torch.bfloat16)
-    torch.float8_e4m3fn
-    """
-    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is not one of {sorted(KV_CACHE_DTYPES)}"
-        )
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
-    return KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "AttentionBackend",
+    "AttentionImpl",
+    "AttentionMetadata",
+    "AttentionMetadataBuilder",
+    "AttentionSpec",
+    "AttentionState",
+    "AttentionType",
+    "kv_cache_torch_dtype",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -84,8 +67,6 @@ class AttentionSpec:
     max_seq_len_to_capture: int = 8192  # the longest sequence a captured decode graph serves
 
     def __post_init__(self) -> None:
-        from compiled_attn.validation import check_spec  # validation imports this module
-
         for name, value in check_spec(self).items():  # ValueError naming the field, whatever its type
             object.__setattr__(self, name, value)
 
@@ -151,8 +132,6 @@ class AttentionBackend(ABC):
 
         Every backend shares it, so one set of cache ops (write, copy, swap) serves all three.
         """
-        from compiled_attn.validation import as_int
-
         sizes = dict(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size)
         return (2, *(as_int(name, v) for name, v in sizes.items()))
 
@@ -161,8 +140,6 @@ class AttentionBackend(ABC):
         src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: torch.Tensor
     ) -> None:
         """Copy blocks src -> dst from one cache to another, across devices (CPU <-> CUDA) too."""
-        from compiled_attn.validation import check_block_op_args
-
         check_block_op_args(src_kv_cache, src_to_dst, "src_kv_cache")
         check_block_op_args(dst_kv_cache, src_to_dst, "dst_kv_cache")
         torch.ops.compiled_attn.swap_blocks(src_kv_cache, dst_kv_cache, src_to_dst)
@@ -170,8 +147,6 @@ class AttentionBackend(ABC):
     @staticmethod
     def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor) -> None:
         """Copy blocks src -> dst within each cache of `kv_caches` (copy-on-write for forks)."""
-        from compiled_attn.validation import check_block_op_args
-
         check_block_op_args(kv_caches, src_to_dists)
         torch.ops.compiled_attn.copy_blocks(kv_caches, src_to_dists)
 
@@ -180,15 +155,11 @@ class AttentionBackend(ABC):
         """Why this backend cannot run on this machine at all (package, device), or None."""
         if cls.package is None:
             return None
-        from compiled_attn.registry import cuda_unavailable_reason
-
         return cuda_unavailable_reason(cls.package)
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
         """Why this backend cannot serve `spec` (dtype, head size, feature), or None."""
-        from compiled_attn.registry import spec_unsupported_reason
-
         return spec_unsupported_reason(cls, spec)
 
     @classmethod
@@ -199,35 +170,6 @@ class AttentionBackend(ABC):
     @classmethod
     def supports_block_size(cls, block_size: int) -> bool:
         return True
-
-
-@dataclasses.dataclass
-class AttentionMetadata:
-    """Device-side description of one step: prefills first, then decodes.
-
-    Tensors (all on the spec's device):
-        slot_mapping: int64 [num_tokens], cache slot of each new token; -1 is a pad (no write).
-    """
-
-    num_prefills: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    slot_mapping: torch.Tensor
-
-    @property
-    @abstractmethod
-    def prefill_metadata(self) -> AttentionMetadata | None:
-        """The same step restricted to its prefills, or None when there are none."""
-
-    @property
-    @abstractmethod
-    def decode_metadata(self) -> AttentionMetadata | None:
-        """The same step restricted to its decodes, or None when there are none."""
-
-    def asdict_zerocopy(self, skip_fields: set[str] | None = None) -> dict[str, Any]:
-        """Fields as a dict without copying tensors (to rebuild a variant of this metadata)."""
-        skip = skip_fields or set()
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
 
 class AttentionMetadataBuilder(ABC):
@@ -257,8 +199,6 @@ class AttentionState(ABC):
     """
 
     def __init__(self, spec: AttentionSpec) -> None:
-        from compiled_attn.validation import check_device_available
-
         if not isinstance(spec, AttentionSpec):
             raise ValueError(f"a State is made from an AttentionSpec, got {type(spec).__name__}")
         check_device_available(spec.device)  # its static buffers live there

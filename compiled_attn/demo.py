@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import compiled_attn as ca
+from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models import tp as tpm
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 from compiled_attn.models.paging import BlockAllocator, Request, last_token_rows, schedule
@@ -53,8 +54,6 @@ def generate(
     caches = allocate_kv_caches(model.config, backend, spec)
     runner, capture_seconds = None, 0.0
     if graphs:
-        from compiled_attn.graphs import CUDAGraphRunner
-
         sizes = [n for n in (1, 2, 4, 8, 16, 32) if n < 2 * len(prompts)]
         # off CUDA the runner replays the same padded static-buffer step without capturing it
         runner = CUDAGraphRunner(model, backend, spec, caches, capture_sizes=sizes, max_batch_size=max(sizes),

@@ -14,7 +14,7 @@ A backend's State subclasses `GraphState`, sets `backend_cls` and overrides only
   the host planning before each replay.
 
 Which specs a State captures is data on the backend class (`graph_attn_types`,
-`graph_supports_alibi`, next to its other capabilities in `registry.capability_reason`).
+`graph_supports_alibi`, next to its other capabilities, checked in `capabilities.capability_reason`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from typing import Any, ClassVar
 import torch
 
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionState
+from compiled_attn.capabilities import capability_reason
 from compiled_attn.metadata import CommonMetadata
-from compiled_attn.registry import backends_with, capability_reason
+from compiled_attn.registry import backends_with
 from compiled_attn.validation import as_int, check_graph_step
 
 SCRATCH_BLOCK = 0  # pad rows read one token of this block: any block is valid to read, and they write nothing

@@ -13,7 +13,9 @@ from typing import ClassVar
 import torch
 
 from compiled_attn.abstract import AttentionImpl, AttentionMetadata, AttentionType
+from compiled_attn.capabilities import capability_reason
 from compiled_attn.forward_context import LayerCall, register_layer, set_forward_context
+from compiled_attn.registry import backends_with
 from compiled_attn.validation import (
     CACHE_WRITING_TYPES,
     as_attn_type,
@@ -79,8 +81,6 @@ class CommonImpl(AttentionImpl):
                       logits_soft_cap=self.logits_soft_cap is not None)
 
     def _require(self, **needs: object) -> None:
-        from compiled_attn.registry import backends_with, capability_reason
-
         reason = capability_reason(self.backend_cls, **needs)
         if reason is not None:
             others = backends_with(**needs)

@@ -361,7 +361,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
     """
 
     metadata_cls = FlashInferMetadata
-    backend_name = NAME
+    backend_cls = FlashInferBackend
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)

@@ -89,7 +89,7 @@ def padded_layout(lens: list[int], firsts: list[int]) -> tuple[np.ndarray, np.nd
 
 class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
     metadata_cls = TorchSDPAMetadata
-    backend_name = NAME
+    backend_cls = TorchSDPABackend
 
     def add_backend_fields(
         self,

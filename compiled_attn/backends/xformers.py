@@ -184,7 +184,7 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
     """Common builder + the gathers and bias objects of one step (all host work happens here)."""
 
     metadata_cls = XFormersMetadata
-    backend_name = NAME
+    backend_cls = XFormersBackend
 
     def __init__(self, spec: AttentionSpec) -> None:
         check_block_size(spec.block_size)  # the message that says why, before the builder's generic one
