@@ -16,7 +16,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -98,6 +98,9 @@ class AttentionBackend(ABC):
     graph_attn_types: ClassVar[tuple[AttentionType, ...]]
     graph_supports_alibi: ClassVar[bool]
     package: ClassVar[str | None] = None  # the pip package a CUDA-only backend needs
+    # The backend's attention op, `torch.ops.compiled_attn.<backend>_attention` (one signature for
+    # all: `ops.library.define_attention_op`); every Impl's traced path calls it.
+    attention_op: ClassVar[Any]
 
     @staticmethod
     @abstractmethod
