@@ -13,7 +13,7 @@ from torch._inductor.utils import run_and_get_code
 
 import compiled_attn as ca
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
-from compiled_attn.models.paging import BlockAllocator, Request, schedule
+from compiled_attn.paging import BlockAllocator, Request, schedule
 
 TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2)
 BLOCK_SIZE, NUM_BLOCKS = 4, 96

@@ -22,7 +22,7 @@ import compiled_attn as ca
 from compiled_attn.graphs import DEFAULT_CAPTURE_SIZES, CUDAGraphRunner, capture_sizes_for, choose_path
 from compiled_attn.graphs import pick_batch_size as pick
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
-from compiled_attn.models.paging import BlockAllocator, Request, last_token_rows, schedule
+from compiled_attn.paging import BlockAllocator, Request, last_token_rows, schedule
 
 SDPA = "TORCH_SDPA"
 

@@ -15,7 +15,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import compiled_attn as ca
 from compiled_attn.bench.timing import card_name, eager_time_us
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
-from compiled_attn.models.paging import BlockAllocator, Request, schedule
+from compiled_attn.paging import BlockAllocator, Request, schedule
 from compiled_attn.registry import BACKEND_CLASSES
 
 # (new prompt lengths, decode context lengths); one of them a 1-token batch
