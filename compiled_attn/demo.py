@@ -68,9 +68,7 @@ def generate(
     for step in range(steps + 1):
         seq_lens, query_lens, tables, ids, pos = schedule(requests, allocator, spec.device)
         md = builder.build(seq_lens, query_lens, tables)
-        # a 1-token batch must not specialise the graph: mark the token dimension unbacked
-        torch._dynamo.decorators.mark_unbacked(ids, 0)
-        torch._dynamo.decorators.mark_unbacked(pos, 0)
+        ca.mark_token_dim(ids, pos)  # a 1-token batch must not specialise the graph
         sync()
         t0 = time.perf_counter()
         if runner is not None:

@@ -18,7 +18,7 @@ from compiled_attn.paging import BlockAllocator, Request, schedule
 TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2)
 BLOCK_SIZE, NUM_BLOCKS = 4, 96
 # Batch mixes: (new prompt lengths, decode context lengths). The third is a single-token batch,
-# which Dynamo would specialise on without mark_unbacked.
+# which Dynamo would specialise on without ca.mark_token_dim.
 MIXES = [
     ([7, 3], []),
     ([5], [9, 4, 12]),
@@ -48,8 +48,7 @@ def step_inputs(mix, seed: int, spec: ca.AttentionSpec = CPU_SPEC, backend: str 
     allocator = BlockAllocator(spec.num_blocks, spec.block_size)
     seq_lens, query_lens, tables, ids, pos = schedule(reqs, allocator, spec.device)
     md = ca.get_attn_backend(backend).get_builder_cls()(spec).build(seq_lens, query_lens, tables)
-    torch._dynamo.decorators.mark_unbacked(ids, 0)
-    torch._dynamo.decorators.mark_unbacked(pos, 0)
+    ca.mark_token_dim(ids, pos)
     return md, ids, pos
 
 

@@ -121,8 +121,7 @@ def serve(step: Step, spec: ca.AttentionSpec, prompt_tokens: list[list[int]], fo
 
 def direct(model: torch.nn.Module, caches: list[torch.Tensor]) -> Step:
     def step(md, ids, pos):
-        torch._dynamo.decorators.mark_unbacked(ids, 0)
-        torch._dynamo.decorators.mark_unbacked(pos, 0)
+        ca.mark_token_dim(ids, pos)
         with ca.set_forward_context(md):
             return model(ids, pos, caches)
     return step
@@ -188,8 +187,7 @@ def mixed_step(spec: ca.AttentionSpec):
     reqs += [Request(tokens=p, num_computed=len(p) - 1) for p in prompts(2, seed=6, vocab=TINY.vocab_size)]
     seq_lens, query_lens, tables, ids, pos = schedule(reqs, BlockAllocator(NUM_BLOCKS, BLOCK_SIZE), spec.device)
     md = ca.get_attn_backend(SDPA).get_builder_cls()(spec).build(seq_lens, query_lens, tables)
-    torch._dynamo.decorators.mark_unbacked(ids, 0)
-    torch._dynamo.decorators.mark_unbacked(pos, 0)
+    ca.mark_token_dim(ids, pos)
     return md, ids, pos
 
 

@@ -31,8 +31,7 @@ def _step(config: LlamaConfig, backend: type[ca.AttentionBackend], spec: ca.Atte
     seq_lens, query_lens, tables, ids, pos = schedule(reqs, BlockAllocator(spec.num_blocks, spec.block_size),
                                                       spec.device)
     md = backend.get_builder_cls()(spec).build(seq_lens, query_lens, tables)
-    torch._dynamo.decorators.mark_unbacked(ids, 0)
-    torch._dynamo.decorators.mark_unbacked(pos, 0)
+    ca.mark_token_dim(ids, pos)
     return md, ids, pos
 
 

@@ -104,8 +104,7 @@ def measure_point(model: Llama, compiled, backend, batch: int, ctx: int, weight_
         row[f"{label} MBU"] = (weight_bytes + kv_bytes) / seconds / bw
 
     spec, caches, md, ids, pos = decode_inputs(config, backend, batch, ctx, model.embed.weight.dtype, block_size)
-    torch._dynamo.decorators.mark_unbacked(ids, 0)
-    torch._dynamo.decorators.mark_unbacked(pos, 0)
+    ca.mark_token_dim(ids, pos)
     for label, fn, iters in (("eager", model, 5), ("compiled", compiled, 20)):
         def step(fn=fn) -> None:
             with ca.set_forward_context(md):

@@ -68,8 +68,7 @@ def _decode_step(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, bat
     md = backend.get_builder_cls()(spec).build([CONTEXT] * batch, [1] * batch, tables)
     ids = torch.randint(CONFIG.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), CONTEXT - 1, device="cuda")
-    torch._dynamo.decorators.mark_unbacked(ids, 0)  # one compiled graph for every batch size
-    torch._dynamo.decorators.mark_unbacked(pos, 0)
+    ca.mark_token_dim(ids, pos)  # one compiled graph for every batch size
     return md, ids, pos
 
 
