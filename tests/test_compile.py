@@ -63,20 +63,24 @@ def model():
     return build_model(TINY, seed=0, backend="TORCH_SDPA")
 
 
-def test_model_traces_to_one_graph_without_breaks(model):
-    md, ids, pos = step_inputs(MIXES[1], seed=0)
+def test_model_traces_to_one_graph_without_breaks(cpu_backend):
+    name = cpu_backend.get_name()
+    model = build_model(TINY, seed=0, backend=name)
+    md, ids, pos = step_inputs(MIXES[1], seed=0, backend=name)
     with ca.set_forward_context(md):
         explained = torch._dynamo.explain(model)(ids, pos, random_caches(0))
     assert explained.graph_break_count == 0
     assert explained.graph_count == 1
 
 
-def test_batch_mixes_compile_once_and_match_eager(model):
+def test_batch_mixes_compile_once_and_match_eager(cpu_backend):
+    name = cpu_backend.get_name()
+    model = build_model(TINY, seed=0, backend=name)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
     for i, mix in enumerate(MIXES):
-        md, ids, pos = step_inputs(mix, seed=i)
+        md, ids, pos = step_inputs(mix, seed=i, backend=name)
         eager_caches, compiled_caches = random_caches(i), random_caches(i)
         with ca.set_forward_context(md):
             want = model(ids, pos, eager_caches)

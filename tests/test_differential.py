@@ -374,10 +374,13 @@ DEVICE_LIMITS = limits_for("device")
 SDPA = BACKEND_CLASSES()["TORCH_SDPA"]
 
 
-@differential_settings(CI_LIMITS)
-@given(case=cases(SDPA, "cpu", CI_LIMITS))
-def test_torch_sdpa_cpu_matches_reference(case):
-    check_against_reference(case, SDPA, "cpu")
+def test_cpu_backend_matches_reference(cpu_backend):
+    @differential_settings(CI_LIMITS)
+    @given(case=cases(cpu_backend, "cpu", CI_LIMITS))
+    def check(case):
+        check_against_reference(case, cpu_backend, "cpu")
+
+    check()
 
 
 @pytest.mark.gpu
