@@ -8,6 +8,10 @@ A backend is a set of five classes behind one static factory (`AttentionBackend`
 - `AttentionImpl`: the forward, which launches this backend's custom ops;
 - `AttentionState`: static buffers and per-batch-size planning for CUDA-graph capture and replay
   (implemented once, by `graph_state.GraphState`, which each backend extends with hooks).
+
+`AttentionType`, the KV-cache dtypes and `AttentionMetadata` are defined in `base` (which
+`validation` can import without importing this module) and re-exported here. docs/design.md
+describes the whole contract.
 """
 
 from __future__ import annotations
@@ -82,8 +86,9 @@ class AttentionSpec:
 class AttentionBackend(ABC):
     """Static factory of one backend: its classes, its KV-cache shape and block copies.
 
-    Capabilities are small class attributes / classmethods so that `registry` can explain why a
-    backend cannot serve a spec.
+    Capabilities are small class attributes / classmethods: `capabilities.capability_reason`
+    checks a need against them, explaining why a backend cannot serve a spec, and
+    `registry.backends_with` names the backends that can.
     """
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]]
@@ -198,7 +203,7 @@ class AttentionState(ABC):
 
     Call order: `graph_capture(max_batch_size)`; per size `graph_capture_get_metadata_for_batch`,
     `get_graph_input_buffers`, `graph_clone`; per step `prepare_graph_input_buffers`,
-    `begin_forward`, replay. See DESIGN.md.
+    `begin_forward`, replay. See docs/design.md, section 3.
     """
 
     def __init__(self, spec: AttentionSpec) -> None:

@@ -35,7 +35,7 @@ SCRATCH_BLOCK = 0  # pad rows read one token of this block: any block is valid t
 
 
 class GraphState(AttentionState):
-    """Static decode buffers and the capture / replay lifecycle of DESIGN.md, for every backend.
+    """Static decode buffers and the capture / replay lifecycle of docs/design.md, for every backend.
 
     Buffers (on the spec's device; W = ceil(max_seq_len_to_capture / block_size)), keyed by the
     metadata field that views them; the graph of batch size bs reads rows [:bs]:
@@ -51,7 +51,7 @@ class GraphState(AttentionState):
     (slot -1) and read one token (seq_len 1) of SCRATCH_BLOCK: valid for every kernel whatever
     the cache holds; their outputs are discarded.
 
-    Example (see DESIGN.md for the full call order)::
+    Example (docs/design.md, section 3, gives the full call order)::
 
         state = backend.get_state_cls()(spec)
         with state.graph_capture(max_batch_size=8):

@@ -14,6 +14,7 @@ from torch._inductor.utils import run_and_get_code
 import compiled_attn as ca
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 from compiled_attn.paging import BlockAllocator, Request, schedule
+from compiled_attn.registry import BACKEND_CLASSES
 
 TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2)
 BLOCK_SIZE, NUM_BLOCKS = 4, 96
@@ -158,14 +159,11 @@ class GraphModule(torch.nn.Module):
 """)
 
 
-@pytest.mark.parametrize("op", ["kv_cache_update", "torch_sdpa_attention", "flashinfer_attention", "xformers_attention"])
-def test_context_reading_ops_are_cudagraph_unsafe(op):
+def test_context_reading_ops_are_cudagraph_unsafe(contract_backend):
     # reduce-overhead's CUDA graphs copy only graph inputs: a captured op reading the forward
     # context would replay stale metadata, so Inductor must split its graphs around these ops
-    import compiled_attn.backends.flashinfer  # noqa: F401  (registers the op)
-    import compiled_attn.backends.xformers  # noqa: F401
-
-    assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.compiled_attn, op).default.tags
+    for op in (torch.ops.compiled_attn.kv_cache_update, contract_backend.attention_op):
+        assert torch.Tag.cudagraph_unsafe in op.default.tags
 
 
 @pytest.mark.parametrize("op", ["copy_blocks", "swap_blocks"])
@@ -174,11 +172,9 @@ def test_block_ops_may_be_captured(op):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["TORCH_SDPA", "FLASHINFER", "XFORMERS"])
+@pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
 def test_batch_mixes_compile_once_on_cuda(name):
     """Each backend's op on the device: one graph, no breaks, no recompiles over the batch mixes."""
-    from compiled_attn.registry import BACKEND_CLASSES
-
     backend = BACKEND_CLASSES()[name]
     if backend.unavailable_reason() is not None:
         pytest.skip(f"{name}: {backend.unavailable_reason()}")

@@ -110,7 +110,7 @@ def decode_md(spec: ca.AttentionSpec, seq_lens: list[int], seed: int = 0):
 
 
 def captured(spec: ca.AttentionSpec, sizes: list[int]):
-    """{bs: (md_bs, bufs, graph_state)} from the State API in DESIGN.md's call order."""
+    """{bs: (md_bs, bufs, graph_state)} from the State API in docs/design.md's call order."""
     state = ca.get_attn_backend(SDPA).get_state_cls()(spec)
     out = {}
     with state.graph_capture(max(sizes)):
