@@ -24,21 +24,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from compiled_attn.base import KV_CACHE_DTYPES, AttentionMetadata, AttentionType, kv_cache_torch_dtype
+from compiled_attn.base import AttentionMetadata, AttentionType, kv_cache_torch_dtype
 from compiled_attn.capabilities import cuda_unavailable_reason, spec_unsupported_reason
 from compiled_attn.validation import as_int, check_block_op_args, check_device_available, check_spec
-
-__all__ = [
-    "KV_CACHE_DTYPES",
-    "AttentionBackend",
-    "AttentionImpl",
-    "AttentionMetadata",
-    "AttentionMetadataBuilder",
-    "AttentionSpec",
-    "AttentionState",
-    "AttentionType",
-    "kv_cache_torch_dtype",
-]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)

@@ -20,14 +20,12 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given
 from reference import make_batch, rel_err, stored
 from test_differential import (
     PROFILES,
     Limits,
     available,
-    cases,
-    differential_settings,
+    check_drawn_cases,
     prepare,
     request_rows,
 )
@@ -112,47 +110,23 @@ def check_garbage_never_reaches_outputs(case, backend, device) -> None:
 
 
 def test_forward_changes_only_the_written_slots_cpu(cpu_backend):
-    @differential_settings(CPU)
-    @given(case=cases(cpu_backend, "cpu", CPU))
-    def check(case):
-        check_only_written_slots_change(case, cpu_backend, "cpu")
-
-    check()
+    check_drawn_cases(check_only_written_slots_change, cpu_backend, "cpu", CPU)
 
 
 def test_garbage_outside_requests_never_reaches_outputs_cpu(cpu_backend):
-    @differential_settings(CPU)
-    @given(case=cases(cpu_backend, "cpu", CPU))
-    def check(case):
-        check_garbage_never_reaches_outputs(case, cpu_backend, "cpu")
-
-    check()
+    check_drawn_cases(check_garbage_never_reaches_outputs, cpu_backend, "cpu", CPU)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
 def test_forward_changes_only_the_written_slots_cuda(name):
-    backend = available(name, "cuda")
-
-    @differential_settings(GPU)
-    @given(case=cases(backend, "cuda", GPU))
-    def check(case):
-        check_only_written_slots_change(case, backend, "cuda")
-
-    check()
+    check_drawn_cases(check_only_written_slots_change, available(name, "cuda"), "cuda", GPU)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
 def test_garbage_outside_requests_never_reaches_outputs_cuda(name):
-    backend = available(name, "cuda")
-
-    @differential_settings(GPU)
-    @given(case=cases(backend, "cuda", GPU))
-    def check(case):
-        check_garbage_never_reaches_outputs(case, backend, "cuda")
-
-    check()
+    check_drawn_cases(check_garbage_never_reaches_outputs, available(name, "cuda"), "cuda", GPU)
 
 
 # -------------------------------------------------------------------------------------------
