@@ -1,9 +1,9 @@
 """compiled_attn: paged attention that survives torch.compile(fullgraph=True) and CUDA graphs.
 
-The public contract is pinned in DESIGN.md; everything here is part of it.
+The public contract is described in docs/design.md; everything here is part of it.
 """
 
-from compiled_attn import ops  # noqa: F401  (registers the torch.ops.compiled_attn cache ops)
+from compiled_attn import backends, ops  # noqa: F401  (register the shipped backends and the cache ops)
 from compiled_attn.abstract import (
     AttentionBackend,
     AttentionImpl,
@@ -14,6 +14,7 @@ from compiled_attn.abstract import (
     AttentionType,
     kv_cache_torch_dtype,
 )
+from compiled_attn.dynamo import mark_token_dim
 from compiled_attn.forward_context import get_forward_context, set_forward_context
 from compiled_attn.layer import Attention
 from compiled_attn.registry import BackendUnavailableError, get_attn_backend
@@ -31,5 +32,6 @@ __all__ = [
     "get_attn_backend",
     "get_forward_context",
     "kv_cache_torch_dtype",
+    "mark_token_dim",
     "set_forward_context",
 ]

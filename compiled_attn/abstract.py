@@ -8,12 +8,15 @@ A backend is a set of five classes behind one static factory (`AttentionBackend`
 - `AttentionImpl`: the forward, which launches this backend's custom ops;
 - `AttentionState`: static buffers and per-batch-size planning for CUDA-graph capture and replay
   (implemented once, by `graph_state.GraphState`, which each backend extends with hooks).
+
+`AttentionType`, the KV-cache dtypes and `AttentionMetadata` are defined in `base` (which
+`validation` can import without importing this module) and re-exported here. docs/design.md
+describes the whole contract.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,37 +24,9 @@ from typing import Any, ClassVar
 
 import torch
 
-
-class AttentionType(str, enum.Enum):
-    """Which tokens attend to which: causal self-attention, bidirectional, or cross attention."""
-
-    DECODER = "decoder"  # causal self-attention over the request's cached + new keys
-    ENCODER = "encoder"  # bidirectional over the encoder tokens of an encoder-decoder model
-    ENCODER_ONLY = "encoder_only"  # bidirectional over the request's tokens (BERT-style), no cache
-    ENCODER_DECODER = "encoder_decoder"  # decoder queries attend to the request's encoder K/V
-
-
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-
-
-def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """The element type to allocate KV caches with.
-
-    >>> kv_cache_torch_dtype("fp8", torch.bfloat16)
-    torch.float8_e4m3fn
-    """
-    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is not one of {sorted(KV_CACHE_DTYPES)}"
-        )
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
-    return KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+from compiled_attn.base import AttentionMetadata, AttentionType, kv_cache_torch_dtype
+from compiled_attn.capabilities import cuda_unavailable_reason, spec_unsupported_reason
+from compiled_attn.validation import as_int, check_block_op_args, check_device_available, check_spec
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -84,8 +59,6 @@ class AttentionSpec:
     max_seq_len_to_capture: int = 8192  # the longest sequence a captured decode graph serves
 
     def __post_init__(self) -> None:
-        from compiled_attn.validation import check_spec  # validation imports this module
-
         for name, value in check_spec(self).items():  # ValueError naming the field, whatever its type
             object.__setattr__(self, name, value)
 
@@ -101,8 +74,9 @@ class AttentionSpec:
 class AttentionBackend(ABC):
     """Static factory of one backend: its classes, its KV-cache shape and block copies.
 
-    Capabilities are small class attributes / classmethods so that `registry` can explain why a
-    backend cannot serve a spec.
+    Capabilities are small class attributes / classmethods: `capabilities.capability_reason`
+    checks a need against them, explaining why a backend cannot serve a spec, and
+    `registry.backends_with` names the backends that can.
     """
 
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]]
@@ -117,6 +91,9 @@ class AttentionBackend(ABC):
     graph_attn_types: ClassVar[tuple[AttentionType, ...]]
     graph_supports_alibi: ClassVar[bool]
     package: ClassVar[str | None] = None  # the pip package a CUDA-only backend needs
+    # The backend's attention op, `torch.ops.compiled_attn.<backend>_attention` (one signature for
+    # all: `ops.library.define_attention_op`); every Impl's traced path calls it.
+    attention_op: ClassVar[Any]
 
     @staticmethod
     @abstractmethod
@@ -151,8 +128,6 @@ class AttentionBackend(ABC):
 
         Every backend shares it, so one set of cache ops (write, copy, swap) serves all three.
         """
-        from compiled_attn.validation import as_int
-
         sizes = dict(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size)
         return (2, *(as_int(name, v) for name, v in sizes.items()))
 
@@ -161,8 +136,6 @@ class AttentionBackend(ABC):
         src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor, src_to_dst: torch.Tensor
     ) -> None:
         """Copy blocks src -> dst from one cache to another, across devices (CPU <-> CUDA) too."""
-        from compiled_attn.validation import check_block_op_args
-
         check_block_op_args(src_kv_cache, src_to_dst, "src_kv_cache")
         check_block_op_args(dst_kv_cache, src_to_dst, "dst_kv_cache")
         torch.ops.compiled_attn.swap_blocks(src_kv_cache, dst_kv_cache, src_to_dst)
@@ -170,8 +143,6 @@ class AttentionBackend(ABC):
     @staticmethod
     def copy_blocks(kv_caches: list[torch.Tensor], src_to_dists: torch.Tensor) -> None:
         """Copy blocks src -> dst within each cache of `kv_caches` (copy-on-write for forks)."""
-        from compiled_attn.validation import check_block_op_args
-
         check_block_op_args(kv_caches, src_to_dists)
         torch.ops.compiled_attn.copy_blocks(kv_caches, src_to_dists)
 
@@ -180,15 +151,11 @@ class AttentionBackend(ABC):
         """Why this backend cannot run on this machine at all (package, device), or None."""
         if cls.package is None:
             return None
-        from compiled_attn.registry import cuda_unavailable_reason
-
         return cuda_unavailable_reason(cls.package)
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
         """Why this backend cannot serve `spec` (dtype, head size, feature), or None."""
-        from compiled_attn.registry import spec_unsupported_reason
-
         return spec_unsupported_reason(cls, spec)
 
     @classmethod
@@ -199,35 +166,6 @@ class AttentionBackend(ABC):
     @classmethod
     def supports_block_size(cls, block_size: int) -> bool:
         return True
-
-
-@dataclasses.dataclass
-class AttentionMetadata:
-    """Device-side description of one step: prefills first, then decodes.
-
-    Tensors (all on the spec's device):
-        slot_mapping: int64 [num_tokens], cache slot of each new token; -1 is a pad (no write).
-    """
-
-    num_prefills: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    slot_mapping: torch.Tensor
-
-    @property
-    @abstractmethod
-    def prefill_metadata(self) -> AttentionMetadata | None:
-        """The same step restricted to its prefills, or None when there are none."""
-
-    @property
-    @abstractmethod
-    def decode_metadata(self) -> AttentionMetadata | None:
-        """The same step restricted to its decodes, or None when there are none."""
-
-    def asdict_zerocopy(self, skip_fields: set[str] | None = None) -> dict[str, Any]:
-        """Fields as a dict without copying tensors (to rebuild a variant of this metadata)."""
-        skip = skip_fields or set()
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
 
 class AttentionMetadataBuilder(ABC):
@@ -253,12 +191,10 @@ class AttentionState(ABC):
 
     Call order: `graph_capture(max_batch_size)`; per size `graph_capture_get_metadata_for_batch`,
     `get_graph_input_buffers`, `graph_clone`; per step `prepare_graph_input_buffers`,
-    `begin_forward`, replay. See DESIGN.md.
+    `begin_forward`, replay. See docs/design.md, section 3.
     """
 
     def __init__(self, spec: AttentionSpec) -> None:
-        from compiled_attn.validation import check_device_available
-
         if not isinstance(spec, AttentionSpec):
             raise ValueError(f"a State is made from an AttentionSpec, got {type(spec).__name__}")
         check_device_available(spec.device)  # its static buffers live there

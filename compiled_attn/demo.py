@@ -20,9 +20,11 @@ import torch
 import torch.distributed as dist
 
 import compiled_attn as ca
+from compiled_attn import distributed
+from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models import tp as tpm
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
-from compiled_attn.models.paging import BlockAllocator, Request, last_token_rows, schedule
+from compiled_attn.paging import BlockAllocator, Request, last_token_rows, schedule
 
 
 @dataclasses.dataclass
@@ -53,13 +55,11 @@ def generate(
     caches = allocate_kv_caches(model.config, backend, spec)
     runner, capture_seconds = None, 0.0
     if graphs:
-        from compiled_attn.graphs import CUDAGraphRunner
-
         sizes = [n for n in (1, 2, 4, 8, 16, 32) if n < 2 * len(prompts)]
         # off CUDA the runner replays the same padded static-buffer step without capturing it
         runner = CUDAGraphRunner(model, backend, spec, caches, capture_sizes=sizes, max_batch_size=max(sizes),
                                  use_cuda_graphs=spec.device.type == "cuda", progress=False)
-        capture_seconds = tpm.capture_sharded(runner, group)["seconds"]
+        capture_seconds = distributed.capture_sharded(runner, group)["seconds"]
     allocator = BlockAllocator(spec.num_blocks, spec.block_size)
     builder = backend.get_builder_cls()(spec)
     requests = [Request(tokens=list(p)) for p in prompts]
@@ -68,9 +68,7 @@ def generate(
     for step in range(steps + 1):
         seq_lens, query_lens, tables, ids, pos = schedule(requests, allocator, spec.device)
         md = builder.build(seq_lens, query_lens, tables)
-        # a 1-token batch must not specialise the graph: mark the token dimension unbacked
-        torch._dynamo.decorators.mark_unbacked(ids, 0)
-        torch._dynamo.decorators.mark_unbacked(pos, 0)
+        ca.mark_token_dim(ids, pos)  # a 1-token batch must not specialise the graph
         sync()
         t0 = time.perf_counter()
         if runner is not None:
@@ -119,7 +117,7 @@ def run_demo(*, steps: int = 16, num_requests: int = 6, seed: int = 0, backend_n
     if tp == 1:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         return _demo(None, device, steps, num_requests, seed, backend_name)
-    return tpm.run_ranks(_demo, tp, steps, num_requests, seed, backend_name)[0]
+    return distributed.run_ranks(_demo, tp, steps, num_requests, seed, backend_name)[0]
 
 
 def _demo(group: dist.ProcessGroup | None, device: torch.device, steps: int, num_requests: int, seed: int,

@@ -14,7 +14,7 @@ A backend's State subclasses `GraphState`, sets `backend_cls` and overrides only
   the host planning before each replay.
 
 Which specs a State captures is data on the backend class (`graph_attn_types`,
-`graph_supports_alibi`, next to its other capabilities in `registry.capability_reason`).
+`graph_supports_alibi`, next to its other capabilities, checked in `capabilities.capability_reason`).
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ from typing import Any, ClassVar
 import torch
 
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionState
+from compiled_attn.capabilities import capability_reason
 from compiled_attn.metadata import CommonMetadata
-from compiled_attn.registry import backends_with, capability_reason
+from compiled_attn.registry import backends_with
 from compiled_attn.validation import as_int, check_graph_step
 
 SCRATCH_BLOCK = 0  # pad rows read one token of this block: any block is valid to read, and they write nothing
 
 
 class GraphState(AttentionState):
-    """Static decode buffers and the capture / replay lifecycle of DESIGN.md, for every backend.
+    """Static decode buffers and the capture / replay lifecycle of docs/design.md, for every backend.
 
     Buffers (on the spec's device; W = ceil(max_seq_len_to_capture / block_size)), keyed by the
     metadata field that views them; the graph of batch size bs reads rows [:bs]:
@@ -50,7 +51,7 @@ class GraphState(AttentionState):
     (slot -1) and read one token (seq_len 1) of SCRATCH_BLOCK: valid for every kernel whatever
     the cache holds; their outputs are discarded.
 
-    Example (see DESIGN.md for the full call order)::
+    Example (docs/design.md, section 3, gives the full call order)::
 
         state = backend.get_state_cls()(spec)
         with state.graph_capture(max_batch_size=8):

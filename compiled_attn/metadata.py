@@ -8,17 +8,19 @@ of copies. Backends subclass `CommonMetadata` / `CommonMetadataBuilder` to add t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from compiled_attn.abstract import (
+    AttentionBackend,
     AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionSpec,
     AttentionType,
 )
+from compiled_attn.capabilities import capability_reason, spec_needs
 from compiled_attn.validation import (
     CACHELESS_TYPES,
     check_block_ids,
@@ -188,11 +190,16 @@ def prefix_sums(lens: list[int]) -> np.ndarray:
 
 
 class CommonMetadataBuilder(AttentionMetadataBuilder):
-    """Validates a step and builds `CommonMetadata`; backends override `metadata_cls` and
-    `add_backend_fields` (host work for their own inputs)."""
+    """Validates a step and builds `CommonMetadata`; backends set `backend_cls` and override
+    `metadata_cls` and `add_backend_fields` (host work for their own inputs)."""
 
     metadata_cls: type[CommonMetadata] = CommonMetadata
-    backend_name: str = ""
+    backend_cls: ClassVar[type[AttentionBackend] | None] = None  # whose metadata this builds
+
+    @property
+    def backend_name(self) -> str:
+        """What the metadata records as its builder's backend ("" without one)."""
+        return "" if self.backend_cls is None else self.backend_cls.get_name()
 
     def __init__(self, spec: AttentionSpec) -> None:
         if not isinstance(spec, AttentionSpec):
@@ -208,15 +215,13 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         ignore: a soft-cap on XFORMERS, fp8 on TORCH_SDPA, ...). A CPU spec of a CUDA backend is
         not refused, nor its dtype: the CPU tests run those backends' host logic with stand-in
         kernels (any dtype); on CUDA the dtype is checked."""
-        if not self.backend_name:
+        if self.backend_cls is None:
             return
-        from compiled_attn.registry import BACKEND_CLASSES, capability_reason, spec_needs
-
         needs = spec_needs(spec)
         del needs["device"]
         if spec.device.type != "cuda":
             del needs["dtype"]
-        reason = capability_reason(BACKEND_CLASSES()[self.backend_name], **needs)
+        reason = capability_reason(self.backend_cls, **needs)
         if reason is not None:
             raise NotImplementedError(f"{reason}: its builder cannot serve this spec")
 

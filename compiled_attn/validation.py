@@ -32,12 +32,15 @@ import math
 import numbers
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from compiled_attn.abstract import AttentionMetadata, AttentionSpec, AttentionType, kv_cache_torch_dtype
+from compiled_attn.base import AttentionMetadata, AttentionType, kv_cache_torch_dtype
+
+if TYPE_CHECKING:  # annotations only: `abstract` calls this module
+    from compiled_attn.abstract import AttentionSpec
 
 INT32_MAX = 2**31 - 1  # block tables, lengths and prefix sums are int32 on the device
 CACHE_WRITING_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 sys.path[:0] = [str(Path(__file__).parent.parent / "tests")]
 from test_differential import DEVICE_LIMITS, Case, cases, check_against_reference  # noqa: E402
 
-from compiled_attn.__main__ import positive_int  # noqa: E402
+from compiled_attn.cli import positive_int  # noqa: E402
 from compiled_attn.registry import BACKEND_CLASSES  # noqa: E402
 
 

@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 import compiled_attn as ca
-from compiled_attn.__main__ import output_dir, positive_int, print_table
+from compiled_attn import distributed
+from compiled_attn.bench.report import print_table
+from compiled_attn.cli import output_dir, positive_int
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models import tp as tpm
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
@@ -43,7 +45,7 @@ def bench_rank(group: dist.ProcessGroup, device: torch.device, batches: list[int
     builder = backend.get_builder_cls()(spec)
     runner = CUDAGraphRunner(step, backend, spec, caches, capture_sizes=batches, max_batch_size=max(batches),
                              progress=False)
-    stats = tpm.capture_sharded(runner, group)
+    stats = distributed.capture_sharded(runner, group)
     rows = []
     for batch in batches:
         tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
@@ -84,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for tp_size in args.tp:
         batches = sorted(set(args.batch), reverse=True)
-        rows += tpm.run_ranks(bench_rank, tp_size, batches, args.ctx, not args.eager_model, args.iters,
-                              device_type="cuda")[0]
+        rows += distributed.run_ranks(bench_rank, tp_size, batches, args.ctx, not args.eager_model, args.iters,
+                                      device_type="cuda")[0]
         print_table(rows)
     Path(args.out, "tp-bench.json").write_text(json.dumps(rows, indent=1))
     return 0

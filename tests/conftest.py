@@ -5,9 +5,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiled_attn.backends import flashinfer as fib
-
 sys.path.insert(0, str(Path(__file__).parent))
+
+import toy_backend  # noqa: E402
+
+from compiled_attn.backends import flashinfer as fib  # noqa: E402
+from compiled_attn.registry import BACKEND_CLASSES  # noqa: E402
+
+# The backends the contract tests run (`contract_backend`, and `cpu_backend` for those that run on
+# CPU): every registered one, then the toy backend of toy_backend.py. A new registered backend is
+# picked up here with no change.
+CONTRACT_BACKENDS = {**BACKEND_CLASSES(), toy_backend.NAME: toy_backend.ToyDenseBackend}
+CPU_BACKENDS = [name for name, cls in CONTRACT_BACKENDS.items() if not cls.requires_cuda]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -17,6 +26,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_generate_tests(metafunc):
+    """A test that takes `contract_backend` runs for every name of CONTRACT_BACKENDS (unless it
+    names its own with `parametrize(..., indirect=True)`); `cpu_backend`: CPU_BACKENDS."""
+    own = set()
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0]
+        own |= {n.strip() for n in names.split(",")} if isinstance(names, str) else set(names)
+    for fixture, names in (("contract_backend", list(CONTRACT_BACKENDS)), ("cpu_backend", CPU_BACKENDS)):
+        if fixture in metafunc.fixturenames and fixture not in own:
+            metafunc.parametrize(fixture, names, indirect=True)
+
+
+def _backend(name: str):
+    if name == toy_backend.NAME:
+        with toy_backend.registered() as cls:
+            yield cls
+    else:
+        yield BACKEND_CLASSES()[name]
+
+
+@pytest.fixture
+def contract_backend(request):
+    """The backend class the parameter names; the toy backend is registered for this test only."""
+    yield from _backend(request.param)
+
+
+@pytest.fixture
+def cpu_backend(request):
+    """As `contract_backend`, for the backends that run on CPU."""
+    yield from _backend(request.param)
 
 
 class RecordingWrapper:

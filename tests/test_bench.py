@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 import compiled_attn as ca
-from compiled_attn.__main__ import print_table
 from compiled_attn.bench.decode_loop import GptFastDecoder
 from compiled_attn.bench.kernel_table import Kernel, per_layer_table
 from compiled_attn.bench.plots import decode_series
+from compiled_attn.bench.report import print_table
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 
 

@@ -11,7 +11,7 @@ strategy, so every backend is drawn from its own capabilities):
 3. Blocks absent from every table and the unused tail of each last block may hold anything: NaN
    there gives the same, finite output as random values there.
 
-CPU: TORCH_SDPA. GPU (marked): every available backend.
+CPU: every backend that runs there (TORCH_SDPA, the toy backend). GPU (marked): every available backend.
 """
 
 from __future__ import annotations
@@ -20,15 +20,12 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given
 from reference import make_batch, rel_err, stored
 from test_differential import (
     PROFILES,
-    SDPA,
     Limits,
     available,
-    cases,
-    differential_settings,
+    check_drawn_cases,
     prepare,
     request_rows,
 )
@@ -112,42 +109,24 @@ def check_garbage_never_reaches_outputs(case, backend, device) -> None:
 # 1 and 3 on drawn cases
 
 
-@differential_settings(CPU)
-@given(case=cases(SDPA, "cpu", CPU))
-def test_forward_changes_only_the_written_slots_cpu(case):
-    check_only_written_slots_change(case, SDPA, "cpu")
+def test_forward_changes_only_the_written_slots_cpu(cpu_backend):
+    check_drawn_cases(check_only_written_slots_change, cpu_backend, "cpu", CPU)
 
 
-@differential_settings(CPU)
-@given(case=cases(SDPA, "cpu", CPU))
-def test_garbage_outside_requests_never_reaches_outputs_cpu(case):
-    check_garbage_never_reaches_outputs(case, SDPA, "cpu")
+def test_garbage_outside_requests_never_reaches_outputs_cpu(cpu_backend):
+    check_drawn_cases(check_garbage_never_reaches_outputs, cpu_backend, "cpu", CPU)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
 def test_forward_changes_only_the_written_slots_cuda(name):
-    backend = available(name, "cuda")
-
-    @differential_settings(GPU)
-    @given(case=cases(backend, "cuda", GPU))
-    def check(case):
-        check_only_written_slots_change(case, backend, "cuda")
-
-    check()
+    check_drawn_cases(check_only_written_slots_change, available(name, "cuda"), "cuda", GPU)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
 def test_garbage_outside_requests_never_reaches_outputs_cuda(name):
-    backend = available(name, "cuda")
-
-    @differential_settings(GPU)
-    @given(case=cases(backend, "cuda", GPU))
-    def check(case):
-        check_garbage_never_reaches_outputs(case, backend, "cuda")
-
-    check()
+    check_drawn_cases(check_garbage_never_reaches_outputs, available(name, "cuda"), "cuda", GPU)
 
 
 # -------------------------------------------------------------------------------------------
@@ -189,8 +168,8 @@ def check_pads_write_nothing(backend: type[ca.AttentionBackend], device: str, *,
     torch.testing.assert_close(got[:n], want, rtol=tol, atol=tol)
 
 
-def test_state_pad_rows_write_nothing_cpu():
-    check_pads_write_nothing(SDPA, "cpu", block_size=4, seed=0)
+def test_state_pad_rows_write_nothing_cpu(cpu_backend):
+    check_pads_write_nothing(cpu_backend, "cpu", block_size=4, seed=0)
 
 
 @pytest.mark.gpu

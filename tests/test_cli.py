@@ -82,7 +82,7 @@ def test_e2e_bad_arguments_exit_before_running(no_runs, argv):
                          ids=["iters", "tp", "batch", "out_is_a_file"])
 def test_tp_bench_bad_arguments_exit_before_running(monkeypatch, a_file, bad):
     tp_bench = script("tp_bench")
-    monkeypatch.setattr(tp_bench.tpm, "run_ranks", not_reached)
+    monkeypatch.setattr(tp_bench.distributed, "run_ranks", not_reached)
     with pytest.raises(SystemExit) as exit_:
         tp_bench.main([a if a != "FILE" else a_file for a in bad])
     assert exit_.value.code == 2

@@ -13,12 +13,13 @@ from torch._inductor.utils import run_and_get_code
 
 import compiled_attn as ca
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
-from compiled_attn.models.paging import BlockAllocator, Request, schedule
+from compiled_attn.paging import BlockAllocator, Request, schedule
+from compiled_attn.registry import BACKEND_CLASSES
 
 TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2)
 BLOCK_SIZE, NUM_BLOCKS = 4, 96
 # Batch mixes: (new prompt lengths, decode context lengths). The third is a single-token batch,
-# which Dynamo would specialise on without mark_unbacked.
+# which Dynamo would specialise on without ca.mark_token_dim.
 MIXES = [
     ([7, 3], []),
     ([5], [9, 4, 12]),
@@ -48,8 +49,7 @@ def step_inputs(mix, seed: int, spec: ca.AttentionSpec = CPU_SPEC, backend: str 
     allocator = BlockAllocator(spec.num_blocks, spec.block_size)
     seq_lens, query_lens, tables, ids, pos = schedule(reqs, allocator, spec.device)
     md = ca.get_attn_backend(backend).get_builder_cls()(spec).build(seq_lens, query_lens, tables)
-    torch._dynamo.decorators.mark_unbacked(ids, 0)
-    torch._dynamo.decorators.mark_unbacked(pos, 0)
+    ca.mark_token_dim(ids, pos)
     return md, ids, pos
 
 
@@ -64,20 +64,24 @@ def model():
     return build_model(TINY, seed=0, backend="TORCH_SDPA")
 
 
-def test_model_traces_to_one_graph_without_breaks(model):
-    md, ids, pos = step_inputs(MIXES[1], seed=0)
+def test_model_traces_to_one_graph_without_breaks(cpu_backend):
+    name = cpu_backend.get_name()
+    model = build_model(TINY, seed=0, backend=name)
+    md, ids, pos = step_inputs(MIXES[1], seed=0, backend=name)
     with ca.set_forward_context(md):
         explained = torch._dynamo.explain(model)(ids, pos, random_caches(0))
     assert explained.graph_break_count == 0
     assert explained.graph_count == 1
 
 
-def test_batch_mixes_compile_once_and_match_eager(model):
+def test_batch_mixes_compile_once_and_match_eager(cpu_backend):
+    name = cpu_backend.get_name()
+    model = build_model(TINY, seed=0, backend=name)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
     for i, mix in enumerate(MIXES):
-        md, ids, pos = step_inputs(mix, seed=i)
+        md, ids, pos = step_inputs(mix, seed=i, backend=name)
         eager_caches, compiled_caches = random_caches(i), random_caches(i)
         with ca.set_forward_context(md):
             want = model(ids, pos, eager_caches)
@@ -155,14 +159,11 @@ class GraphModule(torch.nn.Module):
 """)
 
 
-@pytest.mark.parametrize("op", ["kv_cache_update", "torch_sdpa_attention", "flashinfer_attention", "xformers_attention"])
-def test_context_reading_ops_are_cudagraph_unsafe(op):
+def test_context_reading_ops_are_cudagraph_unsafe(contract_backend):
     # reduce-overhead's CUDA graphs copy only graph inputs: a captured op reading the forward
     # context would replay stale metadata, so Inductor must split its graphs around these ops
-    import compiled_attn.backends.flashinfer  # noqa: F401  (registers the op)
-    import compiled_attn.backends.xformers  # noqa: F401
-
-    assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.compiled_attn, op).default.tags
+    for op in (torch.ops.compiled_attn.kv_cache_update, contract_backend.attention_op):
+        assert torch.Tag.cudagraph_unsafe in op.default.tags
 
 
 @pytest.mark.parametrize("op", ["copy_blocks", "swap_blocks"])
@@ -171,11 +172,9 @@ def test_block_ops_may_be_captured(op):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["TORCH_SDPA", "FLASHINFER", "XFORMERS"])
+@pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
 def test_batch_mixes_compile_once_on_cuda(name):
     """Each backend's op on the device: one graph, no breaks, no recompiles over the batch mixes."""
-    from compiled_attn.registry import BACKEND_CLASSES
-
     backend = BACKEND_CLASSES()[name]
     if backend.unavailable_reason() is not None:
         pytest.skip(f"{name}: {backend.unavailable_reason()}")

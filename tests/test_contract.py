@@ -1,4 +1,4 @@
-"""DESIGN.md's pinned public contract: the names and signatures tests outside this repo call."""
+"""The pinned public contract (docs/design.md): the names and signatures tests outside this repo call."""
 
 from __future__ import annotations
 
@@ -37,10 +37,9 @@ def test_kv_cache_torch_dtype():
     assert ca.kv_cache_torch_dtype("fp8_e5m2", torch.float16) == torch.float8_e5m2
 
 
-@pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
-def test_backend_factory(name):
-    backend = BACKEND_CLASSES()[name]
-    assert backend.get_name() == name
+def test_backend_factory(contract_backend):
+    backend = contract_backend
+    assert BACKEND_CLASSES()[backend.get_name()] is backend
     for getter, base in (("get_impl_cls", ca.AttentionImpl), ("get_metadata_cls", ca.AttentionMetadata),
                          ("get_builder_cls", ca.AttentionMetadataBuilder), ("get_state_cls", ca.AttentionState)):
         assert issubclass(getattr(backend, getter)(), base)
@@ -83,3 +82,11 @@ def test_metadata_fields():
 def test_graph_runner_defaults():
     assert list(DEFAULT_CAPTURE_SIZES) == [1, 2, 4] + list(range(8, 257, 8))
     assert params(CUDAGraphRunner.run)[:3] == ["attn_metadata", "input_ids", "positions"]
+
+
+def test_public_names():
+    pinned = {"Attention", "AttentionBackend", "AttentionImpl", "AttentionMetadata", "AttentionMetadataBuilder",
+              "AttentionSpec", "AttentionState", "AttentionType", "BackendUnavailableError", "get_attn_backend",
+              "get_forward_context", "kv_cache_torch_dtype", "set_forward_context"}
+    assert pinned | {"mark_token_dim"} <= set(ca.__all__)
+    assert all(hasattr(ca, name) for name in ca.__all__)

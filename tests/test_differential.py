@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -359,6 +360,18 @@ def available(name: str, device: str) -> type[ca.AttentionBackend]:
     return cls
 
 
+def check_drawn_cases(check: Callable[[Case, type[ca.AttentionBackend], str], None],
+                      backend: type[ca.AttentionBackend], device: str, limits: Limits) -> None:
+    """`check(case, backend, device)` on Hypothesis-drawn cases of `backend` within `limits`."""
+
+    @differential_settings(limits)
+    @given(case=cases(backend, device, limits))
+    def run(case):
+        check(case, backend, device)
+
+    run()
+
+
 def differential_settings(limits: Limits) -> settings:
     # deadline=None: one example builds a cache and a float64 reference, seconds on a slow runner;
     # too_slow/data_too_large: batches are large on purpose.
@@ -374,23 +387,14 @@ DEVICE_LIMITS = limits_for("device")
 SDPA = BACKEND_CLASSES()["TORCH_SDPA"]
 
 
-@differential_settings(CI_LIMITS)
-@given(case=cases(SDPA, "cpu", CI_LIMITS))
-def test_torch_sdpa_cpu_matches_reference(case):
-    check_against_reference(case, SDPA, "cpu")
+def test_cpu_backend_matches_reference(cpu_backend):
+    check_drawn_cases(check_against_reference, cpu_backend, "cpu", CI_LIMITS)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
 def test_backend_cuda_matches_reference(name):
-    backend = available(name, "cuda")
-
-    @differential_settings(DEVICE_LIMITS)
-    @given(case=cases(backend, "cuda", DEVICE_LIMITS))
-    def check(case):
-        check_against_reference(case, backend, "cuda")
-
-    check()
+    check_drawn_cases(check_against_reference, available(name, "cuda"), "cuda", DEVICE_LIMITS)
 
 
 def kept_regressions() -> list:

@@ -1289,8 +1289,7 @@ def test_mutated_compiled_layer_raises_the_documented_error_or_is_correct(compil
             md = SDPA.get_builder_cls()(spec).build(**sc.build_kw)
             md = sc.metadata(md, spec, SDPA) if sc.metadata else md
             args = f["query"], f["key"], f["value"], f["kv_cache"]
-            for t in args[:3]:
-                torch._dynamo.decorators.mark_unbacked(t, 0)
+            ca.mark_token_dim(*args[:3])
             with ca.set_forward_context(md) if sc.in_context else contextlib.nullcontext():
                 return compiled(*args), layer.impl, md
 

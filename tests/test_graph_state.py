@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+import toy_backend
 from test_flashinfer import DENSE_FLASHINFER
 
 import compiled_attn as ca
@@ -48,9 +49,8 @@ def enter_capture(state: ca.AttentionState) -> None:
 # Structure and capture data
 
 
-@pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
-def test_backend_states_override_hooks_only(name):
-    backend = BACKEND_CLASSES()[name]
+def test_backend_states_override_hooks_only(contract_backend):
+    backend = contract_backend
     state_cls = backend.get_state_cls()
     assert issubclass(state_cls, GraphState) and state_cls.backend_cls is backend
     own = set(vars(state_cls)) - set(vars(type("NoHooks", (GraphState,), {})))  # drops what any subclass gets
@@ -61,9 +61,8 @@ def test_backend_states_override_hooks_only(name):
 
 
 @pytest.mark.parametrize("attn_type", list(T))
-@pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
-def test_graph_capture_serves_the_attention_types_its_backend_declares(name, attn_type):
-    backend = BACKEND_CLASSES()[name]
+def test_graph_capture_serves_the_attention_types_its_backend_declares(contract_backend, attn_type):
+    backend, name = contract_backend, contract_backend.get_name()
     state = backend.get_state_cls()(spec_for(attn_type=attn_type))
     if attn_type in backend.graph_attn_types:
         enter_capture(state)
@@ -122,11 +121,10 @@ def test_prepare_with_buffers_of_another_size_raises_and_writes_nothing():
     assert all(torch.equal(bufs[4][k], before[k]) for k in before)
 
 
-@pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
-def test_begin_forward_before_prepare_raises(name, fake_flashinfer):
-    if name == "XFORMERS":
+def test_begin_forward_before_prepare_raises(contract_backend, fake_flashinfer):
+    backend = contract_backend
+    if backend.get_name() == "XFORMERS":
         pytest.importorskip("xformers.ops.fmha")
-    backend = BACKEND_CLASSES()[name]
     state = backend.get_state_cls()(spec_for())
     with state.graph_capture(2):
         state.graph_capture_get_metadata_for_batch(2)
@@ -201,7 +199,8 @@ def test_runner_step_copies_live_rows_and_pads_the_rest(case, fake_flashinfer):
 
 
 # -------------------------------------------------------------------------------------------
-# The padded static step computes what eager does (TORCH_SDPA, FLASHINFER with dense attention)
+# The padded static step computes what eager does (TORCH_SDPA, FLASHINFER with dense attention,
+# the toy backend)
 
 
 class OneLayerStep:
@@ -220,12 +219,13 @@ class OneLayerStep:
                              self.layer_name)
 
 
-@pytest.mark.parametrize("name", ["TORCH_SDPA", "FLASHINFER"])
-def test_padded_static_step_equals_eager_and_pads_write_nothing(name, monkeypatch):
+@pytest.mark.parametrize("contract_backend", ["TORCH_SDPA", "FLASHINFER", toy_backend.NAME], indirect=True)
+def test_padded_static_step_equals_eager_and_pads_write_nothing(contract_backend, monkeypatch):
+    backend, name = contract_backend, contract_backend.get_name()
     if name == "FLASHINFER":
         monkeypatch.setattr(fib, "_flashinfer", lambda: DENSE_FLASHINFER)
         monkeypatch.setattr(fib, "WORKSPACE_BYTES", 1024)
-    backend, spec, vocab = BACKEND_CLASSES()[name], spec_for(dtype=torch.float32, block_size=16), 50
+    spec, vocab = spec_for(dtype=torch.float32, block_size=16), 50
     model = OneLayerStep(backend, spec, vocab)
     shape = backend.get_kv_cache_shape(spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
     cache = torch.randn(shape, generator=torch.Generator().manual_seed(1))

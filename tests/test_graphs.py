@@ -22,7 +22,7 @@ import compiled_attn as ca
 from compiled_attn.graphs import DEFAULT_CAPTURE_SIZES, CUDAGraphRunner, capture_sizes_for, choose_path
 from compiled_attn.graphs import pick_batch_size as pick
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
-from compiled_attn.models.paging import BlockAllocator, Request, last_token_rows, schedule
+from compiled_attn.paging import BlockAllocator, Request, last_token_rows, schedule
 
 SDPA = "TORCH_SDPA"
 
@@ -110,7 +110,7 @@ def decode_md(spec: ca.AttentionSpec, seq_lens: list[int], seed: int = 0):
 
 
 def captured(spec: ca.AttentionSpec, sizes: list[int]):
-    """{bs: (md_bs, bufs, graph_state)} from the State API in DESIGN.md's call order."""
+    """{bs: (md_bs, bufs, graph_state)} from the State API in docs/design.md's call order."""
     state = ca.get_attn_backend(SDPA).get_state_cls()(spec)
     out = {}
     with state.graph_capture(max(sizes)):

@@ -109,3 +109,18 @@ def test_torch_sdpa_attention(name):
                         logits_soft_cap=cap)
     with ca.set_forward_context(md):
         opcheck(torch.ops.compiled_attn.torch_sdpa_attention.default, (q, k, v, cache, output, name))
+
+
+@pytest.mark.parametrize("features", ["plain", "window_softcap_alibi"])
+def test_attention_op_of_each_cpu_backend(cpu_backend, features):
+    # the op a backend declares (`attention_op`), over the metadata of its own builder
+    window, cap, alibi = (3, 5.0, True) if features != "plain" else (None, None, False)
+    batch, _ = batch_for()
+    md = batch.build(cpu_backend)
+    impl = cpu_backend.get_impl_cls()(4, 16, 0.25, 2, alibi_slopes=alibi_slopes(4) if alibi else None,
+                                      sliding_window=window, logits_soft_cap=cap)
+    name, _call = impl.register(1.0, 1.0, T.DECODER)
+    q = heads(batch.query, 4)
+    with ca.set_forward_context(md):
+        opcheck(cpu_backend.attention_op.default,
+                (q, heads(batch.key, 2), heads(batch.value, 2), batch.kv_cache, torch.empty_like(q), name))

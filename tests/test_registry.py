@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import toy_backend
 
 import compiled_attn as ca
-from compiled_attn.registry import ENV_VAR
+from compiled_attn.registry import BACKEND_CLASSES, ENV_VAR, register_backend
 
 CUDA_ONLY = ["FLASHINFER", "XFORMERS"]
 
@@ -125,3 +126,22 @@ def test_kv_cache_torch_dtype(kv_cache_dtype, dtype, expected):
 def test_kv_cache_torch_dtype_unknown():
     with pytest.raises(ValueError, match="kv_cache_dtype='fp4' is not one of"):
         ca.kv_cache_torch_dtype("fp4", torch.bfloat16)
+
+
+def test_registered_backend_is_found_by_name_until_unregistered():
+    with toy_backend.registered() as toy:
+        assert list(BACKEND_CLASSES())[-1] == toy_backend.NAME  # last in auto-selection order
+        assert ca.get_attn_backend(toy_backend.NAME.lower()) is toy
+        assert ca.get_attn_backend(spec=spec()).get_name() == "TORCH_SDPA"  # auto-selection still prefers SDPA
+        assert ca.Attention(8, 64, 0.125, 2, backend=toy_backend.NAME).backend is toy
+    with pytest.raises(ValueError, match=f"unknown attention backend '{toy_backend.NAME}'"):
+        ca.get_attn_backend(toy_backend.NAME)
+
+
+def test_registering_a_taken_name_or_a_non_backend_raises():
+    impostor = type("Impostor", (toy_backend.ToyDenseBackend,), {"get_name": staticmethod(lambda: "TORCH_SDPA")})
+    with pytest.raises(ValueError, match="a backend named TORCH_SDPA is registered already"):
+        register_backend(impostor)
+    with pytest.raises(ValueError, match="takes an AttentionBackend subclass"):
+        register_backend(object)
+    assert BACKEND_CLASSES()["TORCH_SDPA"].__name__ == "TorchSDPABackend"

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
-from compiled_attn.models.soak import SoakConfig, run_soak, soak_num_blocks
 from compiled_attn.registry import BACKEND_CLASSES
+from compiled_attn.testing.soak import SoakConfig, run_soak, soak_num_blocks
 
 
 def soak(name: str, config: LlamaConfig, soak_config: SoakConfig, *, device: str, dtype: torch.dtype,

@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 
 import compiled_attn as ca
+from compiled_attn import distributed
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models import tp as tpm
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
-from compiled_attn.models.paging import BlockAllocator, Request, last_token_rows, schedule
+from compiled_attn.paging import BlockAllocator, Request, last_token_rows, schedule
 
 SDPA = "TORCH_SDPA"
 TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -77,7 +78,7 @@ def test_model_with_indivisible_intermediate_size_raises():
 
 
 def test_capture_size_check_without_a_group_is_a_no_op():
-    tpm.check_capture_sizes_agree([4, 2, 1], None)
+    distributed.check_capture_sizes_agree([4, 2, 1], None)
 
 
 def build_model_for_layout(config: LlamaConfig, tp: tpm.TPLayout):
@@ -120,8 +121,7 @@ def serve(step: Step, spec: ca.AttentionSpec, prompt_tokens: list[list[int]], fo
 
 def direct(model: torch.nn.Module, caches: list[torch.Tensor]) -> Step:
     def step(md, ids, pos):
-        torch._dynamo.decorators.mark_unbacked(ids, 0)
-        torch._dynamo.decorators.mark_unbacked(pos, 0)
+        ca.mark_token_dim(ids, pos)
         with ca.set_forward_context(md):
             return model(ids, pos, caches)
     return step
@@ -166,12 +166,12 @@ def gloo_rank_checks(group: dist.ProcessGroup, device: torch.device) -> dict:
     # the runner's static-buffer step (no CUDA graphs on CPU) with the collectives in it
     runner = CUDAGraphRunner(shard, ca.get_attn_backend(SDPA), spec, caches_for(TINY, spec), use_cuda_graphs=False,
                              capture_sizes=[1, 2, 4, 8], max_batch_size=8, progress=False)
-    tpm.capture_sharded(runner, group)
+    distributed.capture_sharded(runner, group)
     out["runner"], _ = serve(runner.run, spec, batch, tokens_of(out["gqa"]))
     out["runner_counts"] = dict(runner.counts)
 
     try:
-        tpm.check_capture_sizes_agree([8, 4, 2, 1] if rank == 0 else [8, 4, 2], group)
+        distributed.check_capture_sizes_agree([8, 4, 2, 1] if rank == 0 else [8, 4, 2], group)
     except ValueError as e:
         out["sizes_error"] = str(e)
     try:
@@ -187,8 +187,7 @@ def mixed_step(spec: ca.AttentionSpec):
     reqs += [Request(tokens=p, num_computed=len(p) - 1) for p in prompts(2, seed=6, vocab=TINY.vocab_size)]
     seq_lens, query_lens, tables, ids, pos = schedule(reqs, BlockAllocator(NUM_BLOCKS, BLOCK_SIZE), spec.device)
     md = ca.get_attn_backend(SDPA).get_builder_cls()(spec).build(seq_lens, query_lens, tables)
-    torch._dynamo.decorators.mark_unbacked(ids, 0)
-    torch._dynamo.decorators.mark_unbacked(pos, 0)
+    ca.mark_token_dim(ids, pos)
     return md, ids, pos
 
 
@@ -199,7 +198,7 @@ def tokens_of(result: dict) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return tpm.run_ranks(gloo_rank_checks, WORLD, device_type="cpu")
+    return distributed.run_ranks(gloo_rank_checks, WORLD, device_type="cpu")
 
 
 @pytest.mark.parametrize("label", ["gqa", "mqa"])
@@ -271,7 +270,7 @@ def nccl_graphs_vs_eager(group: dist.ProcessGroup, device: torch.device, config:
     step = torch.compile(model, fullgraph=True, dynamic=True) if compile_model else model
     runner = CUDAGraphRunner(step, backend, spec, [c.normal_() for c in allocate_kv_caches(config, backend, spec)],
                              capture_sizes=[1, 4, 8], max_batch_size=8, progress=False)
-    tpm.capture_sharded(runner, group)
+    distributed.capture_sharded(runner, group)
     got, _ = serve(runner.run, spec, batch, tokens, name)
     return {"want": want, "got": got, "counts": dict(runner.counts), "backend": name}
 
@@ -290,7 +289,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPU
     ],
 )
 def test_tp2_graphs_match_eager_in_bf16(config, compile_model):
-    for r in tpm.run_ranks(nccl_graphs_vs_eager, 2, config, compile_model, device_type="cuda"):
+    for r in distributed.run_ranks(nccl_graphs_vs_eager, 2, config, compile_model, device_type="cuda"):
         assert r["counts"]["graph"] == DECODE_STEPS, r["counts"]
         for g, w in zip(r["got"], r["want"], strict=True):
             err = ((g - w).norm() / w.norm()).item()

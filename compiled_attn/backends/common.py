@@ -12,8 +12,10 @@ from typing import ClassVar
 
 import torch
 
-from compiled_attn.abstract import AttentionImpl, AttentionMetadata, AttentionType
+from compiled_attn.abstract import AttentionBackend, AttentionImpl, AttentionMetadata, AttentionType
+from compiled_attn.capabilities import capability_reason
 from compiled_attn.forward_context import LayerCall, register_layer, set_forward_context
+from compiled_attn.registry import backends_with
 from compiled_attn.validation import (
     CACHE_WRITING_TYPES,
     as_attn_type,
@@ -29,9 +31,9 @@ EAGER_NAMES_KEPT = 8
 
 
 class CommonImpl(AttentionImpl):
-    """Shared constructor and forward; a backend sets `backend_cls` and implements `attention`."""
+    """Shared constructor and forward; a backend sets `backend_cls`, whose `attention_op` `run` calls."""
 
-    backend_cls: ClassVar[type]
+    backend_cls: ClassVar[type[AttentionBackend]]
 
     def __init__(
         self,
@@ -79,8 +81,6 @@ class CommonImpl(AttentionImpl):
                       logits_soft_cap=self.logits_soft_cap is not None)
 
     def _require(self, **needs: object) -> None:
-        from compiled_attn.registry import backends_with, capability_reason
-
         reason = capability_reason(self.backend_cls, **needs)
         if reason is not None:
             others = backends_with(**needs)
@@ -148,7 +148,8 @@ class CommonImpl(AttentionImpl):
         attn_type: AttentionType,
         layer_name: str,
     ) -> torch.Tensor:
-        """The traced path: reshape, write the cache, call this backend's attention op.
+        """The traced path: reshape, write the cache, call this backend's `attention_op` (which
+        writes `output` [num_tokens, num_heads, head_size]).
 
         The ops check the step against the metadata (`validation.check_step`) before they write
         or read; the cache write gets the query too, so that a query of the wrong row count is
@@ -162,17 +163,5 @@ class CommonImpl(AttentionImpl):
         if k is not None and kv_cache is not None and attn_type in CACHE_WRITING_TYPES:
             torch.ops.compiled_attn.kv_cache_update(q, k, v, kv_cache, layer_name)
         output = torch.empty_like(q)
-        self.attention(q, k, v, kv_cache, output, layer_name)
+        self.backend_cls.attention_op(q, k, v, kv_cache, output, layer_name)
         return output.view(num_tokens, self.num_heads * self.head_size)
-
-    def attention(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None,
-        value: torch.Tensor | None,
-        kv_cache: torch.Tensor | None,
-        output: torch.Tensor,
-        layer_name: str,
-    ) -> None:
-        """Call this backend's attention op (writes `output` [num_tokens, num_heads, head_size])."""
-        raise NotImplementedError

@@ -113,6 +113,7 @@ class FlashInferBackend(AttentionBackend):
     graph_attn_types = (AttentionType.DECODER,)
     graph_supports_alibi = True
     package = "flashinfer"
+    attention_op = torch.ops.compiled_attn.flashinfer_attention
 
     @staticmethod
     def get_name() -> str:
@@ -377,7 +378,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
     """
 
     metadata_cls = FlashInferMetadata
-    backend_name = NAME
+    backend_cls = FlashInferBackend
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
@@ -521,6 +522,3 @@ class FlashInferImpl(CommonImpl):
         super().check_matches_metadata(x, kv_cache, md, attn_type)
         md.step_plan.check_call(x, kv_cache, self.scale, self.sliding_window, self.logits_soft_cap,
                                 self.alibi_slopes is not None, attn_type)
-
-    def attention(self, query, key, value, kv_cache, output, layer_name):
-        torch.ops.compiled_attn.flashinfer_attention(query, key, value, kv_cache, output, layer_name)

@@ -31,6 +31,7 @@ class TorchSDPABackend(AttentionBackend):
     requires_cuda = False
     graph_attn_types = (AttentionType.DECODER,)
     graph_supports_alibi = True
+    attention_op = torch.ops.compiled_attn.torch_sdpa_attention
 
     @staticmethod
     def get_name() -> str:
@@ -89,7 +90,7 @@ def padded_layout(lens: list[int], firsts: list[int]) -> tuple[np.ndarray, np.nd
 
 class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
     metadata_cls = TorchSDPAMetadata
-    backend_name = NAME
+    backend_cls = TorchSDPABackend
 
     def add_backend_fields(
         self,
@@ -114,9 +115,6 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
 
 class TorchSDPAImpl(CommonImpl):
     backend_cls = TorchSDPABackend
-
-    def attention(self, query, key, value, kv_cache, output, layer_name):
-        torch.ops.compiled_attn.torch_sdpa_attention(query, key, value, kv_cache, output, layer_name)
 
 
 class TorchSDPAState(GraphState):

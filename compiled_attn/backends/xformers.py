@@ -49,6 +49,7 @@ class XFormersBackend(AttentionBackend):
     graph_attn_types = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)  # cross decode too
     graph_supports_alibi = False  # ALiBi runs as a per-request tensor bias, eagerly
     package = "xformers"
+    attention_op = torch.ops.compiled_attn.xformers_attention
 
     @staticmethod
     def get_name() -> str:
@@ -184,7 +185,7 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
     """Common builder + the gathers and bias objects of one step (all host work happens here)."""
 
     metadata_cls = XFormersMetadata
-    backend_name = NAME
+    backend_cls = XFormersBackend
 
     def __init__(self, spec: AttentionSpec) -> None:
         check_block_size(spec.block_size)  # the message that says why, before the builder's generic one
@@ -284,9 +285,6 @@ class XFormersImpl(CommonImpl):
     def check_matches_metadata(self, x, kv_cache, md, attn_type) -> None:
         super().check_matches_metadata(x, kv_cache, md, attn_type)
         md.check_options(self.sliding_window or 0, self.alibi_slopes is not None)
-
-    def attention(self, query, key, value, kv_cache, output, layer_name):
-        torch.ops.compiled_attn.xformers_attention(query, key, value, kv_cache, output, layer_name)
 
 
 class XFormersState(GraphState):

@@ -15,7 +15,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import compiled_attn as ca
 from compiled_attn.bench.timing import card_name, eager_time_us
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
-from compiled_attn.models.paging import BlockAllocator, Request, schedule
+from compiled_attn.paging import BlockAllocator, Request, schedule
 from compiled_attn.registry import BACKEND_CLASSES
 
 # (new prompt lengths, decode context lengths); one of them a 1-token batch
@@ -31,8 +31,7 @@ def _step(config: LlamaConfig, backend: type[ca.AttentionBackend], spec: ca.Atte
     seq_lens, query_lens, tables, ids, pos = schedule(reqs, BlockAllocator(spec.num_blocks, spec.block_size),
                                                       spec.device)
     md = backend.get_builder_cls()(spec).build(seq_lens, query_lens, tables)
-    torch._dynamo.decorators.mark_unbacked(ids, 0)
-    torch._dynamo.decorators.mark_unbacked(pos, 0)
+    ca.mark_token_dim(ids, pos)
     return md, ids, pos
 
 

@@ -59,7 +59,7 @@ def _our_op(spec: ca.AttentionSpec, md, q, kv_cache, out) -> Callable[[], None]:
 
     def step() -> None:
         with ca.set_forward_context(md_bs):
-            torch.ops.compiled_attn.flashinfer_attention(q, None, None, kv_cache, out, name)
+            FlashInferBackend.attention_op(q, None, None, kv_cache, out, name)
 
     step.keep_alive = (graph_state, layer)  # the graph wrapper, its buffers and the layer record
     return step

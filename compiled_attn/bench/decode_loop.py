@@ -33,9 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import compiled_attn as ca
+from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, nominal_bandwidth
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models.llama import Llama, LlamaConfig, allocate_kv_caches, apply_rotary, build_model
+from compiled_attn.registry import BACKEND_CLASSES
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ BLOCK_SIZE = 16
 BACKENDS = ("FLASHINFER", "TORCH_SDPA")
 QUICK_POINTS = ((1, 1024), (64, 1024))
 GRID = tuple((b, c) for c in (1024, 4096) for b in (1, 8, 64, 256))
-FP8_POINTS = ((64, 4096),)  # FLASHINFER with an fp8 (e4m3) cache, against the bf16 peer
+FP8_POINTS = ((64, 4096),)  # backends with fp8 caches (FLASHINFER): e4m3, against the bf16 peer
 # What gpt-fast's generate.py sets before compiling its decode step.
 PEER_INDUCTOR = {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True}
 
@@ -284,14 +286,15 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
                     rows[-1]["vs peer"] = peer_ms[batch, ctx] / rows[-1]["ms/step"]
         del model
         torch.cuda.empty_cache()
-    if "FLASHINFER" in backends and not quick:
-        rows += fp8_rows(peer_ms)
+    for name in () if quick else backends:
+        if "fp8" in BACKEND_CLASSES()[name.upper()].supported_kv_cache_dtypes:
+            rows += fp8_rows(name, peer_ms)
     return rows
 
 
-def fp8_rows(peer_ms: dict[tuple[int, int], float]) -> list[dict]:
-    """Ours with e4m3 KV caches at FP8_POINTS, as a ratio to the bf16 peer measured there."""
-    model, rows = build_8b("FLASHINFER", kv_cache_dtype="fp8"), []
+def fp8_rows(backend: str, peer_ms: dict[tuple[int, int], float]) -> list[dict]:
+    """Ours on `backend` with e4m3 KV caches at FP8_POINTS, as a ratio to the bf16 peer measured there."""
+    model, rows = build_8b(backend, kv_cache_dtype="fp8"), []
     for batch, ctx in FP8_POINTS:
         rows.append(measure_ours(model, batch, ctx, "fp8"))
         if (batch, ctx) in peer_ms:
@@ -302,8 +305,6 @@ def fp8_rows(peer_ms: dict[tuple[int, int], float]) -> list[dict]:
 
 
 def main() -> None:
-    from compiled_attn.__main__ import print_table
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--backend", action="append", default=None)

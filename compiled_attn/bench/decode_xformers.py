@@ -85,7 +85,7 @@ def decode_rows(batch: int, ctx: int, *, replays: int, with_gathered: bool) -> l
     layer_name, _call = impl.register(1.0, 1.0, AttentionType.DECODER)  # _call keeps the name alive
 
     def ours() -> None:
-        torch.ops.compiled_attn.xformers_attention(q, None, None, kv_cache, out, layer_name)
+        XFormersBackend.attention_op(q, None, None, kv_cache, out, layer_name)
 
     variants = {"ours": ours, "direct": lambda: _direct(q5, k, v, bias, scale)}
     if with_gathered:

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import compiled_attn as ca
+from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, nominal_bandwidth
+from compiled_attn.cli import backend_name, positive_int
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models.llama import Llama, LlamaConfig, allocate_kv_caches, apply_rotary, build_model
 
@@ -102,8 +104,7 @@ def measure_point(model: Llama, compiled, backend, batch: int, ctx: int, weight_
         row[f"{label} MBU"] = (weight_bytes + kv_bytes) / seconds / bw
 
     spec, caches, md, ids, pos = decode_inputs(config, backend, batch, ctx, model.embed.weight.dtype, block_size)
-    torch._dynamo.decorators.mark_unbacked(ids, 0)
-    torch._dynamo.decorators.mark_unbacked(pos, 0)
+    ca.mark_token_dim(ids, pos)
     for label, fn, iters in (("eager", model, 5), ("compiled", compiled, 20)):
         def step(fn=fn) -> None:
             with ca.set_forward_context(md):
@@ -144,8 +145,6 @@ def run(quick: bool = False, backend_name: str | None = None, block_size: int = 
 
 def point(text: str) -> tuple[int, int]:
     """argparse type: BxCTX, both ints >= 1."""
-    from compiled_attn.__main__ import positive_int
-
     parts = text.split("x")
     if len(parts) != 2:
         raise argparse.ArgumentTypeError(f"{text!r} is not BxCTX (e.g. 64x1024)")
@@ -153,8 +152,6 @@ def point(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from compiled_attn.__main__ import backend_name, positive_int, print_table
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--backend", type=backend_name, default=None)

@@ -27,34 +27,38 @@ import logging
 import torch
 
 import compiled_attn as ca
+from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, eager_time_us
+from compiled_attn.capabilities import smallest_block_size
 from compiled_attn.graphs import DEFAULT_CAPTURE_SIZES, CUDAGraphRunner
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
+from compiled_attn.registry import BACKEND_CLASSES
 
 log = logging.getLogger(__name__)
 
 CONFIG = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=16, num_heads=16,
                      num_kv_heads=4)
 CAPTURE_LAYERS = 32
-BACKENDS = ("FLASHINFER", "XFORMERS", "TORCH_SDPA")
 BATCHES = (1, 8, 64)
 CONTEXT = 512  # tokens per request in the timed decode step
 MAX_SEQ_LEN_TO_CAPTURE = 1024
 QUICK_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def _spec(name: str, config: LlamaConfig, num_tokens: int) -> ca.AttentionSpec:
-    block_size = 64 if name == "XFORMERS" else 16  # xFormers' paged decode reads 64-key tiles
+def _spec(backend: type[ca.AttentionBackend], config: LlamaConfig, num_tokens: int) -> ca.AttentionSpec:
+    block_size = smallest_block_size(backend)  # 16, or 64 for xFormers' paged decode
     return config.attention_spec(block_size=block_size, num_blocks=-(-num_tokens // block_size) + 1,
                                  dtype=torch.bfloat16, device="cuda", max_seq_len_to_capture=MAX_SEQ_LEN_TO_CAPTURE)
 
 
-def _backend(name: str, spec: ca.AttentionSpec) -> type[ca.AttentionBackend] | None:
+def _can_serve(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec) -> bool:
+    """Whether `backend` can serve `spec` here (logged when it cannot)."""
     try:
-        return ca.get_attn_backend(name, spec)
+        ca.get_attn_backend(backend.get_name(), spec)
     except (ca.BackendUnavailableError, NotImplementedError) as e:
-        log.info("graphs_bench: skipping %s: %s", name, e)
-        return None
+        log.info("graphs_bench: skipping %s: %s", backend.get_name(), e)
+        return False
+    return True
 
 
 def _decode_step(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, batch: int):
@@ -64,16 +68,15 @@ def _decode_step(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, bat
     md = backend.get_builder_cls()(spec).build([CONTEXT] * batch, [1] * batch, tables)
     ids = torch.randint(CONFIG.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), CONTEXT - 1, device="cuda")
-    torch._dynamo.decorators.mark_unbacked(ids, 0)  # one compiled graph for every batch size
-    torch._dynamo.decorators.mark_unbacked(pos, 0)
+    ca.mark_token_dim(ids, pos)  # one compiled graph for every batch size
     return md, ids, pos
 
 
-def _latency_rows(name: str, iters: int, with_reduce_overhead: bool) -> list[dict]:
-    spec = _spec(name, CONFIG, max(BATCHES) * CONTEXT)
-    backend = _backend(name, spec)
-    if backend is None:
+def _latency_rows(backend: type[ca.AttentionBackend], iters: int, with_reduce_overhead: bool) -> list[dict]:
+    spec = _spec(backend, CONFIG, max(BATCHES) * CONTEXT)
+    if not _can_serve(backend, spec):
         return []
+    name = backend.get_name()
     model = build_model(CONFIG, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
     caches = [c.normal_() for c in allocate_kv_caches(CONFIG, backend, spec)]
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
@@ -103,12 +106,12 @@ def _latency_rows(name: str, iters: int, with_reduce_overhead: bool) -> list[dic
     return rows  # the model, caches and graphs go with this frame; the caller empties the cache
 
 
-def _capture_row(name: str, sizes: tuple[int, ...], compiled: bool) -> list[dict]:
+def _capture_row(backend: type[ca.AttentionBackend], sizes: tuple[int, ...], compiled: bool) -> list[dict]:
     config = dataclasses.replace(CONFIG, num_layers=CAPTURE_LAYERS)
-    spec = _spec(name, config, 64 * 1024)
-    backend = _backend(name, spec)
-    if backend is None:
+    spec = _spec(backend, config, 64 * 1024)
+    if not _can_serve(backend, spec):
         return []
+    name = backend.get_name()
     model = build_model(config, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
     step = torch.compile(model, fullgraph=True, dynamic=True) if compiled else model
     caches = allocate_kv_caches(config, backend, spec)
@@ -138,20 +141,18 @@ def run(quick: bool) -> list[dict]:
     iters = 20 if quick else 100
     sizes = QUICK_CAPTURE_SIZES if quick else DEFAULT_CAPTURE_SIZES
     rows = []
-    for name in BACKENDS:
+    for backend in BACKEND_CLASSES().values():
         # reduce-overhead for the first backend that runs only: one more compile per backend
-        rows += _latency_rows(name, iters, with_reduce_overhead=not rows)
+        rows += _latency_rows(backend, iters, with_reduce_overhead=not rows)
         torch._dynamo.reset()  # drop the compiled graphs (they hold the model)
         torch.cuda.empty_cache()
-    for name in BACKENDS:
-        rows += _capture_row(name, sizes, compiled=not quick)
+    for backend in BACKEND_CLASSES().values():
+        rows += _capture_row(backend, sizes, compiled=not quick)
         torch.cuda.empty_cache()
     return rows
 
 
 def main() -> None:
-    from compiled_attn.__main__ import print_table
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     print_table(run(parser.parse_args().quick))

@@ -7,13 +7,13 @@ replay: this matters for eager serving and for the first (planning) call only.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 import compiled_attn as ca
 from compiled_attn.bench.timing import card_name, eager_time_us
+from compiled_attn.capabilities import smallest_block_size
 from compiled_attn.ops.cache import write_kv_cache
+from compiled_attn.ops.library import python_kernel
 from compiled_attn.registry import BACKEND_CLASSES
 
 _lib = torch.library.Library("compiled_attn_bench", "FRAGMENT")
@@ -87,7 +87,7 @@ def backend_rows(backend_name: str, backend: type[ca.AttentionBackend], device: 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     k = torch.randn(8, 8, 128, device=device).to(dtype)
     q = torch.randn(8, 32, 128, device=device).to(dtype)
-    block_size = 16 if backend.supports_block_size(16) else 64
+    block_size = smallest_block_size(backend)
     spec = ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=block_size, num_blocks=256,
                             dtype=dtype, device=device)
     md = backend.get_builder_cls()(spec).build([100] * 8, [1] * 8, [[i * 8 + j for j in range(7)] for i in range(8)])
@@ -95,9 +95,9 @@ def backend_rows(backend_name: str, backend: type[ca.AttentionBackend], device: 
     name, keep = impl.register(1.0, 1.0, ca.AttentionType.DECODER)
     cache = torch.randn(backend.get_kv_cache_shape(256, block_size, 8, 128), device=device).to(dtype)
     out = torch.empty_like(q)
-    op_name = f"{backend_name.lower()}_attention"
-    kernel = getattr(importlib.import_module(f"compiled_attn.ops.{backend_name.lower()}"), op_name)
-    op = getattr(torch.ops.compiled_attn, op_name)
+    op = backend.attention_op
+    op_name = op.__name__
+    kernel = python_kernel(op)
     rows = []
     with ca.set_forward_context(md):
         kernel(q, k, k, cache, out, name)  # first call: lazy planning stays out of the timings

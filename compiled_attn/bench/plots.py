@@ -9,6 +9,8 @@ import argparse
 import json
 import os
 
+from compiled_attn.cli import output_dir
+
 DECODE_SUITES = ("compiled_attn.bench.decode_flashinfer", "compiled_attn.bench.decode_xformers")
 
 
@@ -76,8 +78,6 @@ def write_plots(results: dict, out: str) -> list[str]:
 
 
 def main() -> None:
-    from compiled_attn.__main__ import output_dir
-
     parser = argparse.ArgumentParser()
     parser.add_argument("results", nargs="+", type=argparse.FileType("r"))
     parser.add_argument("--out", type=output_dir, default="docs")

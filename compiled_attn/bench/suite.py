@@ -2,48 +2,70 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
 import time
+from types import ModuleType
 
 import torch
 from tqdm import tqdm
 
+from compiled_attn.backends.flashinfer import FlashInferBackend
+from compiled_attn.backends.xformers import XFormersBackend
+from compiled_attn.bench import (
+    ceilings,
+    compile_bench,
+    decode_flashinfer,
+    decode_loop,
+    decode_xformers,
+    e2e,
+    graphs_bench,
+    overhead,
+)
+from compiled_attn.bench.plots import write_plots
+from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, nominal_bandwidth
 
 log = logging.getLogger(__name__)
 
-# (module, needs CUDA, backend it measures or None): run in this order
-SUITES = [
-    ("compiled_attn.bench.ceilings", True, None),
-    ("compiled_attn.bench.overhead", False, None),
-    ("compiled_attn.bench.compile_bench", False, None),
-    ("compiled_attn.bench.decode_flashinfer", True, "FLASHINFER"),
-    ("compiled_attn.bench.decode_xformers", True, "XFORMERS"),
-    ("compiled_attn.bench.graphs_bench", True, None),
-    ("compiled_attn.bench.e2e", True, None),
-    ("compiled_attn.bench.decode_loop", True, None),
+# (suite, needs CUDA, name of the backend it measures or None): run in this order
+SUITES: list[tuple[ModuleType, bool, str | None]] = [
+    (ceilings, True, None),
+    (overhead, False, None),
+    (compile_bench, False, None),
+    (decode_flashinfer, True, FlashInferBackend.get_name()),
+    (decode_xformers, True, XFormersBackend.get_name()),
+    (graphs_bench, True, None),
+    (e2e, True, None),
+    (decode_loop, True, None),
 ]
 
 
-def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list[str] | None = None) -> int:
-    from compiled_attn.__main__ import print_table
+def suite_name(suite: ModuleType) -> str:
+    """What `--suite` calls it: the module's own name (e2e, graphs_bench, ...)."""
+    return suite.__name__.rsplit(".", 1)[1]
 
+
+def suite_names() -> list[str]:
+    return [suite_name(s) for s, _, _ in SUITES]
+
+
+def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     wanted = {b.upper() for b in backends} if backends else None
-    chosen = [(m, b) for m, needs_cuda, b in SUITES
+    chosen = [s for s, needs_cuda, b in SUITES
               if (cuda or not needs_cuda) and (wanted is None or b is None or b in wanted)
-              and (suites is None or m.rsplit(".", 1)[1] in suites)]
+              and (suites is None or suite_name(s) in suites)]
     results: dict[str, list[dict] | str] = {"card": card_name(), "nominal_bw": nominal_bandwidth() or 0}
     failed = 0
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "bench-results.json" if suites is None else f"bench-results-{'-'.join(suites)}.json")
-    for module, _ in tqdm(chosen, desc="bench suites"):
+    for suite in tqdm(chosen, desc="bench suites"):
+        module = suite.__name__  # the results' key
         start = time.perf_counter()
         try:
-            results[module] = importlib.import_module(module).run(quick)
+            results[module] = suite.run(quick)
         except Exception as e:  # a broken suite must not hide the others' numbers
             log.exception("suite %s failed", module)
             results[module] = f"FAILED: {type(e).__name__}: {e}"
@@ -55,8 +77,6 @@ def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list
         with open(path, "w") as f:  # after every suite: a run cut off by a timeout keeps what it measured
             json.dump(results, f, indent=1, default=str)
     try:
-        from compiled_attn.bench.plots import write_plots
-
         for path in write_plots(results, out):
             print(f"plot: {path}")
     except ImportError:

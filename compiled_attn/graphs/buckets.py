@@ -9,6 +9,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 
+from compiled_attn.validation import as_int
+
 # vLLM's sizes: every small batch gets a close fit, larger ones pad by at most 7 rows.
 DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 257, 8))
 
@@ -28,8 +30,6 @@ def capture_sizes_for(max_batch_size: int, sizes: Iterable[int] | None = None) -
     >>> capture_sizes_for(20)
     [16, 8, 4, 2, 1]
     """
-    from compiled_attn.validation import as_int
-
     max_batch_size = as_int("max_batch_size", max_batch_size)
     if sizes is not None and not isinstance(sizes, list | tuple | range):
         raise ValueError(f"capture sizes must be a list of ints, got {type(sizes).__name__}")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from compiled_attn.abstract import AttentionBackend, AttentionMetadata, AttentionSpec, AttentionState
+from compiled_attn.dynamo import mark_token_dim
 from compiled_attn.forward_context import set_forward_context
 from compiled_attn.graphs.buckets import GRAPH, PATHS, capture_sizes_for, choose_path, pick_batch_size
 from compiled_attn.validation import as_int, check_cache_list
@@ -216,7 +217,7 @@ class CUDAGraphRunner:
         """The model on the first `bs` rows of the static inputs (under the caller's context)."""
         ids, pos = self._input_ids[:bs], self._positions[:bs]
         if self._unbacked_tokens:
-            _mark_token_dim(ids, pos)
+            mark_token_dim(ids, pos)
         return self.model(ids, pos, self.kv_caches)
 
     # -- each step -------------------------------------------------------------------------
@@ -252,7 +253,7 @@ class CUDAGraphRunner:
                 logger.debug("%s: %d requests, %d prefills, max_seq_len %d", path, md.num_seqs, md.num_prefills,
                              md.max_seq_len)
             if self._unbacked_tokens:
-                _mark_token_dim(input_ids, positions)
+                mark_token_dim(input_ids, positions)
             with set_forward_context(md):
                 return self.model(input_ids, positions, caches)
         self._check_caches(caches)
@@ -310,13 +311,6 @@ class CUDAGraphRunner:
                 "replaced): a replay would write the old memory. Make and capture a new CUDAGraphRunner "
                 "for the new caches"
             )
-
-
-def _mark_token_dim(*tensors: torch.Tensor) -> None:
-    """A compiled model sees the token count as unbacked, so sizes 1, 2, ... share one graph
-    (Dynamo specialises 0 and 1 otherwise; see DESIGN.md). No effect on an eager model."""
-    for t in tensors:
-        torch._dynamo.decorators.mark_unbacked(t, 0)
 
 
 @contextlib.contextmanager

@@ -16,22 +16,18 @@ without graph breaks under `fullgraph=True`, Inductor lowers them, and eager run
 ops. Modules keep the group's *name*, a string Dynamo treats as a constant (as the attention
 layers keep theirs). Weights are drawn for the full model and sliced (see `build_model`), so a
 sharded model equals the unsharded one up to the order of the all-reduce sums.
+
+Launching the ranks and capturing CUDA graphs across them: `compiled_attn.distributed`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
-import os
-import socket
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
@@ -115,33 +111,6 @@ def check_group_device(group: dist.ProcessGroup | None, device: str | torch.devi
         here = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         if bound != here:
             raise ValueError(f"the NCCL group is bound to {bound} but the model is on {here}")
-
-
-def check_capture_sizes_agree(sizes: Sequence[int], group: dist.ProcessGroup | None) -> None:
-    """ValueError on every rank unless all ranks capture the same sizes in the same order.
-
-    Each captured graph holds collectives; a rank capturing a size the others skip would wait
-    at replay for partners that never come (a hang, not an error). Call before capture; it
-    exchanges the lists with `all_gather_object` (host objects; on NCCL the current CUDA device
-    must be this rank's).
-    """
-    if group is None or dist.get_world_size(group) == 1:
-        return
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, list(sizes), group=group)
-    if any(s != gathered[0] for s in gathered):
-        per_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(gathered))
-        raise ValueError(f"ranks disagree on the CUDA-graph capture sizes ({per_rank}); pass the same sizes on all")
-
-
-def capture_sharded(runner: Any, group: dist.ProcessGroup | None) -> dict[str, Any]:
-    """`runner.capture()` for a sharded model: checks first that every rank captures the same
-    sizes (largest first, so the graphs' collectives line up), then captures; returns its stats.
-
-    runner: a `compiled_attn.graphs.CUDAGraphRunner` over this rank's model and KV caches.
-    """
-    check_capture_sizes_agree(runner.sizes, group)
-    return runner.capture()
 
 
 # -------------------------------------------------------------------------------------------
@@ -246,71 +215,3 @@ def shard_of(module: nn.Module, full: torch.Tensor) -> torch.Tensor:
 def full_shape_of(module: nn.Module, param: torch.Tensor) -> tuple[int, ...]:
     """The parameter's shape in the unsharded model (its own shape for replicated modules)."""
     return tuple(getattr(module, "full_shape", param.shape))
-
-
-# -------------------------------------------------------------------------------------------
-# Launching N ranks on one host (the demo and tests)
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 for the rendezvous (the store listens on loopback only)."""
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device_type: str | None = None) -> list[Any]:
-    """Run `fn(group, device, *args)` on `world_size` spawned processes and return their results
-    (by rank; they must pickle). `fn` must be importable (module level).
-
-    device_type "cuda": rank r uses cuda:r with an NCCL group; "cpu": gloo. Default: CUDA when
-    there are at least `world_size` GPUs, else CPU.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
-    if device_type == "cuda" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"{world_size} ranks on CUDA need {world_size} GPUs, found {torch.cuda.device_count()}")
-    results = mp.get_context("spawn").SimpleQueue()
-    ranks = mp.start_processes(
-        _rank_main, args=(world_size, free_port(), device_type, fn, args, results), nprocs=world_size,
-        join=False, start_method="spawn",
-    )
-    # Read while the ranks run: a large result fills the pipe and its rank waits for the reader.
-    out: dict[int, Any] = {}
-    exited = False
-    while len(out) < world_size:
-        if not results.empty():
-            rank, blob = results.get()
-            out[rank] = torch.load(io.BytesIO(blob), weights_only=False)
-        elif exited:
-            raise RuntimeError(f"ranks {sorted(set(range(world_size)) - set(out))} exited without a result")
-        else:
-            exited = ranks.join(timeout=0.05)  # re-raises a rank's exception, stopping the others
-    while not ranks.join():
-        pass
-    return [out[r] for r in range(world_size)]
-
-
-def _rank_main(rank: int, world_size: int, port: int, device_type: str, fn: Callable[..., Any], args: tuple,
-               results: Any) -> None:
-    """One spawned rank: join the group, run `fn`, report its result, leave the group."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    if device_type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        # serialised to bytes: tensors sent as-is would be shared through this process's memory,
-        # which is gone once it exits
-        blob = io.BytesIO()
-        torch.save(fn(dist.group.WORLD, device, *args), blob)
-        results.put((rank, blob.getvalue()))
-    finally:
-        dist.destroy_process_group()

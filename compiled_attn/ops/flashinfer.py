@@ -16,8 +16,6 @@ from compiled_attn.abstract import AttentionType
 from compiled_attn.ops.common import checked_step
 from compiled_attn.ops.library import define_attention_op, register_fake
 
-NAME = "FLASHINFER"
-
 
 def stream_capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (False on machines without CUDA)."""
@@ -49,8 +47,8 @@ def flashinfer_attention(
     kind, step = call.attn_type, md.step_plan
     if stream_capturing() and not step.graph_safe:
         raise RuntimeError(
-            "FLASHINFER: capturing a CUDA graph with metadata from the builder, whose wrappers were "
-            "not made for graphs (use_cuda_graph=False); capture decode steps with metadata from "
+            f"{call.impl.backend_cls.get_name()}: capturing a CUDA graph with metadata from the builder, "
+            "whose wrappers were not made for graphs (use_cuda_graph=False); capture decode steps with metadata from "
             "backend.get_state_cls()(spec).graph_capture_get_metadata_for_batch(batch_size)"
         )
     step.ensure_planned()

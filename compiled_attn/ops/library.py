@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 
 LIB = torch.library.Library("compiled_attn", "FRAGMENT")
+# qualified op name -> its Python kernel (the bench times a call through the dispatcher against it)
+_KERNELS: dict[str, Callable] = {}
 
 
 def define_op(schema: str, *, reads_forward_context: bool) -> Callable[[Callable], Callable]:
@@ -35,9 +37,16 @@ def define_op(schema: str, *, reads_forward_context: bool) -> Callable[[Callable
         name = schema.split("(", 1)[0]
         LIB.define(schema, tags=tags)
         LIB.impl(name, kernel, "CompositeExplicitAutograd")
+        _KERNELS[f"{LIB.ns}::{name}"] = kernel
         return kernel
 
     return register
+
+
+def python_kernel(op: torch._ops.OpOverloadPacket) -> Callable:
+    """The Python function registered as `op`'s kernel (one of ours, e.g. a backend's
+    `attention_op`), to call without the dispatcher."""
+    return _KERNELS[op.default.name()]
 
 
 def register_fake(name: str) -> Callable[[Callable], Callable]:
@@ -46,7 +55,8 @@ def register_fake(name: str) -> Callable[[Callable], Callable]:
 
 
 def define_attention_op(name: str) -> Callable[[Callable], Callable]:
-    """A backend's attention op: one signature for all backends (reads the forward context).
+    """A backend's attention op: one signature for all backends (reads the forward context). The
+    backend class names it once, as `attention_op`, which every Impl calls.
 
     query/output: [num_tokens, num_heads, head_size]; key/value: [num_tokens, num_kv_heads,
     head_size] or None; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size] or None.

@@ -15,8 +15,6 @@ from compiled_attn.abstract import AttentionType
 from compiled_attn.ops.common import alibi_bias, checked_step
 from compiled_attn.ops.library import define_attention_op, register_fake
 
-NAME = "TORCH_SDPA"
-
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[num_blocks, block_size, H, D] gathered through tables [B, n] -> [B, n * block_size, H, D]."""

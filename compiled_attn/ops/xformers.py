@@ -26,7 +26,6 @@ from compiled_attn.abstract import AttentionType
 from compiled_attn.ops.common import alibi_bias, checked_step
 from compiled_attn.ops.library import define_attention_op, register_fake
 
-NAME = "XFORMERS"
 # The one not_supported_reason we override: an xFormers wheel whose C++ extension does not load
 # against this torch flags every CUDA op, yet flash / cutlass (PyTorch's own kernels) and
 # triton split-K (Triton) do not need that extension.
@@ -72,7 +71,7 @@ def run_xformers(
             out, _ = op.apply(cutlass_safe(inp) if name == "cutlass" else inp, needs_gradient=False)
             return out.reshape(shape)
         reasons[op.NAME] = why
-    raise NotImplementedError(f"{NAME}: no xFormers kernel takes this input ({type(bias).__name__}): {reasons}")
+    raise NotImplementedError(f"no xFormers kernel takes this input ({type(bias).__name__}): {reasons}")
 
 
 def cutlass_safe(inp: Any) -> Any:

@@ -26,7 +26,7 @@ from compiled_attn.abstract import AttentionBackend, AttentionMetadata, Attentio
 from compiled_attn.forward_context import set_forward_context
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.graphs.buckets import GRAPH, choose_path
-from compiled_attn.models.paging import BlockAllocator, Request, last_token_rows, schedule
+from compiled_attn.paging import BlockAllocator, Request, last_token_rows, schedule
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
-"""A minimal paged-KV bookkeeper for the demo, tests and benchmarks: blocks per request.
+"""A minimal paged-KV bookkeeper: cache blocks per request, and one step's builder inputs.
 
 Real servers have schedulers; this only hands out blocks and turns a batch of requests into
 the (seq_lens, query_lens, block_tables) lists a builder takes, plus the model's ids/positions.
+The demo, the soak driver, tests and benchmarks use it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,38 @@
+"""argparse types shared by `python -m compiled_attn`, the bench entry points and scripts/: each
+refuses a bad value when the arguments are parsed (exit 2 with usage), not after a run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from compiled_attn.registry import BACKEND_CLASSES
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def output_dir(text: str) -> str:
+    """A folder the results can be written to, made now: a bad --out fails before the run."""
+    try:
+        os.makedirs(text, exist_ok=True)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot make folder {text!r}: {e.strerror or e}") from None
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"folder {text!r} is not writable")
+    return text
+
+
+def backend_name(text: str) -> str:
+    """A backend name (any case) the registry knows, upper-cased."""
+    if text.upper() not in BACKEND_CLASSES():
+        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choose one of {list(BACKEND_CLASSES())}")
+    return text.upper()
