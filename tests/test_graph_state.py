@@ -303,6 +303,23 @@ def test_runner_step_copies_live_rows_and_pads_the_rest(case, fake_flashinfer):
             assert got[field][: len(want)].tolist() == want, field
 
 
+@pytest.mark.parametrize("case", list(OWN_AFTER_SECOND))
+def test_runner_captures_a_graph_per_size_and_declared_width(case, fake_flashinfer):
+    """FlashInfer's and xFormers' kernels read live lengths: one graph per size, over the full
+    table; TORCH_SDPA's gather reads the table: a short step runs in its narrowest graph."""
+    name, options, _ = OWN_AFTER_SECOND[case]
+    if name == "XFORMERS":
+        pytest.importorskip("xformers.ops.fmha")
+    backend, spec = BACKEND_CLASSES()[name], wide_spec(**options)
+    state, seen = backend.get_state_cls()(spec), []
+    runner = static_runner(recording_model(state, seen), name, spec, [], [4, 2], state)
+    widths = [16, 8, 4] if name == "TORCH_SDPA" else [16]
+    assert runner.capture_stats["table_widths"] == widths and runner.capture_stats["num_graphs"] == 2 * len(widths)
+    tokens = torch.zeros(len(FIRST["seq_lens"]), dtype=torch.int64)
+    runner.run(decode_step(backend.get_builder_cls()(spec), spec, FIRST), tokens, tokens)  # 130 tokens: 3 blocks
+    assert seen[-1]["block_tables"].shape == (4, widths[-1])
+
+
 # -------------------------------------------------------------------------------------------
 # The padded static step computes what eager does (TORCH_SDPA, FLASHINFER with dense attention,
 # the toy backend)
