@@ -6,8 +6,8 @@ captured largest first into one shared memory pool (a smaller graph reuses the m
 larger one made). Each step, a decode-only batch of n requests goes to the smallest captured
 size >= n and the narrowest width that holds its longest sequence: the runner copies input ids
 / positions into its static buffers (rows n.. are pads), the backend's `AttentionState` does the
-same for the attention metadata, and the graph replays. Prefill / mixed batches, batches above the largest
-size and sequences above `spec.max_seq_len_to_capture` run the model eagerly instead.
+same for the attention metadata, and the graph replays. Prefill / mixed batches, batches above
+the largest size and sequences above `spec.max_seq_len_to_capture` run the model eagerly instead.
 """
 
 from __future__ import annotations
@@ -81,7 +81,10 @@ class CUDAGraphRunner:
         backend, spec: the attention backend and the spec of the model's layers.
         kv_caches: one cache per layer. The graphs write these very tensors (by address): to use
             other caches, make and capture a new runner.
-        state: the backend's `AttentionState` for `spec` (default: a new one).
+        state: the backend's `AttentionState` for `spec` (default: a new one). Its
+            `graph_table_widths()` are the block-table widths captured for every size
+            (`self.widths`; TORCH_SDPA's: 256 tokens' worth of blocks, doubling, up to the full
+            table; a subclass with `MIN_TABLE_WIDTH_TOKENS = None` captures the full one only).
         max_batch_size: the largest batch a graph serves; capture sizes above it are dropped.
         capture_sizes: default `[1, 2, 4] + list(range(8, 257, 8))`.
         warmup_steps: eager runs on a side stream before each capture (compile, lazy init).
@@ -164,9 +167,9 @@ class CUDAGraphRunner:
         `capture_stats`.
 
         capture_stats: num_graphs (sizes x table widths), sizes, table_widths (blocks), seconds,
-        pool_bytes (memory the graph pool holds),
-        allocated_bytes / reserved_bytes (memory_allocated / memory_reserved deltas: the
-        State's buffers, graph outputs and the pool). Memory figures are None without CUDA graphs.
+        pool_bytes (memory the graph pool holds), allocated_bytes / reserved_bytes
+        (memory_allocated / memory_reserved deltas: the State's buffers, graph outputs and the
+        pool). Memory figures are None without CUDA graphs.
         """
         if self._captured:
             raise RuntimeError("this runner is captured already; make a new runner to capture again")
@@ -350,17 +353,17 @@ def _own_cublas_workspace(cuda: bool) -> Iterator[None]:
             torch._C._cuda_clearCublasWorkspaces()
 
 
-def _progress(sizes: Iterable[int], enabled: bool, desc: str) -> Iterator[int]:
-    """A tqdm bar over the capture sizes, if tqdm is installed and `enabled`."""
+def _progress(graphs: Iterable[tuple[int, int]], enabled: bool, desc: str) -> Iterator[tuple[int, int]]:
+    """A tqdm bar over the (size, width) graphs to capture, if tqdm is installed and `enabled`."""
     if enabled:
         try:
             from tqdm.auto import tqdm
         except ImportError:
             logger.info("%s (install tqdm for a progress bar)", desc)
         else:
-            yield from tqdm(sizes, desc=desc, unit="graph")
+            yield from tqdm(graphs, desc=desc, unit="graph")
             return
-    yield from sizes
+    yield from graphs
 
 
 def _pool_bytes(pool: Any, device: torch.device) -> int | None:
