@@ -191,7 +191,9 @@ class AttentionState(ABC):
 
     Call order: `graph_capture(max_batch_size)`; per size `graph_capture_get_metadata_for_batch`,
     `get_graph_input_buffers`, `graph_clone`; per step `prepare_graph_input_buffers`,
-    `begin_forward`, replay. See docs/design.md, section 3.
+    `begin_forward`, replay. See docs/design.md, section 3. A State may capture several graphs
+    per size, one per block-table width of `graph_table_widths()`: the calls without
+    `table_width` mean the full width.
     """
 
     def __init__(self, spec: AttentionSpec) -> None:
@@ -205,13 +207,23 @@ class AttentionState(ABC):
     def graph_capture(self, max_batch_size: int) -> Iterator[None]:
         """Allocate the static buffers for up to `max_batch_size` decodes, once."""
 
-    @abstractmethod
-    def graph_capture_get_metadata_for_batch(self, batch_size: int) -> AttentionMetadata:
-        """All-pad decode metadata of `batch_size` rows over the static buffers."""
+    def graph_table_widths(self) -> tuple[int, ...]:
+        """The block-table widths (in blocks) this State captures a graph of for each batch size,
+        largest first. The first is the full width, ceil(spec.max_seq_len_to_capture /
+        spec.block_size); by default it is the only one."""
+        return (-(-self.spec.max_seq_len_to_capture // self.spec.block_size),)
 
     @abstractmethod
-    def graph_clone(self, batch_size: int) -> AttentionState:
-        """A state that owns what the metadata for `batch_size` made; keeps its buffers alive."""
+    def graph_capture_get_metadata_for_batch(
+        self, batch_size: int, *, table_width: int | None = None
+    ) -> AttentionMetadata:
+        """All-pad decode metadata of `batch_size` rows over the static buffers, its block table
+        `table_width` blocks wide (one of `graph_table_widths()`; None: the full width)."""
+
+    @abstractmethod
+    def graph_clone(self, batch_size: int, *, table_width: int | None = None) -> AttentionState:
+        """A state that owns what the metadata for `batch_size` (and `table_width`) made; keeps
+        its buffers alive."""
 
     @abstractmethod
     def get_graph_input_buffers(self, attn_metadata: AttentionMetadata) -> dict[str, torch.Tensor]:

@@ -11,7 +11,9 @@ A backend's State subclasses `GraphState`, sets `backend_cls` and overrides only
 - `ROW_PADS` / `TABLES`: which of those inputs are per-request rows / block tables (copied and
   padded here), `copy_extra` for inputs of another layout (FlashInfer's page list);
 - `make_for_batch` / `plan`: an object per captured batch size (FlashInfer's graph wrapper) and
-  the host planning before each replay.
+  the host planning before each replay;
+- `MIN_TABLE_WIDTH_TOKENS`: graphs of narrower block tables too, for a kernel whose work grows
+  with the table's width rather than the live lengths (TORCH_SDPA's gather): `graph_table_widths`.
 
 Which specs a State captures is data on the backend class (`graph_attn_types`,
 `graph_supports_alibi`, next to its other capabilities, checked in `capabilities.capability_reason`).
@@ -51,6 +53,12 @@ class GraphState(AttentionState):
     (slot -1) and read one token (seq_len 1) of SCRATCH_BLOCK: valid for every kernel whatever
     the cache holds; their outputs are discarded.
 
+    Table widths: a State whose `MIN_TABLE_WIDTH_TOKENS` is set also captures, per batch size,
+    graphs whose block table is a narrower view `block_tables[:bs, :width]` of the same buffer
+    (`graph_table_widths()`, `table_width=` in the metadata and clone calls); a step whose
+    longest table fits `width` blocks can be refilled into that view. Every other buffer is the
+    same for every width.
+
     Example (docs/design.md, section 3, gives the full call order)::
 
         state = backend.get_state_cls()(spec)
@@ -70,6 +78,11 @@ class GraphState(AttentionState):
     ROW_PADS: ClassVar[dict[str, int]] = {"slot_mapping": -1, "seq_lens_tensor": 1, "context_lens_tensor": 0}
     # Block tables a step copies; their pad rows hold SCRATCH_BLOCK.
     TABLES: ClassVar[tuple[str, ...]] = ("block_tables",)
+    # None: one graph per batch size, over the full table (W blocks): kernels that read the live
+    # lengths (FlashInfer's page list, xFormers' paged bias) gain nothing from a narrower one.
+    # n: also graphs over the first m, 2m, 4m, ... < W columns of `block_tables`, m = ceil(n /
+    # block_size), for kernels whose work grows with the table's width (`table_widths`).
+    MIN_TABLE_WIDTH_TOKENS: ClassVar[int | None] = None
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
@@ -77,6 +90,7 @@ class GraphState(AttentionState):
         self._buffers: dict[str, torch.Tensor] | None = None  # full size, shared by every clone
         # batch size -> what make_for_batch made for it; a clone holds its own size only
         self._slots: dict[int, Any] = {}
+        self._made: set[tuple[int, int]] = set()  # (batch size, table width) of each metadata made
         self._capturing = False
         self._prepared: tuple[CommonMetadata, int] | None = None  # the step begin_forward may plan
 
@@ -94,7 +108,7 @@ class GraphState(AttentionState):
         self._forbid_stream_capture("graph_capture")
         if self._buffers is None or self._buffers["slot_mapping"].shape[0] < max_batch_size:
             self._buffers = self._allocate(max_batch_size)
-            self._slots = {}  # made over the old buffers (clones keep theirs)
+            self._slots, self._made = {}, set()  # made over the old buffers (clones keep theirs)
         self._capturing = True
         try:
             yield
@@ -126,8 +140,16 @@ class GraphState(AttentionState):
             **self.allocate_extra(max_batch_size),
         }
 
-    def graph_capture_get_metadata_for_batch(self, batch_size: int) -> CommonMetadata:
-        """All-pad decode metadata of `batch_size` rows whose tensors are views of the static buffers."""
+    def graph_table_widths(self) -> tuple[int, ...]:
+        """The block-table widths (blocks) of the graphs captured per batch size, largest first:
+        the full W, plus narrower ones where MIN_TABLE_WIDTH_TOKENS is set."""
+        return table_widths(self.max_blocks_per_seq, self.spec.block_size, self.MIN_TABLE_WIDTH_TOKENS)
+
+    def graph_capture_get_metadata_for_batch(self, batch_size: int, *, table_width: int | None = None
+                                             ) -> CommonMetadata:
+        """All-pad decode metadata of `batch_size` rows whose tensors are views of the static
+        buffers, its block table the first `table_width` columns (one of `graph_table_widths()`;
+        None: all W)."""
         if not self._capturing or self._buffers is None:
             raise RuntimeError(
                 "call graph_capture_get_metadata_for_batch inside `with state.graph_capture(max_batch_size):`"
@@ -137,24 +159,37 @@ class GraphState(AttentionState):
         top = self._buffers["slot_mapping"].shape[0]
         if not 1 <= batch_size <= top:
             raise ValueError(f"batch_size={batch_size} outside 1..{top} (graph_capture's maximum)")
+        width = self._table_width(table_width)
         if batch_size not in self._slots:
             self._slots[batch_size] = self.make_for_batch(batch_size)
-        md = self._pad_metadata(batch_size)
+        self._made.add((batch_size, width))
+        md = self._pad_metadata(batch_size, width)
         self._write_step(self.get_graph_input_buffers(md), None)  # warm-up and capture must write nothing
         self.plan(None, batch_size)
         return md
 
-    def _pad_metadata(self, n: int) -> CommonMetadata:
-        # Host fields are fixed per batch size (the ops read num_prefills = 0 and num_decodes = n);
-        # the per-step lengths live in the device views only.
+    def _table_width(self, table_width: int | None) -> int:
+        """The width `table_width` names (None: the full W), checked against the declared ones."""
+        if table_width is None:
+            return self.max_blocks_per_seq
+        width, widths = as_int("table_width", table_width), self.graph_table_widths()
+        if width not in widths:
+            raise ValueError(f"table_width={width} is not a width this {self.backend_cls.get_name()} state captures "
+                             f"(graph_table_widths(): {list(widths)} blocks)")
+        return width
+
+    def _pad_metadata(self, n: int, width: int) -> CommonMetadata:
+        # Host fields are fixed per batch size and width (the ops read num_prefills = 0 and
+        # num_decodes = n); the per-step lengths live in the device views only.
         b, spec = self._buffers, self.spec
         md = self.backend_cls.get_metadata_cls()(
             num_prefills=0, num_prefill_tokens=0, num_decode_tokens=n, slot_mapping=b["slot_mapping"][:n],
             seq_lens=[1] * n, query_lens=[1] * n, block_tables_list=[[SCRATCH_BLOCK]] * n, max_query_len=1,
-            max_seq_len=spec.max_seq_len_to_capture, seq_lens_tensor=b["seq_lens_tensor"][:n],
-            context_lens_tensor=b["context_lens_tensor"][:n], query_start_loc=b["query_start_loc"][: n + 1],
-            block_tables=b["block_tables"][:n], backend_name=self.backend_cls.get_name(),
-            block_size=spec.block_size, num_blocks=spec.num_blocks, spec=spec,
+            max_seq_len=min(spec.max_seq_len_to_capture, width * spec.block_size),
+            seq_lens_tensor=b["seq_lens_tensor"][:n], context_lens_tensor=b["context_lens_tensor"][:n],
+            query_start_loc=b["query_start_loc"][: n + 1], block_tables=b["block_tables"][:n, :width],
+            backend_name=self.backend_cls.get_name(), block_size=spec.block_size, num_blocks=spec.num_blocks,
+            spec=spec,
         )
         self.add_graph_fields(md, n)
         return md
@@ -166,14 +201,17 @@ class GraphState(AttentionState):
             raise RuntimeError("get_graph_input_buffers before graph_capture allocated the buffers")
         return {name: getattr(attn_metadata, name) for name in self._buffers}
 
-    def graph_clone(self, batch_size: int) -> GraphState:
-        """A state for the graph of `batch_size`: shares the static buffers and owns what
-        graph_capture_get_metadata_for_batch(batch_size) made, keeping both alive."""
-        if batch_size not in self._slots:
-            raise RuntimeError(f"graph_clone({batch_size}) before graph_capture_get_metadata_for_batch({batch_size})")
+    def graph_clone(self, batch_size: int, *, table_width: int | None = None) -> GraphState:
+        """A state for the graph of `batch_size` (and `table_width`): shares the static buffers
+        and owns what graph_capture_get_metadata_for_batch(batch_size) made, keeping both alive."""
+        width = self._table_width(table_width)
+        if (batch_size, width) not in self._made:
+            args = f"{batch_size}" if table_width is None else f"{batch_size}, table_width={width}"
+            raise RuntimeError(f"graph_clone({args}) before graph_capture_get_metadata_for_batch({args})")
         clone = type(self)(self.spec)
         clone._buffers = self._buffers
         clone._slots = {batch_size: self._slots[batch_size]}
+        clone._made = {(batch_size, width)}
         return clone
 
     # -- each step -------------------------------------------------------------------------
@@ -203,6 +241,11 @@ class GraphState(AttentionState):
         if batch_size not in self._slots:
             raise RuntimeError(f"these are the buffers of batch size {batch_size}, which this state did not "
                                f"capture: prepare them through graph_clone({batch_size})'s state")
+        width = bufs["block_tables"].shape[1]
+        if (batch_size, width) not in self._made:
+            raise RuntimeError(f"these are the buffers of batch size {batch_size} and table width {width}, which "
+                               f"this state did not capture: prepare them through graph_clone({batch_size}, "
+                               f"table_width={width})'s state")
         for field, buf in bufs.items():
             src = getattr(md, field)
             if src is None:
@@ -210,7 +253,8 @@ class GraphState(AttentionState):
                                  "(cross attention needs encoder_seq_lens and cross_block_tables)")
             if field in self.TABLES and src.shape[1] > buf.shape[1]:
                 raise ValueError(f"{field} of {src.shape[1]} blocks per request > the graph's {buf.shape[1]}: "
-                                 f"build the metadata with {name}'s builder for this spec")
+                                 f"replay the step in a graph whose table_width holds it ({name}'s builder "
+                                 "makes the table as wide as the step's longest sequence needs)")
 
     def _write_step(self, bufs: dict[str, torch.Tensor], md: CommonMetadata | None) -> None:
         """md's rows into the buffers of one batch size, pads after them (only pads when md is None)."""
@@ -224,8 +268,9 @@ class GraphState(AttentionState):
             if field in bufs:
                 if md is not None:
                     src = getattr(md, field)
-                    # Columns past a live row's width keep ids of earlier steps (or SCRATCH_BLOCK):
-                    # valid blocks, and keys beyond seq_len never reach an output.
+                    # Columns past a live row's width (to the graph's table_width) keep ids of
+                    # earlier steps (or SCRATCH_BLOCK): valid blocks, and keys beyond seq_len never
+                    # reach an output. Columns past table_width are not this graph's to read.
                     bufs[field][:n, : src.shape[1]].copy_(src, non_blocking=True)
                 bufs[field][n:].fill_(SCRATCH_BLOCK)
         self.copy_extra(bufs, md)
@@ -257,3 +302,22 @@ class GraphState(AttentionState):
     def plan(self, md: CommonMetadata | None, batch_size: int) -> None:
         """Host planning for the graph of `batch_size` over the prepared buffers (all pads when md
         is None, at capture)."""
+
+
+def table_widths(max_blocks: int, block_size: int, min_tokens: int | None) -> tuple[int, ...]:
+    """Block-table widths to capture, largest first: `max_blocks` and, when `min_tokens` is set,
+    m, 2m, 4m, ... below it, m = ceil(min_tokens / block_size) blocks. Doubling keeps a step's
+    table within twice its longest need (above m) with a graph count logarithmic in W.
+
+    >>> table_widths(64, 16, 256)
+    (64, 32, 16)
+    >>> table_widths(10, 4, None)
+    (10,)
+    """
+    widths = [max_blocks]
+    if min_tokens is not None:
+        width = -(-min_tokens // block_size)
+        while width < max_blocks:
+            widths.append(width)
+            width *= 2
+    return tuple(sorted(widths, reverse=True))

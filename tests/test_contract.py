@@ -55,10 +55,14 @@ def test_backend_factory(contract_backend):
                                     "attn_type"]
     state = backend.get_state_cls()
     for method, args in (("graph_capture", ["max_batch_size"]), ("graph_capture_get_metadata_for_batch",
-                         ["batch_size"]), ("graph_clone", ["batch_size"]), ("get_graph_input_buffers",
-                         ["attn_metadata"]), ("prepare_graph_input_buffers", ["input_buffers", "attn_metadata"]),
-                         ("begin_forward", ["attn_metadata"])):
+                         ["batch_size", "table_width"]), ("graph_clone", ["batch_size", "table_width"]),
+                         ("get_graph_input_buffers", ["attn_metadata"]),
+                         ("prepare_graph_input_buffers", ["input_buffers", "attn_metadata"]),
+                         ("begin_forward", ["attn_metadata"]), ("graph_table_widths", [])):
         assert params(getattr(state, method)) == args, method
+    for method in ("graph_capture_get_metadata_for_batch", "graph_clone"):  # the extension: keyword-only, optional
+        width = inspect.signature(getattr(state, method)).parameters["table_width"]
+        assert (width.kind, width.default) == (inspect.Parameter.KEYWORD_ONLY, None), method
 
 
 def test_get_attn_backend_and_layer_signatures():

@@ -18,12 +18,13 @@ from test_flashinfer import DENSE_FLASHINFER
 
 import compiled_attn as ca
 from compiled_attn.backends import flashinfer as fib
-from compiled_attn.graph_state import SCRATCH_BLOCK, GraphState
+from compiled_attn.graph_state import SCRATCH_BLOCK, GraphState, table_widths
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.registry import BACKEND_CLASSES
 
 T = ca.AttentionType
-HOOKS = {"allocate_extra", "make_for_batch", "add_graph_fields", "copy_extra", "plan", "ROW_PADS", "TABLES"}
+HOOKS = {"allocate_extra", "make_for_batch", "add_graph_fields", "copy_extra", "plan", "ROW_PADS", "TABLES",
+         "MIN_TABLE_WIDTH_TOKENS"}
 
 
 def spec_for(**kw) -> ca.AttentionSpec:
@@ -86,7 +87,7 @@ def test_xformers_state_refuses_block_sizes_its_decode_kernel_cannot_read():
 
 
 # -------------------------------------------------------------------------------------------
-# Lifecycle (TORCH_SDPA's State: GraphState with no hooks)
+# Lifecycle (TORCH_SDPA's State: GraphState over the common buffers)
 
 
 def sdpa_state():
@@ -132,6 +133,110 @@ def test_begin_forward_before_prepare_raises(contract_backend, fake_flashinfer):
     md = backend.get_builder_cls()(state.spec).build([70], [1], [[5, 6]])
     with pytest.raises(RuntimeError, match=r"prepare_graph_input_buffers\(bufs, md\) before begin_forward"):
         clone.begin_forward(md)
+
+
+# -------------------------------------------------------------------------------------------
+# Table widths: graphs over the first columns of the one block-table buffer
+
+
+@pytest.mark.parametrize(("max_blocks", "block_size", "min_tokens", "widths"), [
+    (64, 16, 256, (64, 32, 16)),
+    (512, 16, 256, (512, 256, 128, 64, 32, 16)),  # the default max_seq_len_to_capture, 8192
+    (100, 16, 256, (100, 64, 32, 16)),  # W itself, whatever it is
+    (16, 16, 256, (16,)),  # the floor is the full table
+    (8, 16, 256, (8,)),  # the floor is wider than the full table
+    (100, 3, 256, (100, 86)),  # block sizes that do not divide the floor round it up
+    (10, 4, None, (10,)),
+])
+def test_table_widths_double_from_the_floor_up_to_the_full_table(max_blocks, block_size, min_tokens, widths):
+    assert table_widths(max_blocks, block_size, min_tokens) == widths
+
+
+def wide_spec(**kw) -> ca.AttentionSpec:
+    return spec_for(max_seq_len_to_capture=1024, **kw)  # 16 blocks of 64: widths 16, 8, 4 where declared
+
+
+def test_only_the_gathering_kernel_declares_narrower_widths(contract_backend):
+    backend = contract_backend
+    widths = backend.get_state_cls()(wide_spec()).graph_table_widths()
+    assert widths == ((16, 8, 4) if backend.get_name() == "TORCH_SDPA" else (16,))
+
+
+def wide_sdpa_state():
+    return BACKEND_CLASSES()["TORCH_SDPA"].get_state_cls()(wide_spec(dtype=torch.float32))
+
+
+def test_metadata_of_a_width_views_the_first_columns_of_the_one_table():
+    state = wide_sdpa_state()
+    with state.graph_capture(4):
+        full = state.graph_capture_get_metadata_for_batch(4)
+        narrow = state.graph_capture_get_metadata_for_batch(2, table_width=8)
+    full_bufs, narrow_bufs = state.get_graph_input_buffers(full), state.get_graph_input_buffers(narrow)
+    assert full.block_tables.shape == (4, 16) and narrow.block_tables.shape == (2, 8)
+    assert narrow.block_tables.stride() == full.block_tables.stride()  # a view of the same rows
+    assert (full.max_seq_len, narrow.max_seq_len) == (1024, 8 * 64)  # the longest sequence each graph serves
+    assert all(narrow_bufs[k].data_ptr() == full_bufs[k].data_ptr() for k in full_bufs)
+    assert all(narrow_bufs[k].shape == full_bufs[k][:2].shape for k in full_bufs if k not in ("block_tables",
+                                                                                           "query_start_loc"))
+
+
+@pytest.mark.parametrize("width", [5, 17, 0, "8", 8.0])
+def test_a_width_the_state_does_not_declare_raises(width):
+    state = wide_sdpa_state()
+    with state.graph_capture(2), pytest.raises(ValueError, match="table_width"):
+        state.graph_capture_get_metadata_for_batch(2, table_width=width)
+
+
+def test_every_state_refuses_the_widths_it_does_not_declare(contract_backend, fake_flashinfer):
+    backend = contract_backend
+    if backend.get_name() == "XFORMERS":
+        pytest.importorskip("xformers.ops.fmha")
+    state = backend.get_state_cls()(wide_spec())
+    declared = state.graph_table_widths()
+    with state.graph_capture(2):
+        for width in set(range(1, 18)) - set(declared):  # FlashInfer's and xFormers' kernels read the whole table
+            with pytest.raises(ValueError, match=rf"table_width={width} is not a width .*{list(declared)}"):
+                state.graph_capture_get_metadata_for_batch(2, table_width=width)
+
+
+def test_graph_clone_before_the_metadata_of_its_width_raises():
+    state = wide_sdpa_state()
+    with state.graph_capture(4):
+        state.graph_capture_get_metadata_for_batch(4)  # the full width only
+        with pytest.raises(RuntimeError, match=r"graph_clone\(4, table_width=8\) before "
+                                               r"graph_capture_get_metadata_for_batch\(4, table_width=8\)"):
+            state.graph_clone(4, table_width=8)
+        state.graph_capture_get_metadata_for_batch(4, table_width=4)
+        state.graph_clone(4, table_width=4)
+
+
+def test_prepare_with_buffers_of_another_width_raises_and_writes_nothing():
+    state = wide_sdpa_state()
+    with state.graph_capture(4):
+        bufs = {w: state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(4, table_width=w))
+                for w in (16, 8)}
+        clone_8 = state.graph_clone(4, table_width=8)
+    md = BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(state.spec).build([70], [1], [[5, 6]])
+    before = {k: t.clone() for k, t in bufs[16].items()}
+    with pytest.raises(RuntimeError, match="table width 16, which this state did not capture"):
+        clone_8.prepare_graph_input_buffers(bufs[16], md)
+    assert all(torch.equal(bufs[16][k], before[k]) for k in before)
+
+
+def test_prepare_refuses_a_step_wider_than_the_graphs_table_and_writes_nothing():
+    state = wide_sdpa_state()
+    with state.graph_capture(2):
+        full = state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(2))
+        bufs = state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(2, table_width=4))
+        clone = state.graph_clone(2, table_width=4)
+    builder = BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(state.spec)
+    before = {k: t.clone() for k, t in full.items()}
+    with pytest.raises(ValueError, match="block_tables of 5 blocks per request > the graph's 4"):
+        clone.prepare_graph_input_buffers(bufs, builder.build([257, 9], [1, 1], [[1, 2, 3, 4, 5], [6]]))
+    assert all(torch.equal(full[k], before[k]) for k in before)
+    clone.prepare_graph_input_buffers(bufs, builder.build([256, 9], [1, 1], [[1, 2, 3, 4], [6]]))
+    assert bufs["block_tables"].tolist() == [[1, 2, 3, 4], [6, 0, 0, 0]]
+    assert full["block_tables"][:, 4:].eq(SCRATCH_BLOCK).all(), "columns past the width stay untouched"
 
 
 # -------------------------------------------------------------------------------------------
@@ -196,6 +301,23 @@ def test_runner_step_copies_live_rows_and_pads_the_rest(case, fake_flashinfer):
     for field, want in {**COMMON_AFTER_SECOND, **own}.items():
         if want is not None:
             assert got[field][: len(want)].tolist() == want, field
+
+
+@pytest.mark.parametrize("case", list(OWN_AFTER_SECOND))
+def test_runner_captures_a_graph_per_size_and_declared_width(case, fake_flashinfer):
+    """FlashInfer's and xFormers' kernels read live lengths: one graph per size, over the full
+    table; TORCH_SDPA's gather reads the table: a short step runs in its narrowest graph."""
+    name, options, _ = OWN_AFTER_SECOND[case]
+    if name == "XFORMERS":
+        pytest.importorskip("xformers.ops.fmha")
+    backend, spec = BACKEND_CLASSES()[name], wide_spec(**options)
+    state, seen = backend.get_state_cls()(spec), []
+    runner = static_runner(recording_model(state, seen), name, spec, [], [4, 2], state)
+    widths = [16, 8, 4] if name == "TORCH_SDPA" else [16]
+    assert runner.capture_stats["table_widths"] == widths and runner.capture_stats["num_graphs"] == 2 * len(widths)
+    tokens = torch.zeros(len(FIRST["seq_lens"]), dtype=torch.int64)
+    runner.run(decode_step(backend.get_builder_cls()(spec), spec, FIRST), tokens, tokens)  # 130 tokens: 3 blocks
+    assert seen[-1]["block_tables"].shape == (4, widths[-1])
 
 
 # -------------------------------------------------------------------------------------------

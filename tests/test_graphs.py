@@ -1,9 +1,10 @@
 """CUDA graphs: bucketing decisions, the TORCH_SDPA State, and CUDAGraphRunner.
 
-CPU: the pure decisions (capture sizes, bucket, eager reason), the SDPA State's buffers and
-padding, and the runner's padded static-buffer step (`use_cuda_graphs=False`), which runs the
-exact computation a graph would replay. GPU: every available backend's graphs against eager on
-the reference model (teacher-forced), the fallbacks, and memory over 1000+ replays.
+CPU: the pure decisions (capture sizes, bucket, table width, eager reason), the SDPA State's
+buffers and padding, and the runner's padded static-buffer step (`use_cuda_graphs=False`), which
+runs the exact computation a graph would replay, across TORCH_SDPA's table widths too. GPU:
+every available backend's graphs against eager on the reference model (teacher-forced), the
+fallbacks, and memory over 1000+ replays.
 """
 
 from __future__ import annotations
@@ -19,8 +20,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import compiled_attn as ca
-from compiled_attn.graphs import DEFAULT_CAPTURE_SIZES, CUDAGraphRunner, capture_sizes_for, choose_path
+from compiled_attn.backends.torch_sdpa import TorchSDPAState
+from compiled_attn.graph_state import SCRATCH_BLOCK, table_widths
+from compiled_attn.graphs import (
+    DEFAULT_CAPTURE_SIZES,
+    CUDAGraphRunner,
+    capture_sizes_for,
+    choose_path,
+    pick_table_width,
+)
 from compiled_attn.graphs import pick_batch_size as pick
+from compiled_attn.graphs.buckets import capture_widths_for
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 from compiled_attn.paging import BlockAllocator, Request, last_token_rows, schedule
 
@@ -79,6 +89,32 @@ def test_path_choice(num_prefills, num_seqs, max_seq_len, path):
 def test_empty_batch_raises():
     with pytest.raises(ValueError, match="empty"):
         choose_path(num_prefills=0, num_seqs=0, max_seq_len=0, largest_size=8, max_seq_len_to_capture=64)
+
+
+@pytest.mark.parametrize(("max_seq_len", "width"), [(1, 16), (256, 16), (257, 32), (512, 32), (513, 64),
+                                                    (1024, 64), (1025, None)])
+def test_step_goes_to_the_narrowest_width_that_holds_its_longest_sequence(max_seq_len, width):
+    assert pick_table_width([64, 32, 16], max_seq_len, block_size=16) == width
+
+
+@given(st.integers(1, 600), st.sampled_from([1, 3, 16, 64]), st.integers(1, 40_000))
+def test_picked_width_holds_the_step_within_twice_its_need(max_blocks, block_size, max_seq_len):
+    """TORCH_SDPA's widths: a step of need <= W blocks gets the narrowest width that holds it,
+    at most twice its need or the 256-token floor."""
+    widths = table_widths(max_blocks, block_size, TorchSDPAState.MIN_TABLE_WIDTH_TOKENS)
+    need = -(-max_seq_len // block_size)
+    width = pick_table_width(widths, max_seq_len, block_size)
+    if need > max_blocks:
+        assert width is None
+        return
+    assert width == min(w for w in widths if w >= need)
+    assert width <= max(2 * need - 1, -(-256 // block_size), 1)
+
+
+@pytest.mark.parametrize("widths", [(), (8, 16), (10, 0), (10, 11), (10, True), (10, 4.0)])
+def test_a_state_declaring_bad_widths_is_refused(widths):
+    with pytest.raises(ValueError, match="graph_table_widths"):
+        capture_widths_for(widths, 10)
 
 
 # -------------------------------------------------------------------------------------------
@@ -329,6 +365,7 @@ def test_capture_stats_name_the_sizes(tiny_model):
     runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[4, 1, 2], max_batch_size=3)
     stats = runner.capture_stats
     assert (stats["num_graphs"], stats["sizes"]) == (2, [2, 1])
+    assert stats["table_widths"] == [-(-MAX_LEN // BLOCK_SIZE)]  # 40 tokens: below the 256-token floor
     assert stats["pool_bytes"] is None  # no graphs, no pool
 
 
@@ -438,6 +475,112 @@ def test_runner_compiles_batch_one_apart_and_samples_in_the_step(tiny_model):
             step = dict(list(step.items())[:1])
     assert runner.counts["graph"] == 4 and runner.counts["eager_prefill"] == 1
     # one graph for the prefill and batch 4, one for batch 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
+
+
+# -------------------------------------------------------------------------------------------
+# Runner over TORCH_SDPA's table widths (CPU)
+
+WIDE_BLOCK_SIZE, WIDE_MAX_LEN = 16, 1024  # TORCH_SDPA's widths: 64, 32 and 16 blocks (1024, 512, 256 tokens)
+
+
+def wide_spec() -> ca.AttentionSpec:
+    return TINY.attention_spec(block_size=WIDE_BLOCK_SIZE, num_blocks=256, dtype=torch.float32, device="cpu",
+                               max_seq_len_to_capture=WIDE_MAX_LEN)
+
+
+class RecordingStep:
+    """The model, recording the block table of the metadata each step runs under (a graph's view
+    on the static path, the builder's table on the eager one)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.tables = model, []
+
+    def __call__(self, input_ids, positions, kv_caches):
+        self.tables.append(ca.get_forward_context().attn_metadata.block_tables.clone())
+        return self.model(input_ids, positions, kv_caches)
+
+
+def nan_caches(spec: ca.AttentionSpec) -> list[torch.Tensor]:
+    """Caches whose every slot is NaN until written: a read of a slot no request wrote shows."""
+    return [c.fill_(float("nan")) for c in allocate_kv_caches(TINY, ca.get_attn_backend(SDPA), spec)]
+
+
+def test_runner_captures_every_width_per_size_and_replays_the_narrowest_that_holds_the_step(tiny_model):
+    """Mixed live lengths whose longest crosses 256 and 512 tokens, up to max_seq_len_to_capture:
+    each graph step runs under the view of the smallest size >= n and the narrowest width >= its
+    longest need, computes what eager does, and pads and columns past a row's need write nothing
+    (the caches, NaN wherever unwritten, end equal) and name only valid blocks."""
+    spec = wide_spec()
+    step_model = RecordingStep(tiny_model)
+    caches, ref_caches = nan_caches(spec), nan_caches(spec)
+    runner = static_runner(step_model, spec, caches, capture_sizes=[1, 4], max_batch_size=4)
+    assert runner.capture_stats["table_widths"] == [64, 32, 16] and runner.capture_stats["num_graphs"] == 6
+    ref, eng = Engine(spec, direct(tiny_model, ref_caches)), Engine(spec, runner.run)
+    rng = random.Random(0)
+    lens = {"a": 250, "b": 5, "c": 505, "d": WIDE_MAX_LEN - 3}
+    toks = {name: [rng.randrange(TINY.vocab_size) for _ in range(n)] for name, n in lens.items()}
+    plan = [({"a": 0, "b": 0}, 1), (("a", "b"), 8),  # a: 251..258 tokens, crossing 256
+            ({"c": 0}, 1), (("a", "b", "c"), 9),  # c: 506..514, crossing 512
+            ({"d": 0}, 1), (("b", "d"), 4),  # d: 1022..1024 (the full width), then 1025: overlong; c's row a pad
+            (("b",), 2)]  # one short row again, after wider steps in the same buffers
+    seen = checked = 0
+    for batch, repeat in plan:
+        for _ in range(repeat):
+            step = {n: toks[n] for n in batch} if isinstance(batch, dict) else {n: [toks[n][-1]] for n in batch}
+            want, got = ref.step(step), eng.step(step)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            table = step_model.tables[seen]
+            seen = len(step_model.tables)
+            for name, tok in zip(step, want.argmax(-1).tolist(), strict=True):
+                toks[name].append(tok)
+            longest = max(len(eng.requests[n].tokens) for n in step)
+            if isinstance(batch, dict) or longest > WIDE_MAX_LEN:
+                continue  # prefill, or overlong: eager, under the builder's own table
+            n, bs = len(step), pick([1, 4], len(step))
+            width = min(w for w in (16, 32, 64) if w * WIDE_BLOCK_SIZE >= longest)
+            assert table.shape == (bs, width), (list(step), longest)
+            assert table[n:].eq(SCRATCH_BLOCK).all(), "pad rows read the scratch block"
+            assert ((table >= 0) & (table < spec.num_blocks)).all(), "every column names a block of the cache"
+            checked += 1
+    assert checked == runner.counts["graph"]
+    assert runner.counts == {"graph": 8 + 9 + 3 + 2, "eager_prefill": 3, "eager_oversize": 0, "eager_overlong": 1}
+    for got_cache, want_cache in zip(caches, ref_caches, strict=True):
+        torch.testing.assert_close(got_cache, want_cache, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+class NarrowSDPAState(TorchSDPAState):
+    """TORCH_SDPA's State with an 8-token floor: widths 10, 8, 4 and 2 blocks of 4 at MAX_LEN 40."""
+
+    MIN_TABLE_WIDTH_TOKENS = 8
+
+
+def test_table_widths_compile_no_more_graphs(tiny_model):
+    """The metadata of another width reaches the ops through the forward context, never as a
+    model input: runner(compile=True) still makes one graph for batch 1 and one for the rest."""
+    spec = cpu_spec()
+    state = NarrowSDPAState(spec)
+    assert state.graph_table_widths() == (10, 8, 4, 2)
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    runner = CUDAGraphRunner(tiny_model, ca.get_attn_backend(SDPA), spec, random_caches(spec, 0), state,
+                             capture_sizes=[1, 2, 4], max_batch_size=4, use_cuda_graphs=False, progress=False,
+                             compile=True, postprocess=lambda logits: logits.argmax(-1))
+    runner.capture()
+    ref, eng = Engine(spec, direct(tiny_model, random_caches(spec, 1))), Engine(spec, runner.run)
+    step = prompts(3, seed=12, vocab=TINY.vocab_size, lo=3, hi=6)
+    widths = set()
+    for i in range(20):  # a prefill, then decodes from <= 8 tokens to > 16: widths 2, 4 and 8
+        want = ref.step(step).argmax(-1)
+        assert torch.equal(eng.step(step), want), f"step {i}"
+        if i:
+            longest = max(len(eng.requests[name].tokens) for name in step)
+            widths.add(pick_table_width(runner.widths, longest, BLOCK_SIZE))
+        step = {name: [tok] for name, tok in zip(step, want.tolist(), strict=True)}
+        if i == 14:
+            step = dict(list(step.items())[:1])
+    assert widths >= {2, 4, 8}
+    assert runner.counts["graph"] == 19 and runner.counts["eager_prefill"] == 1
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
 
 
@@ -613,6 +756,28 @@ def test_replay_on_other_caches_raises(gpu):
         gpu.runner.run(md, ids, pos, kv_caches=[c.clone() for c in gpu.runner.kv_caches])
     with pytest.raises(ValueError, match="int64"):
         gpu.runner.run(md, ids.cpu(), pos)
+
+
+@pytest.mark.gpu
+def test_sdpa_graphs_of_every_table_width_match_eager():
+    """TORCH_SDPA's graphs over narrower tables (views of the static table, captured after the
+    widest into the same pool): teacher-forced decodes whose longest row crosses 256 tokens
+    replay the 256- and then the 512-token graphs and agree with eager."""
+    spec = dataclasses.replace(gpu_spec(SDPA), max_seq_len_to_capture=1024)  # widths 64, 32, 16 blocks of 16
+    backend = ca.get_attn_backend(SDPA, spec)
+    model = build_model(GPU_CONFIG, seed=0, backend=SDPA, dtype=torch.bfloat16, device="cuda")
+    runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),
+                             capture_sizes=[1, 2, 4], max_batch_size=4, progress=False)
+    assert runner.capture()["num_graphs"] == 9
+    ref = Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec)))
+    eng = Engine(spec, runner.run)
+    rng = random.Random(3)
+    step = {name: [rng.randrange(GPU_CONFIG.vocab_size) for _ in range(n)] for name, n in (("a", 250), ("b", 9))}
+    for i in range(12):  # a: 251..261 tokens
+        want, got = ref.step(step), eng.step(step)
+        assert rel_err(got, want) <= 2e-2, f"step {i}"
+        step = {name: [tok] for name, tok in zip(step, want.argmax(-1).tolist(), strict=True)}
+    assert runner.counts["graph"] == 11
 
 
 @pytest.mark.gpu

@@ -118,13 +118,21 @@ class TorchSDPAImpl(CommonImpl):
 
 
 class TorchSDPAState(GraphState):
-    """GraphState with no hooks: the op gathers each request's keys through its block-table row
-    and masks them by seq_len, so a graph reads only the common buffers and needs no host
-    planning (`begin_forward` only checks the call order).
+    """GraphState over the common buffers only: the op gathers each request's keys through its
+    block-table row and masks them by seq_len, so a graph needs no host planning
+    (`begin_forward` only checks the call order).
 
-    Cost: the decode gathers every row's full table, so a step moves
-    bs * max_seq_len_to_capture keys per layer whatever the live lengths: keep
-    `spec.max_seq_len_to_capture` near the longest sequence served.
+    The decode gathers every row's whole table (`md.block_tables.shape[1]` blocks), so a graph's
+    step moves bs * width * block_size keys per layer whatever the live lengths. Hence graphs of
+    several table widths per batch size (MIN_TABLE_WIDTH_TOKENS): 256 tokens' worth of blocks,
+    doubling up to W = ceil(max_seq_len_to_capture / block_size), and W itself; the runner replays
+    the narrowest that holds the step's longest sequence, so a step reads at most twice the keys
+    of its longest table (eager pads every row to that one too), or 256 per row. For block sizes
+    dividing 256 that is 1 + ceil(log2(max_seq_len_to_capture / 256)) widths: 3 at 1024 tokens,
+    6 at the default 8192.
     """
 
     backend_cls = TorchSDPABackend
+    # The floor bounds the count (each width is one more graph per capture size: capture time and
+    # pool); steps of shorter sequences gather 256 keys per row. Chosen, not tuned on a GPU.
+    MIN_TABLE_WIDTH_TOKENS = 256

@@ -12,8 +12,10 @@ Capture: `CUDAGraphRunner.capture()` of the compiled 32-layer model at the 35 de
 captured twice: the first capture (reported apart) includes compiling the model and the kernels
 this process has not run yet, the second is the capture time.
 
-TORCH_SDPA's graphs gather every row's whole table (`MAX_SEQ_LEN_TO_CAPTURE` keys) whatever
-the live lengths, so its graphed step reads twice the keys of its eager step here.
+TORCH_SDPA's graphs gather every row's whole table; its State captures tables of 256, 512 and
+1024 tokens (`MAX_SEQ_LEN_TO_CAPTURE`) per size, and the runner replays the narrowest that holds
+the step: at CONTEXT 512 its graphed step gathers the keys its eager step does (until issue 13
+every graph gathered 1024 per row). Its capture rows count 3 graphs per size.
 
     python -m compiled_attn.bench.graphs_bench [--quick]
 """
@@ -123,7 +125,8 @@ def _capture_row(backend: type[ca.AttentionBackend], sizes: tuple[int, ...], com
     first = capture()  # compiles the model and the kernels this process has not run yet
     torch.cuda.empty_cache()
     stats = capture()  # what a server restarted on warm compile and kernel caches pays
-    what = f"capture {stats['num_graphs']} sizes, {'compiled' if compiled else 'eager'} {CAPTURE_LAYERS} layers"
+    what = (f"capture {len(stats['sizes'])} sizes x {len(stats['table_widths'])} table widths, "
+            f"{'compiled' if compiled else 'eager'} {CAPTURE_LAYERS} layers")
     return [_row(name, what, max(sizes), capture_s=stats["seconds"], first_capture_s=first["seconds"],
                  pool_mib=None if stats["pool_bytes"] is None else stats["pool_bytes"] / 2**20,
                  reserved_mib=stats["reserved_bytes"] / 2**20)]

@@ -1,7 +1,9 @@
 """Which captured graph serves a step, or why it runs eagerly: pure host logic, no device.
 
 A decode-only batch of n requests replays the graph of the smallest captured size >= n (its
-rows n.. are pads). Everything else runs the model eagerly, for one named reason.
+rows n.. are pads) and, where the State captures several block-table widths per size, of the
+narrowest width that holds its longest sequence. Everything else runs the model eagerly, for
+one named reason.
 """
 
 from __future__ import annotations
@@ -43,10 +45,39 @@ def capture_sizes_for(max_batch_size: int, sizes: Iterable[int] | None = None) -
     return kept
 
 
+def capture_widths_for(widths: Iterable[int], full_width: int) -> list[int]:
+    """A State's block-table widths (`graph_table_widths()`), largest first, checked: ints in
+    1..full_width, full_width among them (the width a step of the longest sequences needs).
+
+    >>> capture_widths_for((16, 64, 32), 64)
+    [64, 32, 16]
+    """
+    widths = list(widths)
+    if not widths or any(not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= full_width for w in widths) \
+            or full_width not in widths:
+        raise ValueError(f"a State's graph_table_widths() must be ints in 1..{full_width} that include "
+                         f"{full_width} (the full table), got {widths}")
+    return sorted(set(widths), reverse=True)
+
+
 def pick_batch_size(sizes: list[int], num_seqs: int) -> int | None:
     """The smallest of `sizes` (any order) that holds `num_seqs` rows, or None if none does."""
-    ascending = sorted(sizes)
-    i = bisect.bisect_left(ascending, num_seqs)
+    return _smallest_at_least(sizes, num_seqs)
+
+
+def pick_table_width(widths: Iterable[int], max_seq_len: int, block_size: int) -> int | None:
+    """The narrowest of `widths` (blocks, any order) whose table holds a sequence of `max_seq_len`
+    tokens, or None if none does.
+
+    >>> pick_table_width([64, 32, 16], max_seq_len=300, block_size=16)
+    32
+    """
+    return _smallest_at_least(widths, max(1, -(-max_seq_len // block_size)))
+
+
+def _smallest_at_least(values: Iterable[int], n: int) -> int | None:
+    ascending = sorted(values)
+    i = bisect.bisect_left(ascending, n)
     return ascending[i] if i < len(ascending) else None
 
 

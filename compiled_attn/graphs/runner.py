@@ -1,11 +1,13 @@
 """`CUDAGraphRunner`: decode steps replayed as CUDA graphs, every other step run eagerly.
 
-One graph per capture size, captured largest first into one shared memory pool (a smaller
-graph reuses the memory the larger one made). Each step, a decode-only batch of n requests
-goes to the smallest captured size >= n: the runner copies input ids / positions into its
-static buffers (rows n.. are pads), the backend's `AttentionState` does the same for the
-attention metadata, and the graph replays. Prefill / mixed batches, batches above the largest
-size and sequences above `spec.max_seq_len_to_capture` run the model eagerly instead.
+One graph per capture size and block-table width the State declares (one width for kernels
+that read live lengths; several for TORCH_SDPA, whose gather grows with the table's width),
+captured largest first into one shared memory pool (a smaller graph reuses the memory the
+larger one made). Each step, a decode-only batch of n requests goes to the smallest captured
+size >= n and the narrowest width that holds its longest sequence: the runner copies input ids
+/ positions into its static buffers (rows n.. are pads), the backend's `AttentionState` does the
+same for the attention metadata, and the graph replays. Prefill / mixed batches, batches above
+the largest size and sequences above `spec.max_seq_len_to_capture` run the model eagerly instead.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ import torch
 from compiled_attn.abstract import AttentionBackend, AttentionMetadata, AttentionSpec, AttentionState
 from compiled_attn.dynamo import mark_token_dim
 from compiled_attn.forward_context import set_forward_context
-from compiled_attn.graphs.buckets import GRAPH, PATHS, capture_sizes_for, choose_path, pick_batch_size
+from compiled_attn.graphs.buckets import (
+    GRAPH,
+    PATHS,
+    capture_sizes_for,
+    capture_widths_for,
+    choose_path,
+    pick_batch_size,
+    pick_table_width,
+)
 from compiled_attn.validation import as_int, check_cache_list
 
 logger = logging.getLogger(__name__)
@@ -50,10 +60,11 @@ class _Step(torch.nn.Module):
 
 @dataclasses.dataclass
 class CapturedSize:
-    """Everything one captured batch size needs at replay; holding it keeps the graph's memory alive."""
+    """Everything one captured (batch size, table width) needs at replay; holding it keeps the
+    graph's memory alive."""
 
     graph: torch.cuda.CUDAGraph | None  # None when use_cuda_graphs=False
-    graph_state: AttentionState  # owns what the metadata for this size made (wrappers, biases)
+    graph_state: AttentionState  # owns what the metadata for this size and width made (wrappers, biases)
     input_buffers: dict[str, torch.Tensor]  # the static metadata tensors the graph reads
     metadata: AttentionMetadata  # the all-pad metadata the graph was captured with
     output: torch.Tensor | None  # rows [:bs] of the runner's one output buffer, rewritten by every replay
@@ -70,7 +81,10 @@ class CUDAGraphRunner:
         backend, spec: the attention backend and the spec of the model's layers.
         kv_caches: one cache per layer. The graphs write these very tensors (by address): to use
             other caches, make and capture a new runner.
-        state: the backend's `AttentionState` for `spec` (default: a new one).
+        state: the backend's `AttentionState` for `spec` (default: a new one). Its
+            `graph_table_widths()` are the block-table widths captured for every size
+            (`self.widths`; TORCH_SDPA's: 256 tokens' worth of blocks, doubling, up to the full
+            table; a subclass with `MIN_TABLE_WIDTH_TOKENS = None` captures the full one only).
         max_batch_size: the largest batch a graph serves; capture sizes above it are dropped.
         capture_sizes: default `[1, 2, 4] + list(range(8, 257, 8))`.
         warmup_steps: eager runs on a side stream before each capture (compile, lazy init).
@@ -130,12 +144,15 @@ class CUDAGraphRunner:
         self.kv_caches = kv_caches
         self.state = backend.get_state_cls()(spec) if state is None else state
         self.sizes = capture_sizes_for(max_batch_size, capture_sizes)  # largest first
+        # block-table widths per size, largest (the full table) first
+        self.widths = capture_widths_for(self.state.graph_table_widths(),
+                                         -(-spec.max_seq_len_to_capture // spec.block_size))
         self.warmup_steps = warmup_steps
         self.use_cuda_graphs = use_cuda_graphs
         self.progress = progress
         self.counts: dict[str, int] = dict.fromkeys(PATHS, 0)
         self.capture_stats: dict[str, Any] = {}
-        self._captured: dict[int, CapturedSize] = {}
+        self._captured: dict[tuple[int, int], CapturedSize] = {}  # by (batch size, table width)
         self._cache_ptrs: list[int] = []
         self._output: torch.Tensor | None = None  # every graph copies its output rows here
         top = self.sizes[0]
@@ -146,11 +163,13 @@ class CUDAGraphRunner:
     # -- capture ---------------------------------------------------------------------------
 
     def capture(self) -> dict[str, Any]:
-        """Capture one graph per size, largest first, into one pool; returns `capture_stats`.
+        """Capture one graph per size and table width, largest first, into one pool; returns
+        `capture_stats`.
 
-        capture_stats: num_graphs, sizes, seconds, pool_bytes (memory the graph pool holds),
-        allocated_bytes / reserved_bytes (memory_allocated / memory_reserved deltas: the
-        State's buffers, graph outputs and the pool). Memory figures are None without CUDA graphs.
+        capture_stats: num_graphs (sizes x table widths), sizes, table_widths (blocks), seconds,
+        pool_bytes (memory the graph pool holds), allocated_bytes / reserved_bytes
+        (memory_allocated / memory_reserved deltas: the State's buffers, graph outputs and the
+        pool). Memory figures are None without CUDA graphs.
         """
         if self._captured:
             raise RuntimeError("this runner is captured already; make a new runner to capture again")
@@ -164,9 +183,10 @@ class CUDAGraphRunner:
         side_stream = torch.cuda.Stream(device) if cuda else None
         start = time.perf_counter()
         try:
+            graphs = [(bs, width) for bs in self.sizes for width in self.widths]  # the largest graph first
             with _own_cublas_workspace(cuda), self.state.graph_capture(self.sizes[0]):
-                for bs in _progress(self.sizes, self.progress, desc=f"capturing {self.backend.get_name()} graphs"):
-                    self._captured[bs] = self._capture_size(bs, pool, side_stream)
+                for bs, width in _progress(graphs, self.progress, desc=f"capturing {self.backend.get_name()} graphs"):
+                    self._captured[bs, width] = self._capture_size(bs, width, pool, side_stream)
         except BaseException:
             self._captured.clear()  # half a set of graphs would route batches to sizes never captured
             raise
@@ -175,22 +195,25 @@ class CUDAGraphRunner:
         self.capture_stats = {
             "num_graphs": len(self._captured),
             "sizes": list(self.sizes),
+            "table_widths": list(self.widths),
             "seconds": time.perf_counter() - start,
             "pool_bytes": _pool_bytes(pool, device) if cuda else None,
             "allocated_bytes": torch.cuda.memory_allocated(device) - allocated if cuda else None,
             "reserved_bytes": torch.cuda.memory_reserved(device) - reserved if cuda else None,
         }
         logger.info(
-            "captured %d %s graphs (sizes %d..%d) in %.1f s; graph pool %s",
-            len(self._captured), self.backend.get_name(), self.sizes[-1], self.sizes[0],
+            "captured %d %s graphs (sizes %d..%d, table widths %s blocks) in %.1f s; graph pool %s",
+            len(self._captured), self.backend.get_name(), self.sizes[-1], self.sizes[0], self.widths,
             self.capture_stats["seconds"], _mib(self.capture_stats["pool_bytes"]),
         )
         return self.capture_stats
 
-    def _capture_size(self, bs: int, pool: Any, side_stream: torch.cuda.Stream | None) -> CapturedSize:
-        md_bs = self.state.graph_capture_get_metadata_for_batch(bs)  # all pads: warm-up writes nothing
+    def _capture_size(self, bs: int, width: int, pool: Any, side_stream: torch.cuda.Stream | None) -> CapturedSize:
+        # the full width is what the calls without table_width mean (any State takes them)
+        narrower = {} if width == self.widths[0] else {"table_width": width}
+        md_bs = self.state.graph_capture_get_metadata_for_batch(bs, **narrower)  # all pads: warm-up writes nothing
         input_buffers = self.state.get_graph_input_buffers(md_bs)
-        graph_state = self.state.graph_clone(bs)
+        graph_state = self.state.graph_clone(bs, **narrower)
         if side_stream is None:
             return CapturedSize(None, graph_state, input_buffers, md_bs, None)
         # Warm up on a side stream, as torch.cuda.graph captures: lazy initialisation (cuBLAS
@@ -259,7 +282,7 @@ class CUDAGraphRunner:
         self._check_caches(caches)
         n = md.num_seqs
         bs = pick_batch_size(self.sizes, n)
-        entry = self._captured[bs]
+        entry = self._captured[bs, pick_table_width(self.widths, md.max_seq_len, self.spec.block_size)]
         self._input_ids[:n].copy_(input_ids, non_blocking=True)
         self._positions[:n].copy_(positions, non_blocking=True)
         if n < bs:  # pads: zeros are valid ids / positions; their outputs are dropped below
@@ -330,17 +353,17 @@ def _own_cublas_workspace(cuda: bool) -> Iterator[None]:
             torch._C._cuda_clearCublasWorkspaces()
 
 
-def _progress(sizes: Iterable[int], enabled: bool, desc: str) -> Iterator[int]:
-    """A tqdm bar over the capture sizes, if tqdm is installed and `enabled`."""
+def _progress(graphs: Iterable[tuple[int, int]], enabled: bool, desc: str) -> Iterator[tuple[int, int]]:
+    """A tqdm bar over the (size, width) graphs to capture, if tqdm is installed and `enabled`."""
     if enabled:
         try:
             from tqdm.auto import tqdm
         except ImportError:
             logger.info("%s (install tqdm for a progress bar)", desc)
         else:
-            yield from tqdm(sizes, desc=desc, unit="graph")
+            yield from tqdm(graphs, desc=desc, unit="graph")
             return
-    yield from sizes
+    yield from graphs
 
 
 def _pool_bytes(pool: Any, device: torch.device) -> int | None:
