@@ -547,27 +547,12 @@ def check_step(
     kv_cache: torch.Tensor | None,
 ) -> None:
     """Everything about one layer call that needs the metadata, checked before the op writes or
-    reads anything: the layer against the spec, each tensor's trailing shape, dtype and device,
-    the cache against the spec's shape (`check_step_static`), then the rows against the step's
-    tokens (`check_step_rows`). query: [num_tokens, num_heads, head_size], key/value:
-    [num_tokens, num_kv_heads, head_size] or None (the ops' views). Host values only: runs
-    inside the ops, where the metadata is, at run time (through `check_layer_call`)."""
-    check_step_static(impl, attn_type, md, query, key, value, kv_cache)
-    check_step_rows(attn_type, md, query, key, value)
-
-
-def check_step_static(
-    impl: Any,
-    attn_type: AttentionType,
-    md: AttentionMetadata,
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    kv_cache: torch.Tensor | None,
-) -> None:
-    """The part of `check_step` whose answer is fixed by the layer and the `call_kind`: which
-    builder made `md`, the layer against its spec, dtypes, devices, trailing shapes, the cache's
-    shape and layout, and what the backend planned from the spec (`impl.check_matches_metadata`)."""
+    reads anything: which builder made `md`, the layer against its spec, each tensor's trailing
+    shape, dtype and device, the cache's shape and layout, what the backend planned from the
+    spec (`impl.check_matches_metadata`) — all fixed by the layer and the `call_kind` — then the
+    rows against the step's tokens (`check_step_rows`). query: [num_tokens, num_heads,
+    head_size], key/value: [num_tokens, num_kv_heads, head_size] or None (the ops' views). Host
+    values only: runs inside the ops, where the metadata is, at run time (`check_layer_call`)."""
     check_metadata(md, impl.backend_cls.get_name())
     check_layer_for_spec(impl, attn_type, md.spec)
     device = md.slot_mapping.device
@@ -598,15 +583,11 @@ def check_step_static(
         if not cache.is_contiguous():
             raise ValueError("kv_cache must be contiguous (allocate it with torch.empty(shape))")
     impl.check_matches_metadata(query, kv_cache, md, attn_type)  # what a backend planned from the spec
+    check_step_rows(attn_type, md, query, key, value)
 
 
-def check_step_rows(
-    attn_type: AttentionType,
-    md: AttentionMetadata,
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-) -> None:
+def check_step_rows(attn_type: AttentionType, md: AttentionMetadata, query: torch.Tensor, key: torch.Tensor | None,
+                    value: torch.Tensor | None) -> None:
     """The part of `check_step` that changes every step: what this attention type needs of the
     step's metadata, and the query / key / value rows against its tokens."""
     num_tokens = md.num_prefill_tokens + md.num_decode_tokens
@@ -655,15 +636,9 @@ def check_output(query: torch.Tensor, output: object) -> None:
 CALL_KINDS_KEPT = 8
 
 
-def call_kind(
-    md: AttentionMetadata,
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    kv_cache: torch.Tensor | None,
-    output: torch.Tensor | None,
-) -> tuple:
-    """Everything `check_step_static` and `check_output` read besides the layer, as a dict key:
+def call_kind(md: AttentionMetadata, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+              kv_cache: torch.Tensor | None, output: torch.Tensor | None) -> tuple:
+    """Everything `check_step` (but its rows) and `check_output` read besides the layer, as a key:
     the metadata's class, backend, spec (by identity: specs are frozen), cache geometry and
     device; each tensor's dtype, device and trailing shape, the cache's whole shape and layout.
     What it leaves out changes per step and is checked every call (`check_step_rows`, the
@@ -678,26 +653,19 @@ def call_kind(
     )
 
 
-def check_layer_call(
-    checked: dict[tuple, Any],
-    impl: Any,
-    attn_type: AttentionType,
-    md: AttentionMetadata,
-    query: torch.Tensor,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    kv_cache: torch.Tensor | None,
-    output: torch.Tensor | None = None,
-) -> None:
-    """`check_step` (and `check_output` for an attention op's `output`), as every op runs it.
+def check_layer_call(call: Any, md: AttentionMetadata, query: torch.Tensor, key: torch.Tensor | None,
+                     value: torch.Tensor | None, kv_cache: torch.Tensor | None,
+                     output: torch.Tensor | None = None) -> None:
+    """`check_step` (and `check_output` for an attention op's `output`) of the layer `call` (a
+    `forward_context.LayerCall`), as every op runs it.
 
-    The first call of a `call_kind` runs every check; once it passed, `checked` (the calling
-    layer's own dict, `LayerCall.checked_kinds`) remembers the kind, and later calls of that kind
-    check only what changes per step: `check_step_rows` and the output's rows. A call that
-    raised is not remembered (it raises every time); anything the key covers that differs (a
-    spec, dtype, device, cache shape or layout, backend) is a new kind, checked in full.
-    The layer's own options are fixed at construction (`check_impl_args`), so they are not
-    part of the key."""
+    The first call of a `call_kind` runs every check; once it passed, the layer remembers the
+    kind (`call.checked_kinds`), and later calls of that kind check only what changes per step:
+    `check_step_rows` and the output's rows. A call that raised is not remembered (it raises
+    every time); anything the key covers that differs (a spec, dtype, device, cache shape or
+    layout, backend) is a new kind, checked in full. The layer's own options are fixed at
+    construction (`check_impl_args`), so they are not part of the key."""
+    checked, attn_type = call.checked_kinds, call.attn_type
     try:
         kind = call_kind(md, query, key, value, kv_cache, output)
         seen = kind in checked
@@ -708,7 +676,7 @@ def check_layer_call(
         if output is not None and output.shape != query.shape:
             check_output(query, output)
         return
-    check_step(impl, attn_type, md, query, key, value, kv_cache)
+    check_step(call.impl, attn_type, md, query, key, value, kv_cache)
     if output is not None:
         check_output(query, output)
     if kind is not None:

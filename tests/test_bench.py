@@ -92,7 +92,7 @@ def test_overhead_rows_time_repeat_steps_against_the_raw_kernels(monkeypatch):
     from compiled_attn.bench import overhead
 
     full_checks = []
-    monkeypatch.setattr(validation, "check_step_static", lambda *args: full_checks.append(args))
+    monkeypatch.setattr(validation, "check_step", lambda *args: full_checks.append(args))
     rows = overhead.backend_rows("TORCH_SDPA", ca.get_attn_backend("TORCH_SDPA"), "cpu", iters=2)
     ops = [r["what"].split(" (")[0] for r in rows]
     assert ops == ["TORCH_SDPA: kv_cache_update", "TORCH_SDPA: torch_sdpa_attention"]

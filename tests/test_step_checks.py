@@ -32,15 +32,15 @@ def batch():
 
 @pytest.fixture
 def static_checks(monkeypatch):
-    """Counts the calls of `validation.check_step_static` (the part a layer remembers)."""
+    """Counts the calls of `validation.check_step`, the full check (a repeat step of a kind skips it)."""
     calls = []
-    full = validation.check_step_static
+    full = validation.check_step
 
     def counted(*args):
         calls.append(args)
         return full(*args)
 
-    monkeypatch.setattr(validation, "check_step_static", counted)
+    monkeypatch.setattr(validation, "check_step", counted)
     return calls
 
 

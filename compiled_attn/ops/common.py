@@ -23,7 +23,7 @@ def checked_step(
     writes or reads anything. RuntimeError for a dead layer name or no forward context."""
     call = get_layer(layer_name)
     md = get_forward_context().attn_metadata
-    check_layer_call(call.checked_kinds, call.impl, call.attn_type, md, query, key, value, kv_cache, output)
+    check_layer_call(call, md, query, key, value, kv_cache, output)
     return call, md
 
 
