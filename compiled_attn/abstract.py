@@ -263,7 +263,10 @@ class AttentionImpl(ABC):
 
         Called by `validation.check_step` (inside every op, before anything is written) after the
         checks every backend shares; `x` is any input in the model's dtype. Backends that plan
-        from the spec add their checks here.
+        from the spec add their checks here. The answer must depend only on the layer, `md.spec`
+        (and what was built from it) and the dtypes of `x` and `kv_cache`: the ops run it the
+        first time a layer meets a kind of call and remember that it passed
+        (`validation.check_layer_call`).
         """
         return None
 

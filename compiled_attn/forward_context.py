@@ -17,7 +17,7 @@ import itertools
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from compiled_attn.abstract import AttentionImpl, AttentionMetadata, AttentionType
 
@@ -67,12 +67,17 @@ def get_forward_context() -> ForwardContext:
 
 @dataclass(frozen=True, eq=False)
 class LayerCall:
-    """What an op needs to know about the layer calling it, besides tensors and metadata."""
+    """What an op needs to know about the layer calling it, besides tensors and metadata.
+
+    `checked_kinds`: the kinds of call whose static checks this layer passed
+    (`validation.check_layer_call`), so that its ops check only the per-step rest.
+    """
 
     impl: AttentionImpl
     k_scale: float
     v_scale: float
     attn_type: AttentionType
+    checked_kinds: dict[tuple, object] = field(default_factory=dict, repr=False)
 
 
 _layers: weakref.WeakValueDictionary[str, LayerCall] = weakref.WeakValueDictionary()

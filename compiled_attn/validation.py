@@ -9,16 +9,19 @@ builder.build(...)                          `int_list`, `table_rows`, `check_tab
                                             `check_written_blocks`
 impl.forward, ca.Attention (eager and       `check_tensors` (no metadata, so it also runs at
 compiled), the runner's eager path          trace time), then inside every op before it writes
-                                            or reads: `check_step` (which calls
-                                            `check_layer_for_spec`)
+                                            or reads: `check_layer_call` (`check_step`, whose
+                                            static part runs once per layer and call kind)
 State.prepare_graph_input_buffers and the   `check_graph_step`: host data, before the static
 runner's graph path                         buffers are refilled (a replay checks nothing)
 copy_blocks / swap_blocks                   `check_block_cache`, `check_block_pairs`
 ==========================================  ====================================================
 
-`check_layer_for_spec` depends only on (layer, attention type, spec): it is pure, so a caller may
-cache it per layer and metadata kind. Everything else is per step. No check reads device memory
-(shapes, dtypes, devices and host values only), so none syncs the device.
+Inside the ops, what depends only on the layer and the `call_kind` (metadata class, backend and
+spec; each tensor's dtype, device and trailing shape; the cache's shape) is checked the first time
+a layer meets that kind and remembered per layer (`check_layer_call`); every call checks what
+changes per step (rows against the step's tokens, what the attention type needs of the
+metadata). No check reads device memory (shapes, dtypes, devices and host values only), so none
+syncs the device.
 
 Errors: ValueError for invalid input (whatever its Python type: a float, string, tensor or None
 where an int belongs is a ValueError too, never a TypeError from deep inside), NotImplementedError
@@ -434,7 +437,7 @@ def check_written_blocks(slots: np.ndarray, writers: Sequence[int], ids: np.ndar
 def check_layer_for_spec(impl: Any, attn_type: AttentionType, spec: AttentionSpec | None) -> None:
     """The layer can run on metadata built for `spec`: same head layout, and a layer that reads
     and writes a cache only on a spec that has one. Backends that plan from the spec add their
-    own checks in `impl.check_matches_metadata` (per step: they see the tensors' dtypes)."""
+    own checks in `impl.check_matches_metadata` (which also sees the tensors' dtypes)."""
     if spec is None:
         raise ValueError("the metadata has no spec: build it with the backend's builder")
     for name in ("num_heads", "num_kv_heads", "head_size"):
@@ -544,10 +547,12 @@ def check_step(
     kv_cache: torch.Tensor | None,
 ) -> None:
     """Everything about one layer call that needs the metadata, checked before the op writes or
-    reads anything: the layer against the spec, each tensor's rows against the step's tokens,
-    devices, and the cache against the spec's shape. query: [num_tokens, num_heads, head_size],
-    key/value: [num_tokens, num_kv_heads, head_size] or None (the ops' views). Host values only:
-    runs inside the ops, where the metadata is, at run time."""
+    reads anything: which builder made `md`, the layer against its spec, each tensor's trailing
+    shape, dtype and device, the cache's shape and layout, what the backend planned from the
+    spec (`impl.check_matches_metadata`) — all fixed by the layer and the `call_kind` — then the
+    rows against the step's tokens (`check_step_rows`). query: [num_tokens, num_heads,
+    head_size], key/value: [num_tokens, num_kv_heads, head_size] or None (the ops' views). Host
+    values only: runs inside the ops, where the metadata is, at run time (`check_layer_call`)."""
     check_metadata(md, impl.backend_cls.get_name())
     check_layer_for_spec(impl, attn_type, md.spec)
     device = md.slot_mapping.device
@@ -578,8 +583,15 @@ def check_step(
         if not cache.is_contiguous():
             raise ValueError("kv_cache must be contiguous (allocate it with torch.empty(shape))")
     impl.check_matches_metadata(query, kv_cache, md, attn_type)  # what a backend planned from the spec
+    check_step_rows(attn_type, md, query, key, value)
+
+
+def check_step_rows(attn_type: AttentionType, md: AttentionMetadata, query: torch.Tensor, key: torch.Tensor | None,
+                    value: torch.Tensor | None) -> None:
+    """The part of `check_step` that changes every step: what this attention type needs of the
+    step's metadata, and the query / key / value rows against its tokens."""
     num_tokens = md.num_prefill_tokens + md.num_decode_tokens
-    expect, kv_rows = num_tokens, num_tokens
+    expect = kv_rows = num_tokens
     if attn_type == AttentionType.ENCODER:
         if md.encoder_seq_lens is None:
             raise ValueError("ENCODER attention needs metadata built with encoder_seq_lens")
@@ -614,6 +626,63 @@ def check_output(query: torch.Tensor, output: object) -> None:
     if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
         raise ValueError(f"output must be like the query ({query.dtype} {tuple(query.shape)} on {query.device}), "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The step, lean: static checks once per layer and kind of call, rows every call
+
+# Kinds of call a layer remembers as checked. A layer meets two per metadata kind (its cache
+# write, its attention op); one meeting more (a new spec every step) starts over: bounded.
+CALL_KINDS_KEPT = 8
+
+
+def call_kind(md: AttentionMetadata, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+              kv_cache: torch.Tensor | None, output: torch.Tensor | None) -> tuple:
+    """Everything `check_step` (but its rows) and `check_output` read besides the layer, as a key:
+    the metadata's class, backend, spec (by identity: specs are frozen), cache geometry and
+    device; each tensor's dtype, device and trailing shape, the cache's whole shape and layout.
+    What it leaves out changes per step and is checked every call (`check_step_rows`, the
+    output's rows). AttributeError / TypeError for arguments that are not metadata or tensors."""
+    return (
+        type(md), md.backend_name, id(md.spec), md.num_blocks, md.block_size, md.slot_mapping.device,
+        query.dtype, query.device, query.shape[1:],
+        None if key is None else (key.dtype, key.device, key.shape[1:]),
+        None if value is None else (value.dtype, value.device, value.shape[1:]),
+        None if kv_cache is None else (kv_cache.dtype, kv_cache.device, kv_cache.shape, kv_cache.is_contiguous()),
+        None if output is None else (output.dtype, output.device),
+    )
+
+
+def check_layer_call(call: Any, md: AttentionMetadata, query: torch.Tensor, key: torch.Tensor | None,
+                     value: torch.Tensor | None, kv_cache: torch.Tensor | None,
+                     output: torch.Tensor | None = None) -> None:
+    """`check_step` (and `check_output` for an attention op's `output`) of the layer `call` (a
+    `forward_context.LayerCall`), as every op runs it.
+
+    The first call of a `call_kind` runs every check; once it passed, the layer remembers the
+    kind (`call.checked_kinds`), and later calls of that kind check only what changes per step:
+    `check_step_rows` and the output's rows. A call that raised is not remembered (it raises
+    every time); anything the key covers that differs (a spec, dtype, device, cache shape or
+    layout, backend) is a new kind, checked in full. The layer's own options are fixed at
+    construction (`check_impl_args`), so they are not part of the key."""
+    checked, attn_type = call.checked_kinds, call.attn_type
+    try:
+        kind = call_kind(md, query, key, value, kv_cache, output)
+        seen = kind in checked
+    except (AttributeError, TypeError):  # not metadata / tensors: the full check names them
+        kind, seen = None, False
+    if seen:
+        check_step_rows(attn_type, md, query, key, value)
+        if output is not None and output.shape != query.shape:
+            check_output(query, output)
+        return
+    check_step(call.impl, attn_type, md, query, key, value, kv_cache)
+    if output is not None:
+        check_output(query, output)
+    if kind is not None:
+        if len(checked) >= CALL_KINDS_KEPT:
+            checked.clear()
+        checked[kind] = md.spec  # held, so that the spec's id in `kind` is not reused while remembered
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,3 +83,18 @@ def test_gpt_fast_peer_decodes_like_the_paged_model():
             got = model(tokens, torch.full((batch,), pos), caches)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         tokens = want.argmax(-1)
+
+
+def test_overhead_rows_time_repeat_steps_against_the_raw_kernels(monkeypatch):
+    """The overhead suite's op rows: each op is checked in full once (its layer's first call of
+    the kind); every timed call after that is a repeat step."""
+    from compiled_attn import validation
+    from compiled_attn.bench import overhead
+
+    full_checks = []
+    monkeypatch.setattr(validation, "check_step", lambda *args: full_checks.append(args))
+    rows = overhead.backend_rows("TORCH_SDPA", ca.get_attn_backend("TORCH_SDPA"), "cpu", iters=2)
+    ops = [r["what"].split(" (")[0] for r in rows]
+    assert ops == ["TORCH_SDPA: kv_cache_update", "TORCH_SDPA: torch_sdpa_attention"]
+    assert all(r["checks us"] > 0 and "overhead us" in r for r in rows)
+    assert len(full_checks) == 2  # the attention op's first call, the cache write's first call

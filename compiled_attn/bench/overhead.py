@@ -3,9 +3,17 @@
 `torch.library.custom_op` adds Python dispatch on every call (pytorch #139500 reports 4-36 us);
 `Library.define` + `impl` is the lower-level route. Under CUDA graphs neither costs anything at
 replay: this matters for eager serving and for the first (planning) call only.
+
+An op's overhead is what it adds to its raw kernel: the dispatcher, the layer and forward-context
+lookups and the step checks (`ops.common.checked_step`, which checks in full only the first call
+of a kind: `validation.check_layer_call`).
 """
 
 from __future__ import annotations
+
+import contextlib
+import sys
+import unittest.mock
 
 import torch
 
@@ -13,6 +21,7 @@ import compiled_attn as ca
 from compiled_attn.bench.timing import card_name, eager_time_us
 from compiled_attn.capabilities import smallest_block_size
 from compiled_attn.ops.cache import write_kv_cache
+from compiled_attn.ops.common import checked_step
 from compiled_attn.ops.library import python_kernel
 from compiled_attn.registry import BACKEND_CLASSES
 
@@ -35,8 +44,9 @@ def noop_custom(x: torch.Tensor) -> None:
 
 
 def run(quick: bool = False) -> list[dict]:
-    """Rows: op, us per call (median), overhead of the dispatcher call over calling the op's
-    Python kernel directly (the op's own checks and lookups are inside both)."""
+    """Rows: op, us per call (median), its overhead over the raw kernel (`write_kv_cache`, an
+    attention op's Python kernel with its step checks skipped) and, for our ops, the time of
+    those lookups and checks alone on a repeat step (`checks us`)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     iters = 200 if quick else 1000
     x = torch.empty(8, device=device)
@@ -83,7 +93,7 @@ def build_rows(quick: bool) -> list[dict]:
 
 
 def backend_rows(backend_name: str, backend: type[ca.AttentionBackend], device: str, iters: int) -> list[dict]:
-    """The cache-write op and this backend's attention op: dispatcher call vs the Python kernel."""
+    """The cache-write op and this backend's attention op: dispatcher call vs the raw kernel."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     k = torch.randn(8, 8, 128, device=device).to(dtype)
     q = torch.randn(8, 32, 128, device=device).to(dtype)
@@ -92,23 +102,27 @@ def backend_rows(backend_name: str, backend: type[ca.AttentionBackend], device: 
                             dtype=dtype, device=device)
     md = backend.get_builder_cls()(spec).build([100] * 8, [1] * 8, [[i * 8 + j for j in range(7)] for i in range(8)])
     impl = backend.get_impl_cls()(32, 128, 128**-0.5, num_kv_heads=8)
-    name, keep = impl.register(1.0, 1.0, ca.AttentionType.DECODER)
+    name, call = impl.register(1.0, 1.0, ca.AttentionType.DECODER)  # the name lives as long as `call`
     cache = torch.randn(backend.get_kv_cache_shape(256, block_size, 8, 128), device=device).to(dtype)
     out = torch.empty_like(q)
     op = backend.attention_op
     op_name = op.__name__
     kernel = python_kernel(op)
+    # the attention op's raw kernel: its Python kernel with `checked_step` answering at once
+    skip_checks = unittest.mock.patch.object(sys.modules[kernel.__module__], "checked_step", lambda *a: (call, md))
     rows = []
     with ca.set_forward_context(md):
         kernel(q, k, k, cache, out, name)  # first call: lazy planning stays out of the timings
-        for what, raw_fn, op_fn in (
+        for what, raw_fn, raw_context, op_fn, checks_fn in (
             ("kv_cache_update (8 tokens)", lambda: write_kv_cache(k, k, cache, md.slot_mapping, 1.0, 1.0),
-             lambda: torch.ops.compiled_attn.kv_cache_update(q, k, k, cache, name)),
-            (f"{op_name} (8 decodes, ctx 100)", lambda: kernel(q, k, k, cache, out, name),
-             lambda: op(q, k, k, cache, out, name)),
+             contextlib.nullcontext(), lambda: torch.ops.compiled_attn.kv_cache_update(q, k, k, cache, name),
+             lambda: checked_step(name, q, k, k, cache)),
+            (f"{op_name} (8 decodes, ctx 100)", lambda: kernel(q, k, k, cache, out, name), skip_checks,
+             lambda: op(q, k, k, cache, out, name), lambda: checked_step(name, q, k, k, cache, out)),
         ):
-            raw_us, op_us = eager_time_us(raw_fn, iters=iters), eager_time_us(op_fn, iters=iters)
+            with raw_context:
+                raw_us = eager_time_us(raw_fn, iters=iters)
+            op_us = eager_time_us(op_fn, iters=iters)
             rows.append({"card": card_name(), "what": f"{backend_name}: {what}", "us/call": op_us,
-                         "overhead us": op_us - raw_us})
-    del keep
+                         "overhead us": op_us - raw_us, "checks us": eager_time_us(checks_fn, iters=iters)})
     return rows

@@ -6,7 +6,7 @@ import torch
 
 from compiled_attn.abstract import AttentionMetadata
 from compiled_attn.forward_context import LayerCall, get_forward_context, get_layer
-from compiled_attn.validation import check_output, check_step
+from compiled_attn.validation import check_layer_call
 
 
 def checked_step(
@@ -18,13 +18,12 @@ def checked_step(
     output: torch.Tensor | None = None,
 ) -> tuple[LayerCall, AttentionMetadata]:
     """The calling layer and the forward context's metadata, with this call checked against both
-    (`validation.check_step`; attention ops also pass their `output`) before the op writes or
-    reads anything. RuntimeError for a dead layer name or no forward context."""
+    (`validation.check_layer_call`: in full the first time the layer meets this kind of call,
+    then only what changes per step; attention ops also pass their `output`) before the op
+    writes or reads anything. RuntimeError for a dead layer name or no forward context."""
     call = get_layer(layer_name)
     md = get_forward_context().attn_metadata
-    check_step(call.impl, call.attn_type, md, query, key, value, kv_cache)
-    if output is not None:
-        check_output(query, output)
+    check_layer_call(call, md, query, key, value, kv_cache, output)
     return call, md
 
 

@@ -18,8 +18,9 @@ from compiled_attn.ops.library import define_attention_op, register_fake
 
 
 def stream_capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False on machines without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether the current CUDA stream is capturing a graph. Nothing captures before CUDA is
+    initialized, so the cheap flag comes first (`is_available()` costs host us per call)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 @define_attention_op("flashinfer_attention")
@@ -45,7 +46,7 @@ def flashinfer_attention(
     """
     call, md = checked_step(layer_name, query, key, value, kv_cache, output)  # incl. the plan's check_call
     kind, step = call.attn_type, md.step_plan
-    if stream_capturing() and not step.graph_safe:
+    if not step.graph_safe and stream_capturing():
         raise RuntimeError(
             f"{call.impl.backend_cls.get_name()}: capturing a CUDA graph with metadata from the builder, "
             "whose wrappers were not made for graphs (use_cuda_graph=False); capture decode steps with metadata from "
@@ -57,11 +58,13 @@ def flashinfer_attention(
         return
     scales = dict(k_scale=call.k_scale, v_scale=call.v_scale) if kv_cache.dtype.itemsize == 1 else {}
     cache = (kv_cache[0], kv_cache[1])  # [num_blocks, block_size, num_kv_heads, head_size] each
-    n_pre = md.num_prefill_tokens
-    if md.num_prefills:
-        step.wrapper("prefill").run(query[:n_pre], cache, out=output[:n_pre], **scales)
+    n_pre, mixed = md.num_prefill_tokens, md.num_prefills and md.num_decode_tokens
+    if md.num_prefills:  # whole tensors unless the step is mixed (each slice is a host call)
+        q, out = (query[:n_pre], output[:n_pre]) if mixed else (query, output)
+        step.wrapper("prefill").run(q, cache, out=out, **scales)
     if md.num_decode_tokens:
-        step.wrapper("decode").run(query[n_pre:], cache, out=output[n_pre:], **scales)
+        q, out = (query[n_pre:], output[n_pre:]) if mixed else (query, output)
+        step.wrapper("decode").run(q, cache, out=out, **scales)
 
 
 @register_fake("flashinfer_attention")

@@ -98,9 +98,10 @@ def grouped(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def expanded(x: torch.Tensor, heads_per_group: int) -> torch.Tensor:
-    """[T, G, D] keys/values -> [1, T, G, heads_per_group, D], stride 0 over the group's heads."""
+    """[T, G, D] keys/values -> [1, T, G, heads_per_group, D], stride 0 over the group's heads
+    (unsqueeze, not x[None, :, :, None, :]: Python indexing costs several host us per call)."""
     t, g, d = x.shape
-    return x[None, :, :, None, :].expand(1, t, g, heads_per_group, d)
+    return x.unsqueeze(0).unsqueeze(3).expand(1, t, g, heads_per_group, d)
 
 
 def gather_cache(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,11 +112,11 @@ def gather_cache(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Ten
 
 
 def paged_kv(kv_cache: torch.Tensor, heads_per_group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache halves as xFormers' paged K/V: [1, num_blocks * block_size, Hkv, Hpg, D] views."""
+    """The cache halves as xFormers' paged K/V: [1, num_blocks * block_size, Hkv, Hpg, D] views
+    (one view and one expand of the whole, contiguous cache: fewer host calls per step)."""
     _, nb, bs, hkv, d = kv_cache.shape
-    k = kv_cache[0].view(nb * bs, hkv, d)
-    v = kv_cache[1].view(nb * bs, hkv, d)
-    return expanded(k, heads_per_group), expanded(v, heads_per_group)
+    kv = kv_cache.view(2, 1, nb * bs, hkv, 1, d).expand(2, 1, nb * bs, hkv, heads_per_group, d)
+    return kv[0], kv[1]
 
 
 @define_attention_op("xformers_attention")
