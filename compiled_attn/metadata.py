@@ -132,7 +132,7 @@ class CommonMetadata(AttentionMetadata):
         return self._views[name]
 
 
-def split_prefills(seq_lens: list[int], query_lens: list[int]) -> int:
+def split_prefills(seq_lens: list[int] | np.ndarray, query_lens: list[int] | np.ndarray) -> int:
     """Validate the per-request lengths and return the number of prefills (they come first)."""
     if len(seq_lens) != len(query_lens):
         raise ValueError(f"len(seq_lens)={len(seq_lens)} != len(query_lens)={len(query_lens)}")
@@ -238,9 +238,9 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         a request's need are ignored): the array form does no per-element Python work."""
         spec = self.spec
         seq_lens, query_lens = int_list(seq_lens, "seq_lens"), int_list(query_lens, "query_lens")
-        num_prefills = split_prefills(seq_lens, query_lens)
-        check_total(query_lens, "query_lens")
         seq_a, query_a = np.asarray(seq_lens, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
+        num_prefills = split_prefills(seq_a, query_a)
+        check_total(query_lens, "query_lens")
         starts = seq_a - query_a
         uses_cache = spec.attn_type not in CACHELESS_TYPES
         num_prefill_tokens = int(query_a[:num_prefills].sum())

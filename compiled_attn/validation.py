@@ -359,19 +359,24 @@ def needed_table(block_tables: object, lens: np.ndarray, block_size: int,
     """
     need = -(-lens.astype(np.int64) // block_size)
     width = max(int(need.max(initial=0)), 1)
-    if isinstance(block_tables, np.ndarray | torch.Tensor) and block_tables.ndim == 2:
-        table = _table_array(block_tables, need, what)[:, :width]
-    else:
-        rows = table_rows(block_tables, lens.tolist(), block_size, what)
-        table = np.zeros((len(rows), width), dtype=np.int64)
-        for i, row in enumerate(rows):
-            table[i, : row.size] = row
     row_ends = np.cumsum(need)
-    if need.size and bool((need == width).all()):  # every row full: no mask
-        ids = table.reshape(-1).astype(np.int64, copy=False)
-        return table.astype(np.int32), ids, row_ends
-    live = np.arange(width)[None, :] < need[:, None]
-    return np.where(live, table, 0).astype(np.int32, copy=False), table[live].astype(np.int64, copy=False), row_ends
+    if isinstance(block_tables, np.ndarray | torch.Tensor) and block_tables.ndim == 2:
+        padded, ids = live_entries(_table_array(block_tables, need, what)[:, :width], need)
+        return padded, ids, row_ends
+    rows = table_rows(block_tables, lens.tolist(), block_size, what)  # exactly the needed entries
+    padded = np.zeros((len(rows), width), dtype=np.int32)
+    for i, row in enumerate(rows):
+        padded[i, : row.size] = row
+    return padded, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64), row_ends
+
+
+def live_entries(table: np.ndarray, need: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(table as int32 with block 0 past each row's need, the needed ids int64 flat in row order)
+    of an int table [num_seqs, width] whose row i needs its first need[i] entries."""
+    if need.size and bool((need == table.shape[1]).all()):  # every row full: no mask
+        return table.astype(np.int32), table.reshape(-1).astype(np.int64, copy=False)
+    live = np.arange(table.shape[1])[None, :] < need[:, None]
+    return np.where(live, table, 0).astype(np.int32, copy=False), table[live].astype(np.int64, copy=False)
 
 
 def _table_array(tables: np.ndarray | torch.Tensor, need: np.ndarray, what: str) -> np.ndarray:
@@ -400,8 +405,7 @@ def check_table_array(tables: np.ndarray, lens: Sequence[int], block_size: int, 
     if tables.ndim != 2 or tables.shape[0] != need.shape[0] or (need.size and need.max() > tables.shape[1]):
         raise ValueError(f"{what}: a [{need.shape[0]}, >= {need.max(initial=0)}] table is needed, got "
                          f"{tuple(tables.shape)}")
-    live = np.arange(tables.shape[1])[None, :] < need[:, None]
-    check_block_ids(tables[live].astype(np.int64), np.cumsum(need), num_blocks, what)
+    check_block_ids(live_entries(tables, need)[1], np.cumsum(need), num_blocks, what)
 
 
 def check_written_blocks(slots: np.ndarray, writers: Sequence[int], ids: np.ndarray, row_ends: np.ndarray,

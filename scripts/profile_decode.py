@@ -52,7 +52,7 @@ def main() -> None:
         sides = {}
         if not args.no_peer:
             with torch._inductor.config.patch(dl.PEER_INDUCTOR):
-                loop, _ = dl.peer_loop(model, batch, ctx)
+                loop = dl.peer_loop(model, batch, ctx)
                 sides["peer (gpt-fast)"] = trace(loop)
                 del loop
         for variant in args.variant or ("compile",):

@@ -111,8 +111,8 @@ def peer_decode_one_token(peer: GptFastDecoder, x: torch.Tensor, input_pos: torc
     return torch.argmax(logits[:, -1], dim=-1, keepdim=True)
 
 
-def peer_loop(model: Llama, batch: int, ctx: int) -> tuple[Callable[[int, bool], torch.Tensor], Callable]:
-    """A fresh compile of the peer: (loop(steps, sync_each) -> tokens [B, steps], the compiled step)."""
+def peer_loop(model: Llama, batch: int, ctx: int) -> Callable[[int, bool], torch.Tensor]:
+    """A fresh compile of the peer: loop(steps, sync_each) -> tokens [B, steps]."""
     torch._dynamo.reset()  # gpt-fast compiles in a fresh process per batch size: no shape reuse
     peer = GptFastDecoder(model, batch, ctx + 64)
     step = torch.compile(peer_decode_one_token, mode="reduce-overhead", fullgraph=True)
@@ -130,7 +130,7 @@ def peer_loop(model: Llama, batch: int, ctx: int) -> tuple[Callable[[int, bool],
                 torch.cuda.synchronize()
         return torch.cat(out, dim=1)
 
-    return loop, lambda x, pos: step(peer, x, pos)
+    return loop
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,9 +156,9 @@ class PagedLoop:
         # random values (fp8 caches: drawn in bf16, stored as fp8) stand for the prompts' K/V
         self.caches = [c.copy_(torch.randn_like(c, dtype=torch.bfloat16))
                        for c in allocate_kv_caches(config, backend, self.spec)]
-        # shuffled block ids: requests own scattered blocks, as after a while of serving
-        # one int32 array [batch, pages], as a server keeps its block tables (build() reads only
-        # each request's needed prefix, with no per-element Python work)
+        # shuffled block ids (requests own scattered blocks, as after a while of serving) in one
+        # int32 array [batch, pages], as a server keeps its tables: build() reads each request's
+        # needed prefix with no per-element Python work
         self.tables = np.random.default_rng(seed).permutation(batch * pages).astype(np.int32).reshape(batch, pages)
         self.query_lens = np.ones(batch, dtype=np.int64)
         self.builder = backend.get_builder_cls()(self.spec)
@@ -229,7 +229,7 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int) -> dict:
     times = []
     with torch._inductor.config.patch(PEER_INDUCTOR):
         for _ in range(compiles):
-            loop, _ = peer_loop(model, batch, ctx)
+            loop = peer_loop(model, batch, ctx)
             times.append((loop_ms(loop, False), loop_ms(loop, True)))
             del loop
             torch.cuda.empty_cache()
@@ -280,10 +280,7 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
             if i == 0:
                 rows.append(measure_peer(model, batch, ctx, peer_compiles))
                 peer_ms[batch, ctx] = rows[-1]["ms/step"]
-            for variant in variants:
-                rows.append(measure_ours(model, batch, ctx, variant))
-                if (batch, ctx) in peer_ms:
-                    rows[-1]["vs peer"] = peer_ms[batch, ctx] / rows[-1]["ms/step"]
+            rows += [with_ratio(measure_ours(model, batch, ctx, variant), peer_ms) for variant in variants]
         del model
         torch.cuda.empty_cache()
     for name in () if quick else backends:
@@ -292,13 +289,17 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
     return rows
 
 
+def with_ratio(row: dict, peer_ms: dict[tuple[int, int], float]) -> dict:
+    """`row` with its speed as a ratio to the peer's at the same point, where the peer ran."""
+    if (row["batch"], row["ctx"]) in peer_ms:
+        row["vs peer"] = peer_ms[row["batch"], row["ctx"]] / row["ms/step"]
+    return row
+
+
 def fp8_rows(backend: str, peer_ms: dict[tuple[int, int], float]) -> list[dict]:
     """Ours on `backend` with e4m3 KV caches at FP8_POINTS, as a ratio to the bf16 peer measured there."""
-    model, rows = build_8b(backend, kv_cache_dtype="fp8"), []
-    for batch, ctx in FP8_POINTS:
-        rows.append(measure_ours(model, batch, ctx, "fp8"))
-        if (batch, ctx) in peer_ms:
-            rows[-1]["vs peer"] = peer_ms[batch, ctx] / rows[-1]["ms/step"]
+    model = build_8b(backend, kv_cache_dtype="fp8")
+    rows = [with_ratio(measure_ours(model, batch, ctx, "fp8"), peer_ms) for batch, ctx in FP8_POINTS]
     del model
     torch.cuda.empty_cache()
     return rows

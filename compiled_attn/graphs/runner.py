@@ -239,9 +239,14 @@ class CUDAGraphRunner:
     def _static_step(self, bs: int) -> torch.Tensor:
         """The model on the first `bs` rows of the static inputs (under the caller's context)."""
         ids, pos = self._input_ids[:bs], self._positions[:bs]
-        if self._unbacked_tokens:
-            mark_token_dim(ids, pos)
+        self._mark_tokens(ids, pos)
         return self.model(ids, pos, self.kv_caches)
+
+    def _mark_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Unbacked token count for a model compiled by the caller (no size recompiles); a model
+        the runner compiled keeps it backed (batch 1's own static graph)."""
+        if self._unbacked_tokens:
+            mark_token_dim(input_ids, positions)
 
     # -- each step -------------------------------------------------------------------------
 
@@ -275,8 +280,7 @@ class CUDAGraphRunner:
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("%s: %d requests, %d prefills, max_seq_len %d", path, md.num_seqs, md.num_prefills,
                              md.max_seq_len)
-            if self._unbacked_tokens:
-                mark_token_dim(input_ids, positions)
+            self._mark_tokens(input_ids, positions)
             with set_forward_context(md):
                 return self.model(input_ids, positions, caches)
         self._check_caches(caches)
