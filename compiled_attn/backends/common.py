@@ -160,8 +160,11 @@ class CommonImpl(AttentionImpl):
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = None if key is None else key.view(-1, self.num_kv_heads, self.head_size)
         v = None if value is None else value.view(-1, self.num_kv_heads, self.head_size)
+        # Allocated before the cache write, so that the two ops are adjacent in the traced graph:
+        # the piecewise runner (graphs/split.py) then cuts once around both, not around an
+        # allocation-only piece between them.
+        output = torch.empty_like(q)
         if k is not None and kv_cache is not None and attn_type in CACHE_WRITING_TYPES:
             torch.ops.compiled_attn.kv_cache_update(q, k, v, kv_cache, layer_name)
-        output = torch.empty_like(q)
         self.backend_cls.attention_op(q, k, v, kv_cache, output, layer_name)
         return output.view(num_tokens, self.num_heads * self.head_size)

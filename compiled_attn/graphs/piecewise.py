@@ -1,0 +1,318 @@
+"""Piecewise CUDA graphs: prefill and mixed steps replayed as graphs, attention run eagerly.
+
+A decode graph captures attention too, which works because every decode row has one token and
+the State refills fixed-size metadata buffers. A step with prompts has no such fixed shape, so
+here the model is compiled once (`fullgraph=True`) by a Dynamo backend that cuts its graph at
+the ops that read the forward context (`split.split_at_context_ops`: the cache write and the
+attention op of every layer). Each piece between them is compiled by Inductor for a symbolic
+token count and captured as one CUDA graph per token-count bucket, all into one memory pool;
+the ops run eagerly between the replays with the step's own metadata.
+
+A step of n tokens runs in the smallest bucket b >= n: ids and positions are copied into static
+buffers whose rows n..b-1 are pads (zeros). The pieces compute all b rows; an op between them
+gets its token rows cut to the step's n (`EagerOps`), so pad rows write no cache and are never
+attended to, and the pad rows of `output` keep whatever the pool held. Every piece is row-wise
+outside attention (a token's output depends on its own row and attention only), so pad rows
+never reach a live row; their outputs are dropped.
+
+Captured pieces hand their outputs to the next piece by address: at capture the outputs are
+real tensors (the pool frees each when the capture forward drops it, exactly as a replay would
+stop reading it); for replay each piece keeps non-owning views of them (vLLM's scheme), so a
+bucket's intermediates share pool memory with every other bucket's instead of living on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils._pytree import tree_map_only
+
+from compiled_attn.abstract import AttentionMetadata
+from compiled_attn.dynamo import mark_token_dim
+from compiled_attn.forward_context import get_forward_context, set_forward_context
+from compiled_attn.graphs.buckets import pick_batch_size
+from compiled_attn.graphs.split import Piece, is_context_op, split_at_context_ops
+
+logger = logging.getLogger(__name__)
+
+PIECE_COMPILERS = ("inductor", "eager")
+
+
+@dataclasses.dataclass
+class GraphControl:
+    """What the pieces of one compiled model do on this call; set by `PiecewiseGraphs` only.
+
+    bucket: the padded token count whose graphs serve the call, or None (run the pieces as
+    compiled, at the call's own token count). capturing: capture a graph per piece for
+    `bucket`. skip_ops: the ops between pieces do nothing (warm-up and capture: no step, no
+    metadata; what they would write is don't-care there).
+    """
+
+    use_graphs: bool
+    bucket: int | None = None
+    capturing: bool = False
+    skip_ops: bool = False
+    pool: Any = None  # the CUDA graph pool every piece captures into
+
+    @contextlib.contextmanager
+    def serving(self, bucket: int | None, *, capturing: bool = False, skip_ops: bool = False) -> Iterator[None]:
+        saved = (self.bucket, self.capturing, self.skip_ops)
+        self.bucket, self.capturing, self.skip_ops = bucket, capturing, skip_ops
+        try:
+            yield
+        finally:
+            self.bucket, self.capturing, self.skip_ops = saved
+
+
+class CapturedPiece:
+    """A compiled piece, captured once per bucket and replayed; or just run (no bucket, or no
+    CUDA graphs)."""
+
+    def __init__(self, runnable: Callable[..., Any], control: GraphControl) -> None:
+        self.runnable = runnable
+        self.control = control
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any]] = {}  # bucket -> (graph, non-owning outputs)
+
+    def __call__(self, *args: Any) -> Any:
+        control = self.control
+        if not control.use_graphs or control.bucket is None:
+            return self.runnable(*args)
+        if control.capturing:
+            graph = torch.cuda.CUDAGraph()
+            # capture_begin / capture_end rather than torch.cuda.graph, which collects garbage
+            # and empties the allocator's cache before every capture: hundreds of pieces' worth.
+            # The caller runs the capture forward on a side stream (capture needs one).
+            graph.capture_begin(pool=control.pool)
+            try:
+                outputs = self.runnable(*args)
+            finally:
+                graph.capture_end()
+            self.graphs[control.bucket] = (graph, tree_map_only(torch.Tensor, non_owning, outputs))
+            return outputs  # owning: the pool frees them when the capture forward drops them
+        graph, outputs = self.graphs[control.bucket]
+        graph.replay()
+        return outputs
+
+
+class EagerOps:
+    """A group of context ops, run eagerly between pieces with the step's metadata. Arguments
+    whose first dimension is the (padded) token count are cut to the step's tokens."""
+
+    def __init__(self, module: fx.GraphModule, token_args: tuple[int, ...], control: GraphControl) -> None:
+        self.module = module
+        self.token_args = token_args
+        self.control = control
+
+    def __call__(self, *args: Any) -> Any:
+        if self.control.skip_ops:
+            return ()
+        num_tokens = get_forward_context().attn_metadata.num_tokens
+        if any(args[i].shape[0] != num_tokens for i in self.token_args):
+            args = tuple(a[:num_tokens] if i in self.token_args else a for i, a in enumerate(args))
+        return self.module(*args)
+
+
+class PiecewiseBackend:
+    """A Dynamo backend: split the graph at the context ops, compile each piece, wrap pieces
+    (`CapturedPiece`) and op groups (`EagerOps`) around `control`.
+
+    piece_compiler: "inductor" (`compile_fx` per piece, for a symbolic token count) or "eager"
+    (the FX pieces as they are: fast to build, for tests of the splitting and padding).
+    """
+
+    def __init__(self, control: GraphControl, piece_compiler: str = "inductor",
+                 options: dict[str, Any] | None = None) -> None:
+        if piece_compiler not in PIECE_COMPILERS:
+            raise ValueError(f"piece_compiler must be one of {PIECE_COMPILERS}, got {piece_compiler!r}")
+        self.control = control
+        self.piece_compiler = piece_compiler
+        self.options = dict(options or {})
+        self.num_compiles = 0  # Dynamo graphs handed to this backend: 1 unless something recompiled
+        self.split_module: fx.GraphModule | None = None
+        self.pieces: list[Piece] = []
+        self.compile_seconds = 0.0
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        start = time.perf_counter()
+        self.num_compiles += 1
+        # Dynamo's fake values, symbolic token count included (example_inputs are the real tensors).
+        fake_inputs = [node.meta["example_value"] for node in gm.graph.find_nodes(op="placeholder")]
+        split, pieces = split_at_context_ops(gm)
+        token_counts = [t.shape[0] for t in fake_inputs
+                        if isinstance(t, torch.Tensor) and t.dim() and isinstance(t.shape[0], torch.SymInt)]
+        fake_mode = next(t.fake_mode for t in fake_inputs if isinstance(t, FakeTensor))
+        with fake_mode:
+            _CompilePieces(split, self, token_counts).run(*fake_inputs)
+        self.split_module, self.pieces = split, pieces
+        self.compile_seconds += time.perf_counter() - start
+        logger.info("piecewise: %d pieces, %d op groups (compiled with %s in %.1f s)",
+                    sum(not p.is_context_op for p in pieces), sum(p.is_context_op for p in pieces),
+                    self.piece_compiler, time.perf_counter() - start)
+        return split
+
+    def compile_piece(self, module: fx.GraphModule, args: Sequence[Any]) -> Callable[..., Any]:
+        if self.piece_compiler == "eager":
+            return module
+        from torch._inductor.compile_fx import compile_fx  # imports Inductor: only when compiling with it
+
+        return compile_fx(module, list(args), config_patches=self.options)
+
+
+class _CompilePieces(fx.Interpreter):
+    """Runs the split module on Dynamo's fake inputs; at each submodule, compiles it with the fake
+    arguments it receives there and puts its wrapper in its place."""
+
+    def __init__(self, split: fx.GraphModule, backend: PiecewiseBackend, token_counts: list[torch.SymInt]) -> None:
+        super().__init__(split)
+        self.split, self.backend, self.token_counts = split, backend, token_counts
+
+    def call_module(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        module = getattr(self.split, target)
+        outputs = module(*args, **kwargs)  # fake: shapes for the next pieces
+        if _is_op_group(module):
+            if outputs not in ((), None):
+                raise NotImplementedError(f"ops between pieces must return nothing (they write their `output` "
+                                          f"argument); {target} returns {type(outputs).__name__}")
+            token_args = tuple(i for i, a in enumerate(args) if self._has_token_rows(a))
+            wrapper: Any = EagerOps(module, token_args, self.backend.control)
+        else:
+            wrapper = CapturedPiece(self.backend.compile_piece(module, args), self.backend.control)
+        # The instance attribute shadows the registered submodule, so the split module's code
+        # calls the wrapper (a plain callable: no nn.Module call overhead per piece).
+        self.split.__dict__[target] = wrapper
+        return outputs
+
+    def _has_token_rows(self, arg: Any) -> bool:
+        if not isinstance(arg, torch.Tensor) or not arg.dim():
+            return False
+        rows = arg.shape[0]
+        return isinstance(rows, torch.SymInt) and any(statically_known_true(rows == n) for n in self.token_counts)
+
+
+def _is_op_group(module: fx.GraphModule) -> bool:
+    return any(is_context_op(node) for node in module.graph.nodes)
+
+
+def non_owning(t: torch.Tensor) -> torch.Tensor:
+    """A view of `t`'s memory that does not keep it allocated: a captured piece's output, read at
+    replay at the address the capture gave it, while the pool may lend that memory to other
+    buckets' captures (only one bucket replays at a time)."""
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(alias, t.storage_offset(), t.size(), t.stride())
+
+
+class PiecewiseGraphs:
+    """The model compiled once and cut at the context ops, its pieces captured per token bucket.
+
+    Args:
+        model: the eager step, `model(input_ids, positions, kv_caches) -> [num_tokens, ...]`.
+        kv_caches: the caches the op groups write (passed through each call).
+        sizes: token buckets, largest first (`buckets.capture_sizes_for`).
+        device: where the static input buffers live.
+        use_cuda_graphs: False runs the padded pieces without capture (CPU; debugging).
+        piece_compiler: "inductor" or "eager" (`PiecewiseBackend`).
+        options: Inductor config patches for every piece.
+        warmup_steps: runs per bucket before its capture (compile, lazy initialisation, autotuning).
+
+    `capture(pool)` compiles and captures every bucket; `run(md, input_ids, positions)` serves a
+    step of at most `sizes[0]` tokens in its bucket, `run_unpadded` any step at its own size
+    with the same compiled pieces and no graphs.
+    """
+
+    def __init__(self, model: Callable[..., torch.Tensor], kv_caches: list[torch.Tensor], *, sizes: list[int],
+                 device: torch.device, use_cuda_graphs: bool, piece_compiler: str = "inductor",
+                 options: dict[str, Any] | None = None, warmup_steps: int = 2) -> None:
+        self.control = GraphControl(use_graphs=use_cuda_graphs)
+        self.backend = PiecewiseBackend(self.control, piece_compiler, options)
+        # dynamic=False: only the token count (marked unbacked each call) is symbolic; the cache and
+        # weight shapes stay static, so Inductor specialises every kernel to them.
+        self.compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False)
+        self.kv_caches = kv_caches
+        self.sizes = sizes
+        self.warmup_steps = warmup_steps
+        self.capture_stats: dict[str, Any] = {}
+        top = sizes[0]
+        # static model inputs; zeros are a valid token id and position for any model
+        self._input_ids = torch.zeros(top, dtype=torch.int64, device=device)
+        self._positions = torch.zeros(top, dtype=torch.int64, device=device)
+
+    def capture(self, pool: Any = None) -> dict[str, Any]:
+        """Compile (at the first warm-up) and capture every bucket, largest first, into `pool`;
+        returns capture_stats (sizes, num_pieces, num_graphs, compile_seconds, seconds)."""
+        control, cuda = self.control, self.control.use_graphs
+        control.pool = pool
+        side_stream = torch.cuda.Stream(self._input_ids.device) if cuda else None
+        start = time.perf_counter()
+        for bucket in self.sizes:
+            # Without graphs one warm-up compiles everything (the token count is symbolic).
+            warmups = self.warmup_steps if cuda else int(bucket == self.sizes[0])
+            with _on(side_stream):
+                with control.serving(None, skip_ops=True):  # the compiled pieces, for real
+                    for _ in range(warmups):
+                        self._static_step(bucket)
+                if cuda:
+                    with control.serving(bucket, capturing=True, skip_ops=True):
+                        self._static_step(bucket)  # its output dies here: the pool reuses it
+            if cuda:
+                torch.cuda.current_stream().wait_stream(side_stream)
+        pieces = [p for p in self.backend.pieces if not p.is_context_op]
+        self.capture_stats = {
+            "sizes": list(self.sizes),
+            "num_pieces": len(pieces),
+            "num_op_groups": len(self.backend.pieces) - len(pieces),
+            "num_graphs": len(pieces) * len(self.sizes) if cuda else 0,
+            "compile_seconds": self.backend.compile_seconds,
+            "seconds": time.perf_counter() - start,
+        }
+        return self.capture_stats
+
+    def _static_step(self, bucket: int) -> torch.Tensor:
+        ids, pos = self._input_ids[:bucket], self._positions[:bucket]
+        mark_token_dim(ids, pos)
+        return self.compiled(ids, pos, self.kv_caches)
+
+    def run(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The step (md.num_tokens <= sizes[0]) padded to its bucket: replayed pieces, eager ops.
+        Returns the output rows of the step's tokens, a tensor the caller owns."""
+        n = md.num_tokens
+        bucket = pick_batch_size(self.sizes, n)
+        if bucket is None:
+            raise ValueError(f"{n} tokens > the largest piecewise bucket {self.sizes[0]}: use run_unpadded")
+        self._input_ids[:n].copy_(input_ids, non_blocking=True)
+        self._positions[:n].copy_(positions, non_blocking=True)
+        if n < bucket:  # pads: zeros are valid ids / positions; their outputs are dropped below
+            self._input_ids[n:bucket].zero_()
+            self._positions[n:bucket].zero_()
+        with set_forward_context(md), self.control.serving(bucket):
+            output = self._static_step(bucket)
+        # Clone: the last piece's output is pool memory that the next replay (any bucket) rewrites.
+        return output[:n].clone()
+
+    def run_unpadded(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The step at its own token count through the compiled pieces, no graphs (any size)."""
+        mark_token_dim(input_ids, positions)
+        with set_forward_context(md), self.control.serving(None):
+            return self.compiled(input_ids, positions, self.kv_caches)
+
+
+@contextlib.contextmanager
+def _on(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Run on `stream` (waiting for the current stream's work first), or where we are if None.
+    Warm-up and capture run on a side stream: capture cannot use the default stream, and lazy
+    initialisation must happen where it will not be captured."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield

@@ -1,0 +1,73 @@
+"""Cut a Dynamo FX graph at the ops that read the forward context: pure FX, no device.
+
+The ops of `compiled_attn` that read the step's metadata (the cache write and every backend's
+attention op) carry `torch.Tag.cudagraph_unsafe` (`ops.library.define_op`). A captured graph
+would replay the metadata of the step it was captured in, so the piecewise runner captures only
+what lies between them: this module finds them by namespace and tag, and cuts the graph into
+pieces (captured) and op groups (run eagerly every step), in their original order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+from torch import fx
+from torch.fx.passes.split_module import split_module
+
+OP_NAMESPACE = "compiled_attn"
+
+
+def is_context_op(node: fx.Node) -> bool:
+    """A call of one of our ops that reads the forward context (found by namespace and tag, so a
+    backend registered later is covered with no change here)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace == OP_NAMESPACE
+            and torch.Tag.cudagraph_unsafe in target.tags)
+
+
+@dataclasses.dataclass
+class Piece:
+    """One submodule of the split graph, in execution order."""
+
+    name: str  # its attribute on the split module: submod_<index>
+    index: int
+    is_context_op: bool  # True: a run of consecutive context ops (eager every step); False: captured
+    module: fx.GraphModule
+
+
+def split_at_context_ops(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Piece]]:
+    """`gm` cut before and after every run of consecutive context ops.
+
+    Returns the split module (calling its submodules in the original order) and its pieces,
+    alternating captured pieces and op groups. `gm`'s node metadata (Dynamo's fake
+    `example_value`s) is kept on the submodules' nodes.
+    """
+    part_of: dict[fx.Node, int] = {}
+    op_parts: set[int] = set()
+    part, used = 0, False
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target is operator.getitem and node.args[0] in part_of:
+            # A tuple (or torch.Size) never crosses a cut: its getitems stay with what made it.
+            part_of[node] = part_of[node.args[0]]
+            continue
+        op = is_context_op(node)
+        if used and op != (part in op_parts):
+            part, used = part + 1, False
+        if op:
+            op_parts.add(part)
+        part_of[node], used = part, True
+    # keep_original_order: the ops mutate their arguments (the cache, `output`), so every node
+    # must run where it was.
+    split = split_module(gm, None, lambda node: part_of[node], keep_original_order=True)
+    pieces = [Piece(name, int(name.removeprefix("submod_")), int(name.removeprefix("submod_")) in op_parts, module)
+              for name, module in split.named_children()]
+    pieces.sort(key=lambda p: p.index)
+    return split, pieces
