@@ -148,9 +148,9 @@ class GraphModule(torch.nn.Module):
 
         v: "f32[s5, 2, 16]" = l_value_.view(-1, 2, 16);  l_value_ = None
 
-        kv_cache_update = torch.ops.compiled_attn.kv_cache_update(q, k, v, l_kv_cache_, 'TorchSDPAImpl.decoder.N');  kv_cache_update = None
-
         output: "f32[s5, 4, 16]" = torch.empty_like(q)
+
+        kv_cache_update = torch.ops.compiled_attn.kv_cache_update(q, k, v, l_kv_cache_, 'TorchSDPAImpl.decoder.N');  kv_cache_update = None
 
         torch_sdpa_attention = torch.ops.compiled_attn.torch_sdpa_attention(q, k, v, l_kv_cache_, output, 'TorchSDPAImpl.decoder.N');  q = k = v = l_kv_cache_ = torch_sdpa_attention = None
 

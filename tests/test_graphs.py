@@ -389,7 +389,7 @@ def test_padded_static_decode_matches_eager(tiny_model, batch):
         got = eng.step(step)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         step = {name: [tok] for name, tok in zip(step, want.argmax(-1).tolist(), strict=True)}
-    assert runner.counts == {"graph": 7, "eager_prefill": 1, "eager_oversize": 0, "eager_overlong": 0}
+    assert runner.counts == {"graph": 7, "piecewise": 0, "eager_prefill": 1, "eager_oversize": 0, "eager_overlong": 0}
 
 
 def test_fallbacks_run_eagerly_and_match(tiny_model):
@@ -408,7 +408,7 @@ def test_fallbacks_run_eagerly_and_match(tiny_model):
     ]
     for batch in steps:
         torch.testing.assert_close(eng.step(batch), ref.step(batch), rtol=1e-4, atol=1e-4)
-    assert runner.counts == {"graph": 1, "eager_prefill": 3, "eager_oversize": 1, "eager_overlong": 1}
+    assert runner.counts == {"graph": 1, "piecewise": 0, "eager_prefill": 3, "eager_oversize": 1, "eager_overlong": 1}
 
 
 def test_result_belongs_to_the_caller(tiny_model):
@@ -544,7 +544,8 @@ def test_runner_captures_every_width_per_size_and_replays_the_narrowest_that_hol
             assert ((table >= 0) & (table < spec.num_blocks)).all(), "every column names a block of the cache"
             checked += 1
     assert checked == runner.counts["graph"]
-    assert runner.counts == {"graph": 8 + 9 + 3 + 2, "eager_prefill": 3, "eager_oversize": 0, "eager_overlong": 1}
+    assert runner.counts == {"graph": 8 + 9 + 3 + 2, "piecewise": 0, "eager_prefill": 3, "eager_oversize": 0,
+                             "eager_overlong": 1}
     for got_cache, want_cache in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(got_cache, want_cache, rtol=1e-5, atol=1e-5, equal_nan=True)
 

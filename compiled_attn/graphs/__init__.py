@@ -1,7 +1,9 @@
-"""CUDA graphs for decode steps: `CUDAGraphRunner` and its bucketing decisions."""
+"""CUDA graphs: `CUDAGraphRunner` (full decode graphs, piecewise graphs for the other steps) and
+its bucketing decisions."""
 
 from compiled_attn.graphs.buckets import (
     DEFAULT_CAPTURE_SIZES,
+    DEFAULT_PIECEWISE_SIZES,
     capture_sizes_for,
     choose_path,
     pick_batch_size,
@@ -9,5 +11,5 @@ from compiled_attn.graphs.buckets import (
 )
 from compiled_attn.graphs.runner import CUDAGraphRunner
 
-__all__ = ["DEFAULT_CAPTURE_SIZES", "CUDAGraphRunner", "capture_sizes_for", "choose_path", "pick_batch_size",
-           "pick_table_width"]
+__all__ = ["DEFAULT_CAPTURE_SIZES", "DEFAULT_PIECEWISE_SIZES", "CUDAGraphRunner", "capture_sizes_for", "choose_path",
+           "pick_batch_size", "pick_table_width"]

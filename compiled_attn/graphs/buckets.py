@@ -2,8 +2,9 @@
 
 A decode-only batch of n requests replays the graph of the smallest captured size >= n (its
 rows n.. are pads) and, where the State captures several block-table widths per size, of the
-narrowest width that holds its longest sequence. Everything else runs the model eagerly, for
-one named reason.
+narrowest width that holds its longest sequence. With piecewise graphs, any other step of at
+most the largest token bucket replays the pieces of the smallest bucket that holds its tokens
+(attention eager between them). Everything else runs the model eagerly, for one named reason.
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ from compiled_attn.validation import as_int
 # vLLM's sizes: every small batch gets a close fit, larger ones pad by at most 7 rows.
 DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 257, 8))
 
+# Token buckets of the piecewise graphs: a step of more than 16 tokens pads by at most half.
+DEFAULT_PIECEWISE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
+
 GRAPH = "graph"
+PIECEWISE = "piecewise"  # pieces replayed per token bucket, attention eager between them
 EAGER_PREFILL = "eager_prefill"  # the step has prefills (prefill-only or mixed)
 EAGER_OVERSIZE = "eager_oversize"  # more decodes than the largest captured size
 EAGER_OVERLONG = "eager_overlong"  # a sequence longer than spec.max_seq_len_to_capture
-PATHS = (GRAPH, EAGER_PREFILL, EAGER_OVERSIZE, EAGER_OVERLONG)
+PATHS = (GRAPH, PIECEWISE, EAGER_PREFILL, EAGER_OVERSIZE, EAGER_OVERLONG)
 
 
 def capture_sizes_for(max_batch_size: int, sizes: Iterable[int] | None = None) -> list[int]:
@@ -82,22 +87,34 @@ def _smallest_at_least(values: Iterable[int], n: int) -> int | None:
 
 
 def choose_path(
-    *, num_prefills: int, num_seqs: int, max_seq_len: int, largest_size: int, max_seq_len_to_capture: int
+    *, num_prefills: int, num_seqs: int, max_seq_len: int, largest_size: int, max_seq_len_to_capture: int,
+    num_tokens: int = 0, largest_piecewise_tokens: int | None = None,
 ) -> str:
-    """GRAPH, or the reason the step runs eagerly (checked in this order: prefill, oversize, overlong).
+    """GRAPH, PIECEWISE, or the reason the step runs eagerly (checked in this order: prefill,
+    oversize, overlong).
 
     Graphs replay decode-only steps (one token per request) of at most `largest_size` requests
-    whose longest sequence fits the captured block tables.
+    whose longest sequence fits the captured block tables. With piecewise graphs
+    (`largest_piecewise_tokens`: the largest token bucket; None: none captured), every other
+    step of at most that many tokens replays pieces: their attention runs eagerly, so it takes
+    prefills and sequences of any length.
 
     >>> choose_path(num_prefills=0, num_seqs=3, max_seq_len=40, largest_size=8, max_seq_len_to_capture=64)
     'graph'
+    >>> choose_path(num_prefills=1, num_seqs=3, max_seq_len=40, largest_size=8, max_seq_len_to_capture=64,
+    ...             num_tokens=42, largest_piecewise_tokens=64)
+    'piecewise'
     """
     if num_seqs < 1:
         raise ValueError("an empty batch has nothing to run")
     if num_prefills:
-        return EAGER_PREFILL
-    if num_seqs > largest_size:
-        return EAGER_OVERSIZE
-    if max_seq_len > max_seq_len_to_capture:
-        return EAGER_OVERLONG
-    return GRAPH
+        reason = EAGER_PREFILL
+    elif num_seqs > largest_size:
+        reason = EAGER_OVERSIZE
+    elif max_seq_len > max_seq_len_to_capture:
+        reason = EAGER_OVERLONG
+    else:
+        return GRAPH
+    if largest_piecewise_tokens is not None and num_tokens <= largest_piecewise_tokens:
+        return PIECEWISE
+    return reason

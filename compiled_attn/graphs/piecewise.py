@@ -298,11 +298,13 @@ class PiecewiseGraphs:
         # Clone: the last piece's output is pool memory that the next replay (any bucket) rewrites.
         return output[:n].clone()
 
-    def run_unpadded(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The step at its own token count through the compiled pieces, no graphs (any size)."""
+    def run_unpadded(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
+                     kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The step at its own token count through the compiled pieces, no graphs (any size);
+        kv_caches: default the ones given at construction."""
         mark_token_dim(input_ids, positions)
         with set_forward_context(md), self.control.serving(None):
-            return self.compiled(input_ids, positions, self.kv_caches)
+            return self.compiled(input_ids, positions, self.kv_caches if kv_caches is None else kv_caches)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""`CUDAGraphRunner`: decode steps replayed as CUDA graphs, every other step run eagerly.
+"""`CUDAGraphRunner`: decode steps replayed as CUDA graphs, optionally the other steps as
+piecewise graphs, the rest run eagerly.
 
 One graph per capture size and block-table width the State declares (one width for kernels
 that read live lengths; several for TORCH_SDPA, whose gather grows with the table's width),
@@ -7,7 +8,10 @@ larger one made). Each step, a decode-only batch of n requests goes to the small
 size >= n and the narrowest width that holds its longest sequence: the runner copies input ids
 / positions into its static buffers (rows n.. are pads), the backend's `AttentionState` does the
 same for the attention metadata, and the graph replays. Prefill / mixed batches, batches above
-the largest size and sequences above `spec.max_seq_len_to_capture` run the model eagerly instead.
+the largest size and sequences above `spec.max_seq_len_to_capture` run the model eagerly instead,
+or, with `piecewise=True`, replay piecewise graphs (`graphs/piecewise.py`) when their tokens fit
+the largest token bucket: the model cut at its attention ops, each piece captured per bucket,
+attention run eagerly between them with the step's own metadata.
 """
 
 from __future__ import annotations
@@ -21,19 +25,22 @@ from typing import Any
 
 import torch
 
-from compiled_attn.abstract import AttentionBackend, AttentionMetadata, AttentionSpec, AttentionState
+from compiled_attn.abstract import AttentionBackend, AttentionMetadata, AttentionSpec, AttentionState, AttentionType
 from compiled_attn.dynamo import mark_token_dim
 from compiled_attn.forward_context import set_forward_context
 from compiled_attn.graphs.buckets import (
+    DEFAULT_PIECEWISE_SIZES,
     GRAPH,
     PATHS,
+    PIECEWISE,
     capture_sizes_for,
     capture_widths_for,
     choose_path,
     pick_batch_size,
     pick_table_width,
 )
-from compiled_attn.validation import as_int, check_cache_list
+from compiled_attn.graphs.piecewise import PiecewiseGraphs
+from compiled_attn.validation import INT32_MAX, as_int, check_cache_list
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +107,18 @@ class CUDAGraphRunner:
         use_cuda_graphs: False runs the same padded static-buffer step without capturing it
             (isolates padding from capture problems when debugging; works on CPU).
         progress: show a progress bar while capturing.
+        piecewise: also serve prefill / mixed steps (and decode steps no decode graph takes)
+            of at most max(piecewise_sizes) tokens through piecewise graphs: the runner compiles
+            the eager model once more (`fullgraph=True`, the token count symbolic), cut at the
+            ops that read the forward context, each piece captured per token bucket into the
+            same pool, attention eager between them (`graphs/piecewise.py`). Steps above the
+            largest bucket run those compiled pieces without graphs. `model` may be the eager
+            module or one compiled by `torch.compile` (its original module is used). DECODER
+            specs only (an op's token rows are cut to the step's, which cross attention's
+            encoder K/V are not).
+        piecewise_sizes: token buckets, default `DEFAULT_PIECEWISE_SIZES` (1 .. 512).
+        piece_compiler: "inductor" (default) or "eager" (the FX pieces as traced: fast to build,
+            to test the splitting and padding).
 
     Example::
 
@@ -126,6 +145,9 @@ class CUDAGraphRunner:
         progress: bool = True,
         postprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
         compile: bool = False,
+        piecewise: bool = False,
+        piecewise_sizes: Sequence[int] | None = None,
+        piece_compiler: str = "inductor",
     ) -> None:
         if not isinstance(spec, AttentionSpec):
             raise ValueError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
@@ -136,7 +158,22 @@ class CUDAGraphRunner:
             )
         warmup_steps = as_int("warmup_steps (capture needs a warmed-up step)", warmup_steps)
         check_cache_list(kv_caches)
+        if piecewise and spec.attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"piecewise graphs serve DECODER specs, not {spec.attn_type.name}: run "
+                                      "these steps with piecewise=False")
+        if piecewise_sizes is not None and not piecewise:
+            raise ValueError("piecewise_sizes without piecewise=True: pass piecewise=True to capture them")
         step = model if postprocess is None else _Step(model, postprocess)
+        self.piecewise: PiecewiseGraphs | None = None
+        if piecewise:
+            eager = _original(model)
+            self.piecewise = PiecewiseGraphs(
+                eager if postprocess is None else _Step(eager, postprocess), kv_caches,
+                sizes=capture_sizes_for(INT32_MAX, DEFAULT_PIECEWISE_SIZES if piecewise_sizes is None
+                                        else piecewise_sizes),
+                device=spec.device, use_cuda_graphs=use_cuda_graphs, piece_compiler=piece_compiler,
+                warmup_steps=warmup_steps,
+            )
         self.model = torch.compile(step, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS) if compile else step
         self._unbacked_tokens = not compile
         self.backend = backend
@@ -169,7 +206,10 @@ class CUDAGraphRunner:
         capture_stats: num_graphs (sizes x table widths), sizes, table_widths (blocks), seconds,
         pool_bytes (memory the graph pool holds), allocated_bytes / reserved_bytes
         (memory_allocated / memory_reserved deltas: the State's buffers, graph outputs and the
-        pool). Memory figures are None without CUDA graphs.
+        pool). Memory figures are None without CUDA graphs. piecewise: None, or the piecewise
+        graphs' own figures (sizes, num_pieces, num_op_groups, num_graphs, compile_seconds,
+        seconds); they share the pool, so pool_bytes and seconds cover them too. Piecewise
+        buckets are captured first (the largest token counts).
         """
         if self._captured:
             raise RuntimeError("this runner is captured already; make a new runner to capture again")
@@ -182,11 +222,16 @@ class CUDAGraphRunner:
         pool = torch.cuda.graph_pool_handle() if cuda else None
         side_stream = torch.cuda.Stream(device) if cuda else None
         start = time.perf_counter()
+        piecewise_stats = None
         try:
             graphs = [(bs, width) for bs in self.sizes for width in self.widths]  # the largest graph first
-            with _own_cublas_workspace(cuda), self.state.graph_capture(self.sizes[0]):
-                for bs, width in _progress(graphs, self.progress, desc=f"capturing {self.backend.get_name()} graphs"):
-                    self._captured[bs, width] = self._capture_size(bs, width, pool, side_stream)
+            with _own_cublas_workspace(cuda):
+                if self.piecewise is not None:
+                    piecewise_stats = self.piecewise.capture(pool)
+                with self.state.graph_capture(self.sizes[0]):
+                    for bs, width in _progress(graphs, self.progress,
+                                               desc=f"capturing {self.backend.get_name()} graphs"):
+                        self._captured[bs, width] = self._capture_size(bs, width, pool, side_stream)
         except BaseException:
             self._captured.clear()  # half a set of graphs would route batches to sizes never captured
             raise
@@ -200,6 +245,7 @@ class CUDAGraphRunner:
             "pool_bytes": _pool_bytes(pool, device) if cuda else None,
             "allocated_bytes": torch.cuda.memory_allocated(device) - allocated if cuda else None,
             "reserved_bytes": torch.cuda.memory_reserved(device) - reserved if cuda else None,
+            "piecewise": piecewise_stats,
         }
         logger.info(
             "captured %d %s graphs (sizes %d..%d, table widths %s blocks) in %.1f s; graph pool %s",
@@ -257,7 +303,8 @@ class CUDAGraphRunner:
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One model step: a replayed graph for a decode-only batch that fits, else eager.
+        """One model step: a replayed graph for a decode-only batch that fits, piecewise graphs
+        for another step whose tokens fit (with `piecewise=True`), else eager.
 
         attn_metadata: from the backend's builder; input_ids, positions: int64 [num_tokens] on
         the spec's device; kv_caches: default the runner's (a graph step checks they are the
@@ -274,12 +321,19 @@ class CUDAGraphRunner:
             num_prefills=md.num_prefills, num_seqs=md.num_seqs,
             max_seq_len=md.longest_seq_len,
             largest_size=self.sizes[0], max_seq_len_to_capture=self.spec.max_seq_len_to_capture,
+            num_tokens=md.num_tokens,
+            largest_piecewise_tokens=None if self.piecewise is None else self.piecewise.sizes[0],
         )
         self.counts[path] += 1
+        if path == PIECEWISE:
+            self._check_caches(caches)
+            return self.piecewise.run(md, input_ids, positions)
         if path != GRAPH:
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("%s: %d requests, %d prefills, max_seq_len %d", path, md.num_seqs, md.num_prefills,
                              md.max_seq_len)
+            if self.piecewise is not None:  # the compiled pieces at the step's own size, no graphs
+                return self.piecewise.run_unpadded(md, input_ids, positions, caches)
             self._mark_tokens(input_ids, positions)
             with set_forward_context(md):
                 return self.model(input_ids, positions, caches)
@@ -355,6 +409,13 @@ def _own_cublas_workspace(cuda: bool) -> Iterator[None]:
     finally:
         if cuda:
             torch._C._cuda_clearCublasWorkspaces()
+
+
+def _original(model: ModelStep) -> ModelStep:
+    """The eager callable behind a `torch.compile` result (module or function), else `model`."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return model._orig_mod
+    return getattr(model, "_torchdynamo_orig_callable", model)
 
 
 def _progress(graphs: Iterable[tuple[int, int]], enabled: bool, desc: str) -> Iterator[tuple[int, int]]:

@@ -1,0 +1,368 @@
+"""Piecewise graphs: the split at the context ops, padding to token buckets, the runner's routing.
+
+CPU: the split FX graph pinned (pieces and the op groups between them, which arguments are cut
+to the step's tokens), the padded piecewise step without capture (`use_cuda_graphs=False`) against
+the eager model on prefill, mixed, oversize and overlong steps for every CPU backend, pad tokens
+writing no cache, one Dynamo compile across all buckets, the Inductor-compiled pieces. GPU
+(marked): every backend's captured pieces against eager, next to the full decode graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from expecttest import TestCase
+from test_graphs import (
+    GPU_CONFIG,
+    GPU_MAX_LEN,
+    Engine,
+    direct,
+    gpu_spec,
+    prompts,
+    rel_err,
+)
+
+import compiled_attn as ca
+from compiled_attn.graphs import DEFAULT_PIECEWISE_SIZES, CUDAGraphRunner, choose_path
+from compiled_attn.graphs.piecewise import EagerOps, GraphControl, PiecewiseBackend
+from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
+
+TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+BLOCK_SIZE, NUM_BLOCKS, MAX_LEN = 4, 128, 40
+BUCKETS = [4, 8, 16, 32]
+
+
+def cpu_spec(**kw) -> ca.AttentionSpec:
+    return TINY.attention_spec(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype=torch.float32, device="cpu",
+                               max_seq_len_to_capture=MAX_LEN, **kw)
+
+
+def random_caches(spec: ca.AttentionSpec, seed: int, config: LlamaConfig = TINY) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    return [c.normal_() for c in allocate_kv_caches(config, ca.get_attn_backend("TORCH_SDPA"), spec)]
+
+
+def piecewise_runner(model, backend, spec, caches, **kw) -> CUDAGraphRunner:
+    kw = {"capture_sizes": [1, 2, 4], "max_batch_size": 4, "piecewise_sizes": BUCKETS, "piece_compiler": "eager",
+          **kw}
+    runner = CUDAGraphRunner(model, backend, spec, caches, use_cuda_graphs=False, progress=False, piecewise=True,
+                             **kw)
+    runner.capture()
+    return runner
+
+
+# -------------------------------------------------------------------------------------------
+# Routing decisions
+
+
+def test_default_buckets_go_up_to_512_tokens_padding_at_most_half_above_16():
+    sizes = list(DEFAULT_PIECEWISE_SIZES)
+    assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == 512
+    assert all(b <= 1.5 * a for a, b in zip(sizes, sizes[1:], strict=False) if a >= 16)
+
+
+@pytest.mark.parametrize(
+    ("num_prefills", "num_seqs", "num_tokens", "max_seq_len", "path"),
+    [
+        (0, 3, 3, 64, "graph"),  # decode-only that fits: the full decode graphs, as before
+        (1, 3, 40, 64, "piecewise"),  # mixed
+        (2, 2, 64, 64, "piecewise"),  # prefill-only, exactly the largest bucket
+        (2, 2, 65, 64, "eager_prefill"),  # above the largest bucket
+        (0, 17, 17, 10, "piecewise"),  # more decodes than the largest decode graph
+        (0, 4, 4, 65, "piecewise"),  # overlong: the eager attention reads any length
+        (0, 70, 70, 65, "eager_oversize"),
+    ],
+)
+def test_path_choice_with_piecewise_buckets(num_prefills, num_seqs, num_tokens, max_seq_len, path):
+    got = choose_path(num_prefills=num_prefills, num_seqs=num_seqs, max_seq_len=max_seq_len, largest_size=16,
+                      max_seq_len_to_capture=64, num_tokens=num_tokens, largest_piecewise_tokens=64)
+    assert got == path
+
+
+# -------------------------------------------------------------------------------------------
+# The split graph
+
+
+def normalize(text: str) -> str:
+    return re.sub(r"'(\w+Impl\.\w+)\.\d+'", r"'\1.N'", text)
+
+
+def split_summary(backend: PiecewiseBackend) -> str:
+    """Each submodule in order: a piece's input count and output shapes; an op group's calls and
+    which of its arguments are cut to the step's tokens."""
+    lines = []
+    for piece in backend.pieces:
+        graph = piece.module.graph
+        inputs = [n.name for n in graph.find_nodes(op="placeholder")]
+        if not piece.is_context_op:
+            outputs = graph.output_node().args[0]
+            outputs = outputs if isinstance(outputs, tuple | list) else (outputs,)
+            shapes = ", ".join(_shape(n.meta["example_value"]) for n in outputs)
+            lines.append(f"{piece.name}: piece, {len(inputs)} inputs -> {shapes}")
+            continue
+        wrapper = backend.split_module.__dict__[piece.name]
+        assert isinstance(wrapper, EagerOps)
+        lines.append(f"{piece.name}: eager ops, token rows cut: {[inputs[i] for i in wrapper.token_args]}")
+        for node in (n for n in graph.nodes if n.op == "call_function"):
+            args = ", ".join(a.name if isinstance(a, torch.fx.Node) else repr(a) for a in node.args)
+            lines.append(f"    {node.target}({args})")
+    return normalize("\n".join(lines))
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+class TestSplit(TestCase):
+    def test_model_splits_once_per_layer_around_both_ops(self):
+        torch._dynamo.reset()
+        config = dataclasses.replace(TINY, num_layers=1)
+        model = build_model(config, seed=0, backend="TORCH_SDPA")
+        spec = config.attention_spec(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype=torch.float32, device="cpu")
+        backend = PiecewiseBackend(GraphControl(use_graphs=False), "eager")
+        md = ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(spec).build([5, 9], [5, 1], [[0, 1], [2, 3, 4]])
+        ids, pos = torch.randint(config.vocab_size, (6,)), torch.tensor([0, 1, 2, 3, 4, 8])
+        ca.mark_token_dim(ids, pos)
+        with ca.set_forward_context(md):
+            torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(
+                ids, pos, random_caches(spec, 0, config))
+        self.assertExpectedInline(split_summary(backend), """\
+submod_0: piece, 9 inputs -> float32[u1, 4, 16], float32[u1, 2, 16], float32[u1, 2, 16], float32[u1, 4, 16], float32[u1, 64]
+submod_1: eager ops, token rows cut: ['q_2', 'k_2', 'v_1', 'output']
+    compiled_attn.kv_cache_update(q_2, k_2, v_1, l_kv_caches_0_, 'TorchSDPAImpl.decoder.N')
+    compiled_attn.torch_sdpa_attention(q_2, k_2, v_1, l_kv_caches_0_, output, 'TorchSDPAImpl.decoder.N')
+submod_2: piece, 10 inputs -> float32[u1, 128]""")
+
+
+# -------------------------------------------------------------------------------------------
+# The padded piecewise step without capture (CPU)
+
+
+@pytest.fixture
+def cpu_model(cpu_backend):
+    torch._dynamo.reset()
+    return build_model(TINY, seed=0, backend=cpu_backend.get_name())
+
+
+@pytest.fixture
+def sdpa_model():
+    torch._dynamo.reset()
+    return build_model(TINY, seed=0, backend="TORCH_SDPA")
+
+
+def test_piecewise_steps_match_eager(cpu_backend, cpu_model):
+    """Prefill, mixed, oversize and overlong steps padded to their buckets give eager's logits;
+    decode steps that fit still take the full decode graphs."""
+    spec = cpu_spec()
+    name = cpu_backend.get_name()
+    runner = piecewise_runner(cpu_model, cpu_backend, spec, random_caches(spec, 0))
+    ref = Engine(spec, direct(cpu_model, random_caches(spec, 0)), backend_name=name)
+    eng = Engine(spec, runner.run, backend_name=name)
+    a = prompts(6, seed=1, vocab=TINY.vocab_size, lo=2, hi=6)
+    names = list(a)
+    steps = [
+        ("piecewise", {k: a[k] for k in names[:3]}),  # prefill of 3 prompts (bucket 16)
+        ("piecewise", {**{k: a[k] for k in names[3:]}, **{k: [1] for k in names[:3]}}),  # mixed
+        ("graph", {k: [2] for k in names[:3]}),
+        ("piecewise", {k: [3] for k in names}),  # 6 decodes > the largest decode size 4
+        ("eager_prefill", {"long": [5] * MAX_LEN}),  # a 40-token prompt: above the largest bucket, 32
+        ("piecewise", {"long": [6], **{k: [7] for k in names[:2]}}),  # overlong decode (41 > 40 tokens)
+    ]
+    for path, batch in steps:
+        before = runner.counts[path]
+        torch.testing.assert_close(eng.step(batch), ref.step(batch), rtol=1e-5, atol=1e-5)
+        assert runner.counts[path] == before + 1, path
+
+
+def test_pad_tokens_write_no_cache(cpu_model, cpu_backend):
+    """A 5-token step in bucket 8: the caches equal eager's after the step, bit for bit outside
+    the step's own slots (pad rows' K/V never reach the cache)."""
+    spec = cpu_spec()
+    caches = random_caches(spec, 0)
+    before = [c.clone() for c in caches]
+    runner = piecewise_runner(cpu_model, cpu_backend, spec, caches)
+    ref_caches = random_caches(spec, 0)
+    md = cpu_backend.get_builder_cls()(spec).build([5], [5], [[7, 9]])
+    ids, pos = torch.randint(TINY.vocab_size, (5,)), torch.arange(5)
+    direct(cpu_model, ref_caches)(md, ids, pos)
+    runner.run(md, ids, pos)
+    slots = md.slot_mapping
+    for got, want, old in zip(caches, ref_caches, before, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        flat_got, flat_old = got.flatten(1, 2), old.flatten(1, 2)  # [2, num_blocks * block_size, H, D]
+        untouched = torch.ones(flat_got.shape[1], dtype=torch.bool)
+        untouched[slots] = False
+        assert torch.equal(flat_got[:, untouched], flat_old[:, untouched])
+    assert runner.counts["piecewise"] == 1
+
+
+def test_one_compile_serves_every_bucket_and_the_unpadded_path(sdpa_model):
+    spec = cpu_spec()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    runner = piecewise_runner(sdpa_model, ca.get_attn_backend("TORCH_SDPA"), spec, random_caches(spec, 0))
+    ref, eng = Engine(spec, direct(sdpa_model, random_caches(spec, 0))), Engine(spec, runner.run)
+    g = torch.Generator().manual_seed(5)
+    # prompt lengths per step: buckets 4, 16, 32, 8, then 40 tokens > 32 (unpadded, no graphs)
+    for i, lens in enumerate(([3], [5, 6], [30], [1, 6], [40])):
+        batch = {f"s{i}.{j}": torch.randint(TINY.vocab_size, (n,), generator=g).tolist() for j, n in enumerate(lens)}
+        torch.testing.assert_close(eng.step(batch), ref.step(batch), rtol=1e-5, atol=1e-5)
+    assert (runner.counts["piecewise"], runner.counts["eager_prefill"]) == (4, 1)
+    assert runner.piecewise.backend.num_compiles == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_inductor_pieces_match_eager_with_postprocess():
+    """The pieces compiled by Inductor (symbolic token count), sampling inside the last piece."""
+    torch._dynamo.reset()
+    config = dataclasses.replace(TINY, num_layers=1)
+    model = build_model(config, seed=0, backend="TORCH_SDPA")
+    spec = config.attention_spec(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype=torch.float32, device="cpu",
+                                 max_seq_len_to_capture=MAX_LEN)
+    runner = piecewise_runner(model, ca.get_attn_backend("TORCH_SDPA"), spec, random_caches(spec, 0, config),
+                              piece_compiler="inductor", postprocess=lambda logits: logits.argmax(-1))
+    assert runner.capture_stats["piecewise"]["num_pieces"] == 2
+    ref = Engine(spec, direct(model, random_caches(spec, 0, config)))
+    eng = Engine(spec, lambda md, ids, pos: torch.nn.functional.one_hot(runner.run(md, ids, pos), config.vocab_size))
+    step = prompts(3, seed=4, vocab=config.vocab_size, lo=2, hi=9)
+    for i in range(4):  # a prefill, then 5-request mixed steps (bucket 8 or 16)
+        want = ref.step(step).argmax(-1)
+        assert torch.equal(eng.step(step).argmax(-1), want), f"step {i}"
+        step = {**{k: [t] for k, t in zip(step, want.tolist(), strict=True)}}
+        step = {**prompts(1, seed=20 + i, vocab=config.vocab_size, lo=2, hi=5), **step}
+    assert runner.counts["piecewise"] == 4
+    assert runner.piecewise.backend.num_compiles == 1
+
+
+def test_capture_stats_report_the_piecewise_graphs(sdpa_model):
+    spec = cpu_spec()
+    runner = piecewise_runner(sdpa_model, ca.get_attn_backend("TORCH_SDPA"), spec, random_caches(spec, 0))
+    stats = runner.capture_stats["piecewise"]
+    assert stats["sizes"] == sorted(BUCKETS, reverse=True)
+    assert (stats["num_pieces"], stats["num_op_groups"]) == (TINY.num_layers + 1, TINY.num_layers)
+    assert stats["num_graphs"] == 0  # no capture on CPU
+    assert stats["seconds"] > 0 and runner.capture_stats["seconds"] >= stats["seconds"]
+
+
+def test_piecewise_needs_decoder_specs(sdpa_model):
+    spec = cpu_spec(attn_type=ca.AttentionType.ENCODER_ONLY)
+    with pytest.raises(NotImplementedError, match="DECODER"):
+        CUDAGraphRunner(sdpa_model, ca.get_attn_backend("TORCH_SDPA"), spec, [], use_cuda_graphs=False,
+                        piecewise=True)
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"piecewise_sizes": [8]}, "piecewise=True"),
+    ({"piecewise": True, "piece_compiler": "aot"}, "piece_compiler"),
+    ({"piecewise": True, "piecewise_sizes": [0, 8]}, "sizes"),
+])
+def test_bad_piecewise_arguments_raise(sdpa_model, kw, match):
+    spec = cpu_spec()
+    with pytest.raises(ValueError, match=match):
+        CUDAGraphRunner(sdpa_model, ca.get_attn_backend("TORCH_SDPA"), spec, random_caches(spec, 0),
+                        use_cuda_graphs=False, **kw)
+
+
+def test_run_takes_the_eager_module_behind_a_compiled_model(sdpa_model):
+    spec = cpu_spec()
+    compiled = torch.compile(sdpa_model, fullgraph=True, dynamic=True)
+    runner = piecewise_runner(compiled, ca.get_attn_backend("TORCH_SDPA"), spec, random_caches(spec, 0))
+    assert runner.piecewise.compiled._orig_mod is sdpa_model
+
+
+# -------------------------------------------------------------------------------------------
+# GPU: captured pieces, every available backend
+
+GPU_BUCKETS = [8, 16, 32, 64, 128]
+
+
+@pytest.fixture(scope="module", params=["TORCH_SDPA", "FLASHINFER", "XFORMERS"])
+def gpu_piecewise(request):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    name, spec = request.param, gpu_spec(request.param)
+    try:
+        backend = ca.get_attn_backend(name, spec)
+    except (ca.BackendUnavailableError, NotImplementedError) as e:
+        pytest.skip(f"{name} unavailable here: {e}")
+    torch._dynamo.reset()
+    model = build_model(GPU_CONFIG, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
+    runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),
+                             capture_sizes=[1, 2, 4, 8], max_batch_size=8, progress=False, piecewise=True,
+                             piecewise_sizes=GPU_BUCKETS)
+    runner.capture()
+    return name, spec, model, runner
+
+
+@pytest.mark.gpu
+def test_captured_pieces_match_eager(gpu_piecewise):
+    """Prefill, mixed, oversize and overlong steps replay captured pieces of several buckets,
+    interleaved with the full decode graphs, and agree with eager; one compile for all."""
+    name, spec, model, runner = gpu_piecewise
+    backend = ca.get_attn_backend(name, spec)
+    ref = Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec)), backend_name=name)
+    eng = Engine(spec, runner.run, backend_name=name)
+    counts = dict(runner.counts)
+    a = prompts(12, seed=40, vocab=GPU_CONFIG.vocab_size, lo=3, hi=30)
+    names = list(a)
+    steps = [
+        ("piecewise", {k: a[k] for k in names[:3]}),
+        ("graph", {k: [1] for k in names[:3]}),
+        ("piecewise", {**{k: a[k] for k in names[3:5]}, **{k: [2] for k in names[:3]}}),  # mixed
+        ("piecewise", {**{k: a[k] for k in names[5:]}, **{k: [3] for k in names[:5]}}),
+        ("piecewise", {k: [4] for k in names}),  # 12 decodes > 8
+        ("graph", {k: [5] for k in names[:8]}),
+        ("piecewise", {"long": [6] * GPU_MAX_LEN}),  # 128 tokens: the largest bucket exactly
+        ("piecewise", {"long": [7], **{k: [8] for k in names[:2]}}),  # overlong decode
+        ("eager_prefill", {"huge": [9] * 200}),  # above the largest bucket
+        ("piecewise", {k: [10] for k in names[:9]}),
+    ]
+    for i, (path, batch) in enumerate(steps):
+        before = runner.counts[path]
+        err = rel_err(eng.step(batch), ref.step(batch))
+        assert runner.counts[path] == before + 1, (i, path)
+        assert err <= 2e-2, f"step {i} ({path}): logits rel err {err:.3e}"
+    assert sum(runner.counts.values()) - sum(counts.values()) == len(steps)
+    assert runner.piecewise.backend.num_compiles == 1
+
+
+@pytest.mark.gpu
+def test_piecewise_capture_reports_time_and_pool(gpu_piecewise):
+    _, _, _, runner = gpu_piecewise
+    stats = runner.capture_stats
+    pw = stats["piecewise"]
+    assert pw["num_pieces"] == GPU_CONFIG.num_layers + 1
+    assert pw["num_graphs"] == pw["num_pieces"] * len(GPU_BUCKETS)
+    assert 0 < pw["seconds"] <= stats["seconds"]
+    assert stats["pool_bytes"] is None or stats["pool_bytes"] > 0
+
+
+@pytest.mark.gpu
+def test_piecewise_replays_allocate_nothing_new(gpu_piecewise):
+    """Steady state: piecewise replays of changing mixed steps leave memory_allocated unchanged
+    (the pieces' outputs live in the pool; only the eager ops allocate, and free, per step)."""
+    name, spec, _, runner = gpu_piecewise
+    builder = ca.get_attn_backend(name, spec).get_builder_cls()(spec)
+    per_req = GPU_MAX_LEN // spec.block_size
+    tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(8)]
+    gen = torch.Generator().manual_seed(0)
+
+    def step(i: int) -> None:
+        prompt = 8 + i % 50  # one prompt chunk + 3 decodes: 11 .. 60 tokens, buckets 16, 32, 64
+        seq_lens, query_lens = [prompt, 20 + i % 7, 30, 41], [prompt, 1, 1, 1]
+        md = builder.build(seq_lens, query_lens, tables[:4])
+        ids = torch.randint(GPU_CONFIG.vocab_size, (md.num_tokens,), generator=gen).cuda()
+        pos = torch.cat([torch.arange(prompt), torch.tensor(seq_lens[1:]) - 1]).cuda()
+        runner.run(md, ids, pos)
+
+    for i in range(60):
+        step(i)
+    torch.cuda.synchronize()
+    before, count = torch.cuda.memory_allocated(), runner.counts["piecewise"]
+    for i in range(300):
+        step(i)
+    torch.cuda.synchronize()
+    assert runner.counts["piecewise"] - count == 300
+    assert torch.cuda.memory_allocated() == before
