@@ -5,7 +5,9 @@
 # gpt-fast's (B=64 then B=1, ctx 1024, one process each) and times FlashInfer's decode variants;
 # "fuzz" is the mutation fuzzer's GPU tests,
 # FUZZ_EXAMPLES examples per mutation; "hunt" looks for the differential example that faults or
-# mismatches on HUNT_BACKEND); PYTEST_ARGS narrows the tests.
+# mismatches on HUNT_BACKEND); "piecewise" runs the piecewise-graph GPU tests (tests/test_piecewise.py,
+# every backend) and the piecewise bench suite (PW_BENCH_ARGS, default --quick: the first available
+# backend), each under its own timeout; PYTEST_ARGS narrows the tests.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PARTS=${PARTS:-"tests fuzz bench"}
@@ -35,6 +37,14 @@ fi
 if [[ " $PARTS " == *" bench "* ]]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 -m compiled_attn bench ${BENCH_ARGS:---quick} --out "$OUT" \
     2>&1 | tee "$OUT/bench.log" | tail -60
+  status=$(( status || PIPESTATUS[0] ))
+fi
+if [[ " $PARTS " == *" piecewise "* ]]; then
+  timeout "${PW_TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_piecewise.py \
+    2>&1 | tee "$OUT/piecewise-tests.log" | tail -20
+  status=$(( status || PIPESTATUS[0] ))
+  timeout "${PW_BENCH_TIMEOUT:-330}" python3 -m compiled_attn bench --suite piecewise_bench ${PW_BENCH_ARGS:---quick} \
+    --out "$OUT" 2>&1 | tee "$OUT/piecewise-bench.log" | grep -v " - INFO - " | tail -30
   status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ " $PARTS " == *" hunt "* ]]; then

@@ -8,6 +8,7 @@ import torch
 import compiled_attn as ca
 from compiled_attn.bench.decode_loop import GptFastDecoder
 from compiled_attn.bench.kernel_table import Kernel, per_layer_table
+from compiled_attn.bench.piecewise_bench import STEPS, step_inputs
 from compiled_attn.bench.plots import decode_series
 from compiled_attn.bench.report import print_table
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
@@ -98,3 +99,19 @@ def test_overhead_rows_time_repeat_steps_against_the_raw_kernels(monkeypatch):
     assert ops == ["TORCH_SDPA: kv_cache_update", "TORCH_SDPA: torch_sdpa_attention"]
     assert all(r["checks us"] > 0 and "overhead us" in r for r in rows)
     assert len(full_checks) == 2  # the attention op's first call, the cache write's first call
+
+
+def test_piecewise_bench_steps_are_the_issues_mixed_and_prefill_steps():
+    """63 decodes at ctx 1024 + one 256-token chunk (319 tokens); 8 prompts of 512 (4096 tokens);
+    positions continue each request's cached prefix, blocks are distinct."""
+    backend = ca.get_attn_backend("TORCH_SDPA")
+    spec = LlamaConfig().attention_spec(block_size=16, num_blocks=4500, dtype=torch.float32, device="cpu",
+                                        max_seq_len_to_capture=2048)
+    (_, *mixed), (_, *prefill) = STEPS
+    md, ids, pos = step_inputs(backend, spec, *mixed, vocab=100)
+    assert (md.num_prefills, md.num_decodes, md.num_tokens) == (1, 63, 319)
+    assert pos[:256].tolist() == list(range(256, 512)) and pos[256:].eq(1024).all()
+    assert ids.shape == (319,) and md.slot_mapping.unique().numel() == 319
+    md, _, pos = step_inputs(backend, spec, *prefill, vocab=100)
+    assert (md.num_prefills, md.num_decodes, md.num_tokens) == (8, 0, 4096)
+    assert pos.tolist() == list(range(512)) * 8 and md.slot_mapping.unique().numel() == 4096

@@ -311,7 +311,8 @@ def test_captured_pieces_match_eager(gpu_piecewise):
         ("piecewise", {k: a[k] for k in names[:3]}),
         ("graph", {k: [1] for k in names[:3]}),
         ("piecewise", {**{k: a[k] for k in names[3:5]}, **{k: [2] for k in names[:3]}}),  # mixed
-        ("piecewise", {**{k: a[k] for k in names[5:]}, **{k: [3] for k in names[:5]}}),
+        ("piecewise", {**{k: a[k] for k in names[5:9]}, **{k: [3] for k in names[:5]}}),  # 69 tokens: bucket 128
+        ("piecewise", {**{k: a[k] for k in names[9:]}, **{k: [3] for k in names[:9]}}),
         ("piecewise", {k: [4] for k in names}),  # 12 decodes > 8
         ("graph", {k: [5] for k in names[:8]}),
         ("piecewise", {"long": [6] * GPU_MAX_LEN}),  # 128 tokens: the largest bucket exactly

@@ -22,6 +22,7 @@ from compiled_attn.bench import (
     e2e,
     graphs_bench,
     overhead,
+    piecewise_bench,
 )
 from compiled_attn.bench.plots import write_plots
 from compiled_attn.bench.report import print_table
@@ -39,6 +40,7 @@ SUITES: list[tuple[ModuleType, bool, str | None]] = [
     (graphs_bench, True, None),
     (e2e, True, None),
     (decode_loop, True, None),
+    (piecewise_bench, True, None),
 ]
 
 

@@ -115,7 +115,7 @@ class CUDAGraphRunner:
             largest bucket run those compiled pieces without graphs. `model` may be the eager
             module or one compiled by `torch.compile` (its original module is used). DECODER
             specs only (an op's token rows are cut to the step's, which cross attention's
-            encoder K/V are not).
+            encoder K/V are not). With `compile=True` the pieces get COMPILE_OPTIONS too.
         piecewise_sizes: token buckets, default `DEFAULT_PIECEWISE_SIZES` (1 .. 512).
         piece_compiler: "inductor" (default) or "eager" (the FX pieces as traced: fast to build,
             to test the splitting and padding).
@@ -172,7 +172,7 @@ class CUDAGraphRunner:
                 sizes=capture_sizes_for(INT32_MAX, DEFAULT_PIECEWISE_SIZES if piecewise_sizes is None
                                         else piecewise_sizes),
                 device=spec.device, use_cuda_graphs=use_cuda_graphs, piece_compiler=piece_compiler,
-                warmup_steps=warmup_steps,
+                options=COMPILE_OPTIONS if compile else None, warmup_steps=warmup_steps,
             )
         self.model = torch.compile(step, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS) if compile else step
         self._unbacked_tokens = not compile

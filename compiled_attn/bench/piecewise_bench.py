@@ -1,0 +1,203 @@
+"""Piecewise CUDA graphs (issue 14): prefill and mixed steps through `CUDAGraphRunner(piecewise=True)`
+against the compiled model without graphs, each beside the step's summed GPU kernel time.
+
+- 8B shape (`LlamaConfig.llama3_8b()`, bf16, random weights), one runner with `compile=True`
+  (decode graphs at the 35 default sizes), `piecewise=True` with the default token buckets plus
+  4096 (so that the prefill step below has a bucket), captured into one pool. Steps:
+  *mixed*: 63 decodes at ctx 1024 + one 256-token prompt chunk (its first 256 tokens cached),
+  319 tokens in the 320 bucket; *prefill*: 8 prompts x 512 new tokens, 4096 tokens.
+  Paths: "compiled" is the runner's compiled model called directly under the step's metadata
+  (what the runner runs for these steps without piecewise graphs); "piecewise" is `runner.run`.
+  `us`: host wall time per step, synced; `kernel_us`: the step's device kernels (and copies)
+  summed from a `torch.profiler` trace; `x_kernel` = us / kernel_us (goal <= 1.10: GPU >= 90 %
+  busy). Capture rows: that runner's capture (the first, with the compiles) and a second runner
+  captured in the same process (warm compile caches): seconds and the pool.
+- The 16-layer bench model (`graphs_bench.CONFIG`) at batch 1, ctx 512: a 1-token decode
+  replayed as the full decode graph, forced through the piecewise graphs (bucket 1: every piece
+  replayed, the ops eager between them), and compiled without graphs; `x_graph` = us / the full
+  graph's (goal for the piecewise row: <= 1.5).
+
+    python -m compiled_attn.bench.piecewise_bench [--quick] [--backend FLASHINFER ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import compiled_attn as ca
+from compiled_attn.bench import graphs_bench
+from compiled_attn.bench.kernel_table import cuda_kernels
+from compiled_attn.bench.report import print_table
+from compiled_attn.bench.timing import card_name, eager_time_us
+from compiled_attn.capabilities import smallest_block_size
+from compiled_attn.graphs import DEFAULT_PIECEWISE_SIZES, CUDAGraphRunner
+from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("FLASHINFER", "TORCH_SDPA", "XFORMERS")
+BENCH_BUCKETS = (*DEFAULT_PIECEWISE_SIZES, 4096)
+# (name, seq_lens, query_lens): prefills first, as the builder requires
+STEPS = (
+    ("mixed: 63 decodes at ctx 1024 + a 256-token prompt chunk", [512] + [1025] * 63, [256] + [1] * 63),
+    ("prefill: 8 x 512 new tokens", [512] * 8, [512] * 8),
+)
+PROFILED_STEPS = 5
+
+
+def step_inputs(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, seq_lens: list[int],
+                query_lens: list[int], vocab: int, seed: int = 0):
+    """(metadata, input_ids, positions) of one step: distinct shuffled blocks per request."""
+    rng = np.random.default_rng(seed)
+    need = [-(-s // spec.block_size) for s in seq_lens]
+    blocks = rng.permutation(spec.num_blocks)[: sum(need)].astype(np.int32)
+    tables = np.zeros((len(seq_lens), max(need)), dtype=np.int32)
+    for i, start in enumerate(np.cumsum([0] + need[:-1])):
+        tables[i, : need[i]] = blocks[start: start + need[i]]
+    md = backend.get_builder_cls()(spec).build(np.array(seq_lens), np.array(query_lens), tables)
+    ids = torch.randint(vocab, (md.num_tokens,), device=spec.device)
+    pos = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens, strict=True)]).to(spec.device)
+    return md, ids, pos
+
+
+def kernel_us(fn: Callable[[], object], steps: int = PROFILED_STEPS) -> float:
+    """Summed device time (kernels, copies, memsets) of one `fn()` from a profiler trace."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(k.end_us - k.start_us for k in cuda_kernels(prof)) / steps
+
+
+def _row(backend: str, model: str, what: str, **values: object) -> dict:
+    row = {"card": card_name(), "backend": backend, "model": model, "what": what}
+    row.update({k: round(v, 3) if isinstance(v, float) else v for k, v in values.items()})
+    log.info("piecewise_bench: %s", row)  # a run cut off by its timeout keeps the rows measured so far
+    return row
+
+
+def _spec(backend: type[ca.AttentionBackend], config: LlamaConfig, num_tokens: int,
+          max_seq_len_to_capture: int) -> ca.AttentionSpec:
+    block_size = smallest_block_size(backend)
+    return config.attention_spec(block_size=block_size, num_blocks=-(-num_tokens // block_size) + 64,
+                                 dtype=torch.bfloat16, device="cuda", max_seq_len_to_capture=max_seq_len_to_capture)
+
+
+def rows_8b(name: str, iters: int) -> list[dict]:
+    config = LlamaConfig.llama3_8b()
+    backend = ca.get_attn_backend(name)
+    spec = _spec(backend, config, 64 * 1100 + 8 * 512, max_seq_len_to_capture=2048)
+    model = build_model(config, seed=0, backend=name, dtype=torch.bfloat16, device="cuda", init_device="cuda")
+    caches = [c.normal_() for c in allocate_kv_caches(config, backend, spec)]
+
+    def runner() -> CUDAGraphRunner:
+        return CUDAGraphRunner(model, backend, spec, caches, compile=True, piecewise=True,
+                               piecewise_sizes=BENCH_BUCKETS, progress=False)
+
+    first = runner()
+    stats = first.capture()
+    rows = [row for what, seq_lens, query_lens in STEPS
+            for row in _step_rows(first, name, what, *step_inputs(backend, spec, seq_lens, query_lens,
+                                                                  config.vocab_size), iters)]
+    if first.counts["piecewise"] == 0:
+        raise RuntimeError("the piecewise rows did not take the piecewise path")
+    rows.append(_capture_row(name, "first capture (compiles included)", stats))
+    del first
+    torch._dynamo.reset()  # the compiled code holds the pieces, their graphs and pool: gone, as in a new process
+    torch.cuda.empty_cache()
+    rows.append(_capture_row(name, "second capture (warm compile caches)", runner().capture()))
+    return rows
+
+
+def _step_rows(runner: CUDAGraphRunner, name: str, what: str, md: ca.AttentionMetadata, ids: torch.Tensor,
+               pos: torch.Tensor, iters: int) -> list[dict]:
+    """The step through the runner's compiled model without graphs, then through runner.run."""
+
+    def compiled() -> torch.Tensor:
+        with ca.set_forward_context(md):
+            return runner.model(ids, pos, runner.kv_caches)
+
+    rows = []
+    for path, fn in (("compiled", compiled), ("piecewise", lambda: runner.run(md, ids, pos))):
+        us, kernels = eager_time_us(fn, iters=iters), kernel_us(fn)
+        rows.append(_row(name, "8B", what, path=path, tokens=md.num_tokens, us=us, kernel_us=kernels,
+                         x_kernel=us / kernels))
+    return rows
+
+
+def _capture_row(name: str, what: str, stats: dict) -> dict:
+    pw = stats["piecewise"]
+    return _row(name, "8B", what, path="capture", capture_s=stats["seconds"], piecewise_s=pw["seconds"],
+                piece_compile_s=pw["compile_seconds"], decode_graphs=stats["num_graphs"],
+                piecewise_graphs=pw["num_graphs"],
+                pool_mib=None if stats["pool_bytes"] is None else stats["pool_bytes"] / 2**20)
+
+
+def rows_small_decode(name: str, iters: int) -> list[dict]:
+    """The 16-layer model, batch 1: full decode graph vs the same decode forced through the pieces."""
+    config, ctx = graphs_bench.CONFIG, graphs_bench.CONTEXT
+    backend = ca.get_attn_backend(name)
+    spec = _spec(backend, config, ctx, max_seq_len_to_capture=graphs_bench.MAX_SEQ_LEN_TO_CAPTURE)
+    model = build_model(config, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
+    caches = [c.normal_() for c in allocate_kv_caches(config, backend, spec)]
+    runner = CUDAGraphRunner(model, backend, spec, caches, compile=True, capture_sizes=[1], max_batch_size=1,
+                             piecewise=True, piecewise_sizes=[1], progress=False)
+    runner.capture()
+    md, ids, pos = step_inputs(backend, spec, [ctx], [1], config.vocab_size)
+
+    def compiled() -> torch.Tensor:
+        with ca.set_forward_context(md):
+            return runner.model(ids, pos, caches)
+
+    paths = {
+        "full graph": lambda: runner.run(md, ids, pos),
+        "piecewise (forced)": lambda: runner.piecewise.run(md, ids, pos),
+        "compiled, no graphs": compiled,
+    }
+    times = {path: eager_time_us(fn, iters=iters) for path, fn in paths.items()}
+    what = f"decode B=1, ctx {ctx}, {config.num_layers} layers"
+    return [_row(name, "16-layer", what, path=path, tokens=1, us=us, kernel_us=kernel_us(paths[path]),
+                 x_graph=us / times["full graph"]) for path, us in times.items()]
+
+
+def run(quick: bool, backends: tuple[str, ...] | None = None) -> list[dict]:
+    """Rows of the 16-layer decode comparison, then the 8B steps and captures, per backend (quick:
+    the first available of BACKENDS only)."""
+    iters = 20 if quick else 50
+    rows = []
+    for name in backends or BACKENDS:
+        try:
+            ca.get_attn_backend(name)
+        except (ca.BackendUnavailableError, NotImplementedError) as e:
+            log.info("piecewise_bench: skipping %s: %s", name, e)
+            continue
+        rows += rows_small_decode(name, iters)
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        rows += rows_8b(name, iters)
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        if quick:
+            break
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--backend", action="append", default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    print_table(run(args.quick, tuple(args.backend) if args.backend else None))
+
+
+if __name__ == "__main__":
+    main()
