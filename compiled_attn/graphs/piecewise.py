@@ -251,20 +251,26 @@ class PiecewiseGraphs:
         returns capture_stats (sizes, num_pieces, num_graphs, compile_seconds, seconds)."""
         control, cuda = self.control, self.control.use_graphs
         control.pool = pool
-        side_stream = torch.cuda.Stream(self._input_ids.device) if cuda else None
+        device = self._input_ids.device
+        # Two side streams: capture cannot use the default stream, and it must not use the warm-up's
+        # either. cuBLAS keeps one workspace per stream; made during the warm-up it would come from
+        # the ordinary allocator and be freed when the runner clears the workspaces after capture,
+        # under the graphs. Made during the first captured matmul, it lives in the graphs' pool.
+        warm_stream = torch.cuda.Stream(device) if cuda else None
+        capture_stream = torch.cuda.Stream(device) if cuda else None
         start = time.perf_counter()
         for bucket in self.sizes:
             # Without graphs one warm-up compiles everything (the token count is symbolic).
             warmups = self.warmup_steps if cuda else int(bucket == self.sizes[0])
-            with _on(side_stream):
-                with control.serving(None, skip_ops=True):  # the compiled pieces, for real
-                    for _ in range(warmups):
-                        self._static_step(bucket)
-                if cuda:
-                    with control.serving(bucket, capturing=True, skip_ops=True):
-                        self._static_step(bucket)  # its output dies here: the pool reuses it
+            with _on(warm_stream), control.serving(None, skip_ops=True):  # the compiled pieces, for real
+                for _ in range(warmups):
+                    self._static_step(bucket)
             if cuda:
-                torch.cuda.current_stream().wait_stream(side_stream)
+                capture_stream.wait_stream(warm_stream)
+                with _on(capture_stream), control.serving(bucket, capturing=True, skip_ops=True):
+                    self._static_step(bucket)  # its output dies here: the pool reuses it
+        if cuda:
+            torch.cuda.current_stream().wait_stream(capture_stream)
         pieces = [p for p in self.backend.pieces if not p.is_context_op]
         self.capture_stats = {
             "sizes": list(self.sizes),
