@@ -87,20 +87,29 @@ class CapturedPiece:
         if not control.use_graphs or control.bucket is None:
             return self.runnable(*args)
         if control.capturing:
-            graph = torch.cuda.CUDAGraph()
-            # capture_begin / capture_end rather than torch.cuda.graph, which collects garbage
-            # and empties the allocator's cache before every capture: hundreds of pieces' worth.
-            # The caller runs the capture forward on a side stream (capture needs one).
-            graph.capture_begin(pool=control.pool)
-            try:
-                outputs = self.runnable(*args)
-            finally:
-                graph.capture_end()
+            graph, outputs = capture_graph(self.runnable, args, control.pool)
             self.graphs[control.bucket] = (graph, tree_map_only(torch.Tensor, non_owning, outputs))
             return outputs  # owning: the pool frees them when the capture forward drops them
         graph, outputs = self.graphs[control.bucket]
         graph.replay()
         return outputs
+
+
+def capture_graph(fn: Callable[..., Any], args: tuple[Any, ...], pool: Any) -> tuple[Any, Any]:
+    """`fn(*args)` captured on the current stream into a new CUDA graph in `pool`: (the graph,
+    the outputs the capture allocated).
+
+    capture_begin / capture_end rather than `torch.cuda.graph`, which synchronizes, collects
+    garbage and empties the allocator's cache before every capture: hundreds of pieces' worth.
+    The caller runs the capture forward on a side stream (capture cannot use the default one).
+    """
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(pool=pool)
+    try:
+        outputs = fn(*args)
+    finally:
+        graph.capture_end()
+    return graph, outputs
 
 
 class EagerOps:
@@ -256,8 +265,9 @@ class PiecewiseGraphs:
         # either. cuBLAS keeps one workspace per stream; made during the warm-up it would come from
         # the ordinary allocator and be freed when the runner clears the workspaces after capture,
         # under the graphs. Made during the first captured matmul, it lives in the graphs' pool.
-        warm_stream = torch.cuda.Stream(device) if cuda else None
-        capture_stream = torch.cuda.Stream(device) if cuda else None
+        on_cuda = cuda and device.type == "cuda"
+        warm_stream = torch.cuda.Stream(device) if on_cuda else None
+        capture_stream = torch.cuda.Stream(device) if on_cuda else None
         start = time.perf_counter()
         for bucket in self.sizes:
             # Without graphs one warm-up compiles everything (the token count is symbolic).
@@ -266,10 +276,11 @@ class PiecewiseGraphs:
                 for _ in range(warmups):
                     self._static_step(bucket)
             if cuda:
-                capture_stream.wait_stream(warm_stream)
+                if on_cuda:
+                    capture_stream.wait_stream(warm_stream)
                 with _on(capture_stream), control.serving(bucket, capturing=True, skip_ops=True):
                     self._static_step(bucket)  # its output dies here: the pool reuses it
-        if cuda:
+        if on_cuda:
             torch.cuda.current_stream().wait_stream(capture_stream)
         pieces = [p for p in self.backend.pieces if not p.is_context_op]
         self.capture_stats = {
