@@ -6,8 +6,8 @@
 # "fuzz" is the mutation fuzzer's GPU tests,
 # FUZZ_EXAMPLES examples per mutation; "hunt" looks for the differential example that faults or
 # mismatches on HUNT_BACKEND); "piecewise" runs the piecewise-graph GPU tests (tests/test_piecewise.py,
-# every backend) and the piecewise bench suite (PW_BENCH_ARGS, default --quick: the first available
-# backend), each under its own timeout; PYTEST_ARGS narrows the tests.
+# every backend; PW_TESTS=0 skips them) and the piecewise bench suite (PW_BENCH_ARGS, default --quick:
+# the first available backend; "" for all), each under its own timeout; PYTEST_ARGS narrows the tests.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PARTS=${PARTS:-"tests fuzz bench"}
@@ -40,10 +40,12 @@ if [[ " $PARTS " == *" bench "* ]]; then
   status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ " $PARTS " == *" piecewise "* ]]; then
-  timeout "${PW_TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_piecewise.py \
-    2>&1 | tee "$OUT/piecewise-tests.log" | tail -20
-  status=$(( status || PIPESTATUS[0] ))
-  timeout "${PW_BENCH_TIMEOUT:-330}" python3 -m compiled_attn bench --suite piecewise_bench ${PW_BENCH_ARGS:---quick} \
+  if [[ "${PW_TESTS:-1}" == 1 ]]; then
+    timeout "${PW_TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_piecewise.py \
+      2>&1 | tee "$OUT/piecewise-tests.log" | tail -20
+    status=$(( status || PIPESTATUS[0] ))
+  fi
+  timeout "${PW_BENCH_TIMEOUT:-330}" python3 -m compiled_attn bench --suite piecewise_bench ${PW_BENCH_ARGS---quick} \
     --out "$OUT" 2>&1 | tee "$OUT/piecewise-bench.log" | grep -v " - INFO - " | tail -30
   status=$(( status || PIPESTATUS[0] ))
 fi
