@@ -282,6 +282,24 @@ def test_replays_of_captured_pieces_match_eager(monkeypatch, sdpa_model):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_recompile_after_capture_is_a_clear_error(monkeypatch, sdpa_model):
+    """Pieces compiled after the capture (here: Dynamo's caches dropped) have no graphs: the step
+    says so instead of replaying nothing. A step under grad mode does not recompile."""
+    monkeypatch.setattr(pw, "capture_graph", capture_on_cpu)
+    spec = cpu_spec()
+    graphs = PiecewiseGraphs(sdpa_model, random_caches(spec, 0), sizes=[8, 4], device=torch.device("cpu"),
+                             use_cuda_graphs=True, piece_compiler="eager", warmup_steps=1)
+    graphs.capture()
+    md = ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(spec).build([3], [3], [[5]])
+    ids, pos = torch.tensor([1, 2, 3]), torch.arange(3)
+    with torch.no_grad():  # captured with grad mode on (the default)
+        graphs.run(md, ids, pos)
+    assert graphs.backend.num_compiles == 1
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="compiled the model again after the capture"):
+        graphs.run(md, ids, pos)
+
+
 def test_capture_stats_report_the_piecewise_graphs(sdpa_model):
     spec = cpu_spec()
     runner = piecewise_runner(sdpa_model, ca.get_attn_backend("TORCH_SDPA"), spec, random_caches(spec, 0))

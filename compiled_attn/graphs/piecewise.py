@@ -90,7 +90,14 @@ class CapturedPiece:
             graph, outputs = capture_graph(self.runnable, args, control.pool)
             self.graphs[control.bucket] = (graph, tree_map_only(torch.Tensor, non_owning, outputs))
             return outputs  # owning: the pool frees them when the capture forward drops them
-        graph, outputs = self.graphs[control.bucket]
+        entry = self.graphs.get(control.bucket)
+        if entry is None:
+            raise RuntimeError(
+                f"no piecewise graph of {control.bucket} tokens for this piece: Dynamo compiled the model again after "
+                "the capture (torch._dynamo.reset(), or a guard on global state such as grad mode failed), and the "
+                "new pieces were never captured. Make and capture a new CUDAGraphRunner"
+            )
+        graph, outputs = entry
         graph.replay()
         return outputs
 
@@ -295,8 +302,14 @@ class PiecewiseGraphs:
 
     def _static_step(self, bucket: int) -> torch.Tensor:
         ids, pos = self._input_ids[:bucket], self._positions[:bucket]
-        mark_token_dim(ids, pos)
-        return self.compiled(ids, pos, self.kv_caches)
+        return self._call(ids, pos, self.kv_caches)
+
+    def _call(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        # Always under no_grad: Dynamo guards on grad mode, and a step under another mode than the
+        # capture's would compile new pieces that have no graphs.
+        mark_token_dim(input_ids, positions)
+        with torch.no_grad():
+            return self.compiled(input_ids, positions, kv_caches)
 
     def run(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The step (md.num_tokens <= sizes[0]) padded to its bucket: replayed pieces, eager ops.
@@ -319,9 +332,8 @@ class PiecewiseGraphs:
                      kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The step at its own token count through the compiled pieces, no graphs (any size);
         kv_caches: default the ones given at construction."""
-        mark_token_dim(input_ids, positions)
         with set_forward_context(md), self.control.serving(None):
-            return self.compiled(input_ids, positions, self.kv_caches if kv_caches is None else kv_caches)
+            return self._call(input_ids, positions, self.kv_caches if kv_caches is None else kv_caches)
 
 
 @contextlib.contextmanager
