@@ -59,10 +59,14 @@ def piecewise_runner(model, backend, spec, caches, **kw) -> CUDAGraphRunner:
 # Routing decisions
 
 
-def test_default_buckets_go_up_to_512_tokens_padding_at_most_half_above_16():
+def test_default_buckets_go_up_to_512_tokens_padding_at_most_half_above_16(sdpa_model):
     sizes = list(DEFAULT_PIECEWISE_SIZES)
     assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == 512
     assert all(b <= 1.5 * a for a, b in zip(sizes, sizes[1:], strict=False) if a >= 16)
+    spec = cpu_spec()
+    runner = CUDAGraphRunner(sdpa_model, ca.get_attn_backend("TORCH_SDPA"), spec, random_caches(spec, 0),
+                             use_cuda_graphs=False, piecewise=True)
+    assert runner.piecewise.sizes == sizes[::-1]
 
 
 @pytest.mark.parametrize(
@@ -321,6 +325,7 @@ def test_piecewise_needs_decoder_specs(sdpa_model):
     ({"piecewise_sizes": [8]}, "piecewise=True"),
     ({"piecewise": True, "piece_compiler": "aot"}, "piece_compiler"),
     ({"piecewise": True, "piecewise_sizes": [0, 8]}, "sizes"),
+    ({"piecewise": True, "piecewise_sizes": []}, "at least one"),
 ])
 def test_bad_piecewise_arguments_raise(sdpa_model, kw, match):
     spec = cpu_spec()

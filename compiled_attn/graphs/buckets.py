@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 
-from compiled_attn.validation import as_int
+from compiled_attn.validation import INT32_MAX, as_int
 
 # vLLM's sizes: every small batch gets a close fit, larger ones pad by at most 7 rows.
 DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 257, 8))
@@ -48,6 +48,18 @@ def capture_sizes_for(max_batch_size: int, sizes: Iterable[int] | None = None) -
     if not kept:
         raise ValueError(f"no capture size in {sorted(set(sizes))} is <= max_batch_size={max_batch_size}")
     return kept
+
+
+def piecewise_sizes_for(sizes: Iterable[int] | None = None) -> list[int]:
+    """The token buckets of the piecewise graphs, largest first: `sizes` (default
+    DEFAULT_PIECEWISE_SIZES), checked as capture sizes are.
+
+    >>> piecewise_sizes_for([64, 8, 16, 8])
+    [64, 16, 8]
+    """
+    if isinstance(sizes, list | tuple | range) and not len(sizes):
+        raise ValueError("piecewise_sizes must name at least one token count")
+    return capture_sizes_for(INT32_MAX, DEFAULT_PIECEWISE_SIZES if sizes is None else sizes)
 
 
 def capture_widths_for(widths: Iterable[int], full_width: int) -> list[int]:

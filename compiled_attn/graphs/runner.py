@@ -29,7 +29,6 @@ from compiled_attn.abstract import AttentionBackend, AttentionMetadata, Attentio
 from compiled_attn.dynamo import mark_token_dim
 from compiled_attn.forward_context import set_forward_context
 from compiled_attn.graphs.buckets import (
-    DEFAULT_PIECEWISE_SIZES,
     GRAPH,
     PATHS,
     PIECEWISE,
@@ -38,9 +37,10 @@ from compiled_attn.graphs.buckets import (
     choose_path,
     pick_batch_size,
     pick_table_width,
+    piecewise_sizes_for,
 )
 from compiled_attn.graphs.piecewise import PiecewiseGraphs
-from compiled_attn.validation import INT32_MAX, as_int, check_cache_list
+from compiled_attn.validation import as_int, check_cache_list
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +169,7 @@ class CUDAGraphRunner:
             eager = _original(model)
             self.piecewise = PiecewiseGraphs(
                 eager if postprocess is None else _Step(eager, postprocess), kv_caches,
-                sizes=capture_sizes_for(INT32_MAX, DEFAULT_PIECEWISE_SIZES if piecewise_sizes is None
-                                        else piecewise_sizes),
+                sizes=piecewise_sizes_for(piecewise_sizes),
                 device=spec.device, use_cuda_graphs=use_cuda_graphs, piece_compiler=piece_compiler,
                 options=COMPILE_OPTIONS if compile else None, warmup_steps=warmup_steps,
             )
