@@ -310,7 +310,7 @@ def test_capture_stats_report_the_piecewise_graphs(sdpa_model):
     stats = runner.capture_stats["piecewise"]
     assert stats["sizes"] == sorted(BUCKETS, reverse=True)
     assert (stats["num_pieces"], stats["num_op_groups"]) == (TINY.num_layers + 1, TINY.num_layers)
-    assert stats["num_graphs"] == 0  # no capture on CPU
+    assert stats["num_graphs"] == 0 and stats["pool_bytes"] is None  # no capture on CPU
     assert stats["seconds"] > 0 and runner.capture_stats["seconds"] >= stats["seconds"]
 
 
@@ -406,7 +406,8 @@ def test_piecewise_capture_reports_time_and_pool(gpu_piecewise):
     assert pw["num_pieces"] == GPU_CONFIG.num_layers + 1
     assert pw["num_graphs"] == pw["num_pieces"] * len(GPU_BUCKETS)
     assert 0 < pw["seconds"] <= stats["seconds"]
-    assert stats["pool_bytes"] is None or stats["pool_bytes"] > 0
+    if stats["pool_bytes"] is not None:  # this torch's allocator snapshot names pools
+        assert 0 < pw["pool_bytes"] <= stats["pool_bytes"]
 
 
 @pytest.mark.gpu

@@ -137,8 +137,12 @@ def _capture_row(name: str, what: str, stats: dict) -> dict:
     pw = stats["piecewise"]
     return _row(name, "8B", what, path="capture", capture_s=stats["seconds"], piecewise_s=pw["seconds"],
                 piece_compile_s=pw["compile_seconds"], decode_graphs=stats["num_graphs"],
-                piecewise_graphs=pw["num_graphs"],
-                pool_mib=None if stats["pool_bytes"] is None else stats["pool_bytes"] / 2**20)
+                piecewise_graphs=pw["num_graphs"], pool_mib=_mib(stats["pool_bytes"]),
+                piecewise_pool_mib=_mib(pw["pool_bytes"]))
+
+
+def _mib(n: int | None) -> float | None:
+    return None if n is None else n / 2**20
 
 
 def rows_small_decode(name: str, iters: int) -> list[dict]:

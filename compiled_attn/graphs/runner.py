@@ -207,7 +207,8 @@ class CUDAGraphRunner:
         (memory_allocated / memory_reserved deltas: the State's buffers, graph outputs and the
         pool). Memory figures are None without CUDA graphs. piecewise: None, or the piecewise
         graphs' own figures (sizes, num_pieces, num_op_groups, num_graphs, compile_seconds,
-        seconds); they share the pool, so pool_bytes and seconds cover them too. Piecewise
+        seconds, pool_bytes: the pool after their capture); they share the pool, so pool_bytes and
+        seconds cover them too. Piecewise
         buckets are captured first (the largest token counts).
         """
         if self._captured:
@@ -227,6 +228,8 @@ class CUDAGraphRunner:
             with _own_cublas_workspace(cuda):
                 if self.piecewise is not None:
                     piecewise_stats = self.piecewise.capture(pool)
+                    # the pool as the piecewise graphs left it; the decode graphs reuse its free memory
+                    piecewise_stats["pool_bytes"] = _pool_bytes(pool, device) if cuda else None
                 with self.state.graph_capture(self.sizes[0]):
                     for bs, width in _progress(graphs, self.progress,
                                                desc=f"capturing {self.backend.get_name()} graphs"):
