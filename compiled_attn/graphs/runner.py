@@ -208,8 +208,7 @@ class CUDAGraphRunner:
         pool). Memory figures are None without CUDA graphs. piecewise: None, or the piecewise
         graphs' own figures (sizes, num_pieces, num_op_groups, num_graphs, compile_seconds,
         seconds, pool_bytes: the pool after their capture); they share the pool, so pool_bytes and
-        seconds cover them too. Piecewise
-        buckets are captured first (the largest token counts).
+        seconds cover them too. Piecewise buckets are captured first (the largest token counts).
         """
         if self._captured:
             raise RuntimeError("this runner is captured already; make a new runner to capture again")
