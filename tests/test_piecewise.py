@@ -286,22 +286,38 @@ def test_replays_of_captured_pieces_match_eager(monkeypatch, sdpa_model):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_recompile_after_capture_is_a_clear_error(monkeypatch, sdpa_model):
-    """Pieces compiled after the capture (here: Dynamo's caches dropped) have no graphs: the step
-    says so instead of replaying nothing. A step under grad mode does not recompile."""
+def test_steps_after_the_first_per_bucket_bypass_dynamo(monkeypatch, sdpa_model):
+    """A bucket's first step goes through Dynamo and records the split module's inputs; later steps
+    call it directly: with Dynamo's caches dropped and under another grad mode they compile
+    nothing and still match eager."""
     monkeypatch.setattr(pw, "capture_graph", capture_on_cpu)
     spec = cpu_spec()
     graphs = PiecewiseGraphs(sdpa_model, random_caches(spec, 0), sizes=[8, 4], device=torch.device("cpu"),
                              use_cuda_graphs=True, piece_compiler="eager", warmup_steps=1)
     graphs.capture()
-    md = ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(spec).build([3], [3], [[5]])
-    ids, pos = torch.tensor([1, 2, 3]), torch.arange(3)
-    with torch.no_grad():  # captured with grad mode on (the default)
-        graphs.run(md, ids, pos)
-    assert graphs.backend.num_compiles == 1
+    assert sorted(graphs._direct) == [4, 8] and graphs.backend.recorded == {}
     torch._dynamo.reset()
-    with pytest.raises(RuntimeError, match="compiled the model again after the capture"):
-        graphs.run(md, ids, pos)
+    ref = Engine(spec, direct(sdpa_model, random_caches(spec, 0)))
+    eng = Engine(spec, graphs.run)
+    step = prompts(2, seed=9, vocab=TINY.vocab_size, lo=2, hi=4)
+    for i in range(3):
+        want = ref.step(step)
+        with torch.no_grad():  # captured with grad mode on (the default)
+            torch.testing.assert_close(eng.step(step), want, rtol=1e-5, atol=1e-5, msg=f"step {i}")
+        step = {k: [t] for k, t in zip(step, want.argmax(-1).tolist(), strict=True)}
+    assert graphs.backend.num_compiles == 1
+
+
+def test_a_model_returning_more_than_one_tensor_is_refused():
+    torch._dynamo.reset()
+    spec = cpu_spec()
+    model = build_model(TINY, seed=0, backend="TORCH_SDPA")
+    graphs = PiecewiseGraphs(lambda ids, pos, caches: (model(ids, pos, caches), ids), random_caches(spec, 0),
+                             sizes=[4], device=torch.device("cpu"), use_cuda_graphs=False, piece_compiler="eager")
+    graphs.capture()
+    md = ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(spec).build([3], [3], [[5]])
+    with pytest.raises(ValueError, match="returns one tensor"):
+        graphs.run(md, torch.tensor([1, 2, 3]), torch.arange(3))
 
 
 def test_capture_stats_report_the_piecewise_graphs(sdpa_model):
