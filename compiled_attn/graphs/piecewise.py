@@ -242,7 +242,7 @@ class PiecewiseGraphs:
     Args:
         model: the eager step, `model(input_ids, positions, kv_caches) -> [num_tokens, ...]`.
         kv_caches: the caches the op groups write (passed through each call).
-        sizes: token buckets, largest first (`buckets.capture_sizes_for`).
+        sizes: token buckets, largest first (`buckets.piecewise_sizes_for`).
         device: where the static input buffers live.
         use_cuda_graphs: False runs the padded pieces without capture (CPU; debugging).
         piece_compiler: "inductor" or "eager" (`PiecewiseBackend`).
@@ -251,7 +251,15 @@ class PiecewiseGraphs:
 
     `capture(pool)` compiles and captures every bucket; `run(md, input_ids, positions)` serves a
     step of at most `sizes[0]` tokens in its bucket, `run_unpadded` any step at its own size
-    with the same compiled pieces and no graphs.
+    with the same compiled pieces and no graphs. `CUDAGraphRunner(piecewise=True)` is the
+    user-facing way; this class is its piecewise half (the bench forces a decode through it).
+
+    Example::
+
+        graphs = PiecewiseGraphs(model, kv_caches, sizes=[64, 32, 16], device=torch.device("cuda"),
+                                 use_cuda_graphs=True)
+        graphs.capture(torch.cuda.graph_pool_handle())
+        logits = graphs.run(md, input_ids, positions)   # md.num_tokens <= 64: [num_tokens, vocab]
     """
 
     def __init__(self, model: Callable[..., torch.Tensor], kv_caches: list[torch.Tensor], *, sizes: list[int],
