@@ -424,6 +424,7 @@ def test_piecewise_capture_reports_time_and_pool(gpu_piecewise):
     assert pw["num_pieces"] == GPU_CONFIG.num_layers + 1
     assert pw["num_graphs"] == pw["num_pieces"] * len(GPU_BUCKETS)
     assert 0 < pw["seconds"] <= stats["seconds"]
+    assert 0 < pw["graph_seconds"] < pw["seconds"] and 0 < stats["graph_seconds"] < stats["seconds"]
     if stats["pool_bytes"] is not None:  # this torch's allocator snapshot names pools
         assert 0 < pw["pool_bytes"] <= stats["pool_bytes"]
 

@@ -11,7 +11,9 @@ against the compiled model without graphs, each beside the step's summed GPU ker
   `us`: host wall time per step, synced; `kernel_us`: the step's device kernels (and copies)
   summed from a `torch.profiler` trace; `x_kernel` = us / kernel_us (goal <= 1.10: GPU >= 90 %
   busy). Capture rows: that runner's capture (the first, with the compiles) and a second runner
-  captured in the same process (warm compile caches): seconds and the pool.
+  captured after `torch._dynamo.reset()` (Inductor's caches warm, Dynamo traces again): total
+  seconds, the piecewise part, the pieces' compile, `graphs_only_s` (inside the capture calls of
+  both kinds of graphs: no warm-up, no compile) and the pool.
 - The 16-layer bench model (`graphs_bench.CONFIG`) at batch 1, ctx 512: a 1-token decode
   replayed as the full decode graph, forced through the piecewise graphs (bucket 1: every piece
   replayed, the ops eager between them), and compiled without graphs; `x_graph` = us / the full
@@ -136,7 +138,8 @@ def _step_rows(runner: CUDAGraphRunner, name: str, what: str, md: ca.AttentionMe
 def _capture_row(name: str, what: str, stats: dict) -> dict:
     pw = stats["piecewise"]
     return _row(name, "8B", what, path="capture", capture_s=stats["seconds"], piecewise_s=pw["seconds"],
-                piece_compile_s=pw["compile_seconds"], decode_graphs=stats["num_graphs"],
+                piece_compile_s=pw["compile_seconds"],
+                graphs_only_s=stats["graph_seconds"] + pw["graph_seconds"], decode_graphs=stats["num_graphs"],
                 piecewise_graphs=pw["num_graphs"], pool_mib=_mib(stats["pool_bytes"]),
                 piecewise_pool_mib=_mib(pw["pool_bytes"]))
 

@@ -191,6 +191,7 @@ class CUDAGraphRunner:
         self._captured: dict[tuple[int, int], CapturedSize] = {}  # by (batch size, table width)
         self._cache_ptrs: list[int] = []
         self._output: torch.Tensor | None = None  # every graph copies its output rows here
+        self._graph_seconds = 0.0  # of the last capture: in the decode graphs' capture blocks only
         top = self.sizes[0]
         # static model inputs; zeros are a valid token id and position for any model
         self._input_ids = torch.zeros(top, dtype=INPUT_DTYPE, device=spec.device)
@@ -203,12 +204,14 @@ class CUDAGraphRunner:
         `capture_stats`.
 
         capture_stats: num_graphs (sizes x table widths), sizes, table_widths (blocks), seconds,
+        graph_seconds (of those, inside the decode graphs' captures: no warm-up, no compile),
         pool_bytes (memory the graph pool holds), allocated_bytes / reserved_bytes
         (memory_allocated / memory_reserved deltas: the State's buffers, graph outputs and the
         pool). Memory figures are None without CUDA graphs. piecewise: None, or the piecewise
         graphs' own figures (sizes, num_pieces, num_op_groups, num_graphs, compile_seconds,
-        seconds, pool_bytes: the pool after their capture); they share the pool, so pool_bytes and
-        seconds cover them too. Piecewise buckets are captured first (the largest token counts).
+        seconds, graph_seconds, pool_bytes: the pool after their capture); they share the pool,
+        so pool_bytes and seconds cover them too. Piecewise buckets are captured first (the
+        largest token counts).
         """
         if self._captured:
             raise RuntimeError("this runner is captured already; make a new runner to capture again")
@@ -221,6 +224,7 @@ class CUDAGraphRunner:
         pool = torch.cuda.graph_pool_handle() if cuda else None
         side_stream = torch.cuda.Stream(device) if cuda else None
         start = time.perf_counter()
+        self._graph_seconds = 0.0
         piecewise_stats = None
         try:
             graphs = [(bs, width) for bs in self.sizes for width in self.widths]  # the largest graph first
@@ -243,6 +247,7 @@ class CUDAGraphRunner:
             "sizes": list(self.sizes),
             "table_widths": list(self.widths),
             "seconds": time.perf_counter() - start,
+            "graph_seconds": self._graph_seconds,
             "pool_bytes": _pool_bytes(pool, device) if cuda else None,
             "allocated_bytes": torch.cuda.memory_allocated(device) - allocated if cuda else None,
             "reserved_bytes": torch.cuda.memory_reserved(device) - reserved if cuda else None,
@@ -276,11 +281,13 @@ class CUDAGraphRunner:
             self._output = torch.empty((bs, *warm.shape[1:]), dtype=warm.dtype, device=warm.device)
         del warm
         graph = torch.cuda.CUDAGraph()
+        start = time.perf_counter()
         with set_forward_context(md_bs), torch.cuda.graph(graph, pool=pool):
             # One output buffer outside the pool: each graph's own output is freed with its other
             # intermediates, so the next (smaller) capture reuses that memory. Keeping every
             # size's output alive instead held 516 of the pool's 590 MiB (35 sizes, vocab 32000).
             self._output[:bs].copy_(self._static_step(bs))
+        self._graph_seconds += time.perf_counter() - start
         return CapturedSize(graph, graph_state, input_buffers, md_bs, self._output[:bs])
 
     def _static_step(self, bs: int) -> torch.Tensor:
