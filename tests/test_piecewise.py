@@ -142,6 +142,18 @@ submod_1: eager ops, token rows cut: ['q_2', 'k_2', 'v_1', 'output']
 submod_2: piece, 10 inputs -> float32[u1, 128]""")
 
 
+def test_ops_without_a_symbolic_token_count_are_refused(sdpa_model):
+    """Unmarked inputs compile to static shapes: nothing tells the op groups which rows are the
+    step's, so the backend refuses at compile time rather than hand the ops padded rows."""
+    spec = cpu_spec()
+    backend = PiecewiseBackend(GraphControl(use_graphs=False), "eager")
+    md = ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(spec).build([3], [3], [[5]])
+    with ca.set_forward_context(md), pytest.raises(Exception, match="token count as its first dimension") as info:
+        torch.compile(sdpa_model, backend=backend, fullgraph=True, dynamic=False)(
+            torch.tensor([1, 2, 3]), torch.arange(3), random_caches(spec, 0))
+    assert isinstance(getattr(info.value, "inner_exception", info.value), NotImplementedError)
+
+
 # -------------------------------------------------------------------------------------------
 # The padded piecewise step without capture (CPU)
 

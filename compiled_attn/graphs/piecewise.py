@@ -208,6 +208,12 @@ class _CompilePieces(fx.Interpreter):
                 raise NotImplementedError(f"ops between pieces must return nothing (they write their `output` "
                                           f"argument); {target} returns {type(outputs).__name__}")
             token_args = tuple(i for i, a in enumerate(args) if self._has_token_rows(a))
+            if not token_args:  # padded rows would reach the ops, which refuse them every step
+                raise NotImplementedError(
+                    f"no argument of the ops in {target} has the token count as its first dimension (token "
+                    f"counts {self.token_counts}): piecewise graphs need the model's token dimension marked "
+                    "(the runner marks input_ids / positions) and reaching the ops"
+                )
             wrapper: Any = EagerOps(module, token_args, self.backend.control)
         else:
             wrapper = CapturedPiece(self.backend.compile_piece(module, args), self.backend.control)
