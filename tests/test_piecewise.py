@@ -102,7 +102,7 @@ def split_summary(backend: PiecewiseBackend) -> str:
     for piece in backend.pieces:
         graph = piece.module.graph
         inputs = [n.name for n in graph.find_nodes(op="placeholder")]
-        if not piece.is_context_op:
+        if not piece.is_op_group:
             outputs = graph.output_node().args[0]
             outputs = outputs if isinstance(outputs, tuple | list) else (outputs,)
             shapes = ", ".join(_shape(n.meta["example_value"]) for n in outputs)

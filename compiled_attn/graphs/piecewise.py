@@ -166,7 +166,7 @@ class PiecewiseBackend:
         self.split_module, self.pieces = split, pieces
         self.compile_seconds += time.perf_counter() - start
         logger.info("piecewise: %d pieces, %d op groups (compiled with %s in %.1f s)",
-                    sum(not p.is_context_op for p in pieces), sum(p.is_context_op for p in pieces),
+                    sum(not p.is_op_group for p in pieces), sum(p.is_op_group for p in pieces),
                     self.piece_compiler, time.perf_counter() - start)
         return self._recording(split)
 
@@ -203,7 +203,7 @@ class _CompilePieces(fx.Interpreter):
     def call_module(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = getattr(self.split, target)
         outputs = module(*args, **kwargs)  # fake: shapes for the next pieces
-        if _is_op_group(module):
+        if any(is_context_op(node) for node in module.graph.nodes):  # an op group
             if outputs not in ((), None):
                 raise NotImplementedError(f"ops between pieces must return nothing (they write their `output` "
                                           f"argument); {target} returns {type(outputs).__name__}")
@@ -227,10 +227,6 @@ class _CompilePieces(fx.Interpreter):
             return False
         rows = arg.shape[0]
         return isinstance(rows, torch.SymInt) and any(statically_known_true(rows == n) for n in self.token_counts)
-
-
-def _is_op_group(module: fx.GraphModule) -> bool:
-    return any(is_context_op(node) for node in module.graph.nodes)
 
 
 def non_owning(t: torch.Tensor) -> torch.Tensor:
@@ -317,7 +313,7 @@ class PiecewiseGraphs:
                 graph_seconds += time.perf_counter() - started
         if on_cuda:
             torch.cuda.current_stream().wait_stream(capture_stream)
-        pieces = [p for p in self.backend.pieces if not p.is_context_op]
+        pieces = [p for p in self.backend.pieces if not p.is_op_group]
         self.capture_stats = {
             "sizes": list(self.sizes),
             "num_pieces": len(pieces),

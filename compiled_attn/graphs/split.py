@@ -37,7 +37,7 @@ class Piece:
 
     name: str  # its attribute on the split module: submod_<index>
     index: int
-    is_context_op: bool  # True: a run of consecutive context ops (eager every step); False: captured
+    is_op_group: bool  # True: a run of consecutive context ops (eager every step); False: captured
     module: fx.GraphModule
 
 
