@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command the device tool runs: GPU-marked tests, then benchmarks; results under $OUT.
 #   device run:  source .whl/setup.sh && bash scripts/gpu_check.sh; save_jit_cache   (carry [".whl"])
-# PARTS selects what runs (default: "tests fuzz bench"; "loop" profiles the 8B decode loop against
+# PARTS selects what runs (default: "tests fuzz bench"; "tests" leaves out the fuzzer and the piecewise tests,
+# which have parts of their own; "loop" profiles the 8B decode loop against
 # gpt-fast's (B=64 then B=1, ctx 1024, one process each) and times FlashInfer's decode variants;
 # "fuzz" is the mutation fuzzer's GPU tests,
 # FUZZ_EXAMPLES examples per mutation; "hunt" looks for the differential example that faults or
@@ -17,7 +18,7 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 status=0
 if [[ " $PARTS " == *" tests "* ]]; then
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/test_fuzz.py \
-    ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+    --ignore=tests/test_piecewise.py ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [[ " $PARTS " == *" loop "* ]]; then
