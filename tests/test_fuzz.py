@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import unittest.mock
@@ -953,6 +954,20 @@ def check_forward_success(sc: Scenario, before: torch.Tensor | None):
 
 
 COUNTS: collections.Counter = collections.Counter()  # (path, backend, device, mutation, outcome) -> examples
+
+
+@pytest.fixture(autouse=True, scope="module")
+def report_counts():
+    """FUZZ_REPORT=path: at the end, append this process's examples per (device, backend, path,
+    outcome) to `path` as one JSON line (a line per pytest-xdist worker; gpu_check.sh sums them)."""
+    yield
+    path = os.environ.get("FUZZ_REPORT")
+    if path and COUNTS:
+        totals = collections.Counter()
+        for (route, backend, device, _, outcome), n in COUNTS.items():
+            totals[f"{device} {backend} {route} {outcome}"] += n
+        with open(path, "a") as f:
+            f.write(json.dumps(totals) + "\n")
 
 
 def fuzz_forward(draw, backend: type[ca.AttentionBackend], device: str, path: str, name: str) -> None:
