@@ -18,7 +18,10 @@ status=0
 # and the short tests fill in around them). WORKERS=0 runs them in one process.
 workers=${WORKERS:-4}
 xdist=()
-if [[ "$workers" != 0 ]] && python3 -c "import xdist" 2>/dev/null; then xdist=(-n "$workers" --dist worksteal); fi
+if [[ "$workers" != 0 ]] && python3 -c "import xdist" 2>/dev/null; then
+  xdist=(-n "$workers" --dist worksteal)
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / workers ))}  # float64 references on the CPU: no oversubscription
+fi
 if [[ " $PARTS " == *" tests "* ]]; then
   timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=25 "${xdist[@]}" \
     --ignore=tests/test_fuzz.py ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
