@@ -246,11 +246,11 @@ def test_inductor_pieces_match_eager_with_postprocess():
     ref = Engine(spec, direct(model, random_caches(spec, 0, config)))
     eng = Engine(spec, lambda md, ids, pos: torch.nn.functional.one_hot(runner.run(md, ids, pos), config.vocab_size))
     step = prompts(3, seed=4, vocab=config.vocab_size, lo=2, hi=9)
-    for i in range(4):  # a prefill, then 5-request mixed steps (bucket 8 or 16)
+    for i in range(4):  # a prefill, then mixed steps: a new prompt joins the decodes each time
         want = ref.step(step).argmax(-1)
         assert torch.equal(eng.step(step).argmax(-1), want), f"step {i}"
-        step = {**{k: [t] for k, t in zip(step, want.tolist(), strict=True)}}
-        step = {**prompts(1, seed=20 + i, vocab=config.vocab_size, lo=2, hi=5), **step}
+        decodes = {k: [t] for k, t in zip(step, want.tolist(), strict=True)}
+        step = {**prompts(1, seed=20 + i, vocab=config.vocab_size, lo=2, hi=5), **decodes}
     assert runner.counts["piecewise"] == 4
     assert runner.piecewise.backend.num_compiles == 1
 
