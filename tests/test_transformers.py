@@ -255,3 +255,25 @@ def test_gpu_bf16_matches_transformers_fp32_teacher_forced(family_name, backend,
         assert err <= 3e-2, (family_name, backend, err)
     if cuda_graphs:
         assert engine.runner.counts["graph"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def test_cli_generate_serves_a_random_model(capsys):
+    from compiled_attn import __main__ as cli
+
+    argv = ["generate", "--random", "qwen2", "--size", "tiny", "--num-prompts", "3", "--prompt-len", "9",
+            "--max-new-tokens", "4", "--block-size", "4", "--no-compile"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "summary: 12 tokens in" in out and "tok/s" in out and "window6 x2, full x1" in out
+
+
+def test_cli_generate_refuses_a_folder_without_a_config(tmp_path):
+    from compiled_attn import __main__ as cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(tmp_path)])
+    assert e.value.code == 2
