@@ -5,7 +5,10 @@
 # gpt-fast's (B=64 then B=1, ctx 1024, one process each) and times FlashInfer's decode variants;
 # "fuzz" is the mutation fuzzer's GPU tests,
 # FUZZ_EXAMPLES examples per mutation; "hunt" looks for the differential example that faults or
-# mismatches on HUNT_BACKEND); PYTEST_ARGS narrows the tests.
+# mismatches on HUNT_BACKEND; "hf" is the transformers integration: its GPU tests, then
+# `bench.hf_engine` one part per process (8B shape: engine vs transformers' static cache + compile
+# at B=1, vs generate_batch at B=64, vs our reference Llama through the runner), HF_ARGS for the
+# bench (e.g. "--quick --backend FLASHINFER")); PYTEST_ARGS narrows the tests.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PARTS=${PARTS:-"tests fuzz bench"}
@@ -36,6 +39,16 @@ if [[ " $PARTS " == *" bench "* ]]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 -m compiled_attn bench ${BENCH_ARGS:---quick} --out "$OUT" \
     2>&1 | tee "$OUT/bench.log" | tail -60
   status=$(( status || PIPESTATUS[0] ))
+fi
+if [[ " $PARTS " == *" hf "* ]]; then
+  timeout "${HF_TEST_TIMEOUT:-400}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_transformers.py \
+    2>&1 | tee "$OUT/hf-tests.log" | tail -30
+  status=$(( status || PIPESTATUS[0] ))
+  for part in b1 b64 adapter; do
+    timeout "${HF_TIMEOUT:-540}" python3 -m compiled_attn.bench.hf_engine --part "$part" ${HF_ARGS:-} --out "$OUT" \
+      2>&1 | grep -v " - INFO - " | tee "$OUT/hf-engine-$part.log" | tail -12
+    status=$(( status || PIPESTATUS[0] ))
+  done
 fi
 if [[ " $PARTS " == *" hunt "* ]]; then
   backend=${HUNT_BACKEND:-XFORMERS}
