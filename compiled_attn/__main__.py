@@ -11,6 +11,7 @@ from compiled_attn import demo
 from compiled_attn.bench import suite
 from compiled_attn.bench.report import print_table
 from compiled_attn.cli import backend_name, output_dir, positive_int
+from compiled_attn.integrations.generate import run_generate
 from compiled_attn.registry import BACKEND_CLASSES
 
 
@@ -73,9 +74,9 @@ def model_dir(text: str) -> str:
 
 def _generate(args: argparse.Namespace) -> int:
     try:
-        from compiled_attn.integrations.generate import run_generate
-    except ImportError as e:
-        print(f"generate needs transformers: pip install 'compiled_attn[transformers]' ({e})", file=sys.stderr)
+        import transformers  # noqa: F401  (the optional extra this command needs)
+    except ImportError:
+        print("generate needs transformers: pip install 'compiled_attn[transformers]'", file=sys.stderr)
         return 2
     row = run_generate(model_dir=args.model, family=args.random, size=args.size, prompts=args.prompt,
                        num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,

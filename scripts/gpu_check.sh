@@ -41,7 +41,7 @@ if [[ " $PARTS " == *" bench "* ]]; then
   status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ " $PARTS " == *" hf "* ]]; then
-  timeout "${HF_TEST_TIMEOUT:-400}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_transformers.py \
+  timeout "${HF_TEST_TIMEOUT:-540}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_transformers.py \
     2>&1 | tee "$OUT/hf-tests.log" | tail -30
   status=$(( status || PIPESTATUS[0] ))
   for part in b1 b64 adapter; do

@@ -31,6 +31,8 @@ import torch
 from compiled_attn.bench import decode_loop
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name
+from compiled_attn.integrations import hf_random
+from compiled_attn.integrations import transformers as ca_hf
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,6 @@ BLOCK_SIZE = 16
 
 
 def _model(size: str, device: str) -> torch.nn.Module:
-    from compiled_attn.integrations import hf_random
-
     config = hf_random.random_config("llama", size)
     return hf_random.random_model(config, attn_implementation="sdpa", dtype=torch.bfloat16, device=device)
 
@@ -58,9 +58,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _engine(model: torch.nn.Module, backend: str | None, batch: int, longest: int, tokens_per_step: int):
-    from compiled_attn.integrations import transformers as ca_hf
-
+def _engine(model: torch.nn.Module, backend: str | None, batch: int, longest: int,
+            tokens_per_step: int) -> ca_hf.PagedEngine:
     ca_hf.register()
     model.set_attn_implementation(ca_hf.IMPLEMENTATION)
     blocks = batch * -(-longest // BLOCK_SIZE) + 1
@@ -203,8 +202,6 @@ def run(quick: bool = False, backend: str | None = None, size: str = "llama3-8b"
 
 
 def _engine_backend_name(model: torch.nn.Module, backend: str | None) -> str:
-    from compiled_attn.integrations import transformers as ca_hf
-
     return ca_hf.attention_modules(model)[0].compiled_attn.backend.get_name() if backend is None else backend
 
 

@@ -54,15 +54,14 @@ def random_model(config: Any, *, attn_implementation: str = "compiled_attn", dty
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(config)  # transformers writes the implementation into the config it is given
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
-                                                 dtype=torch.float32)
+    with torch.device(device):  # made in `dtype` on `device`: an 8B model never exists in fp32
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() >= 2:
+            if p.dim() >= 2:  # drawn in fp32 one matrix at a time, then rounded
                 p.copy_(torch.randn(p.shape, generator=g, device=p.device) * p.shape[-1] ** -0.5)
-    return model.to(dtype).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
 
 
 def eager_twin(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -295,24 +295,23 @@ class PagedEngine:
 
     def _make_step(self, compile: bool, cuda_graphs: bool, max_batch_size: int,
                    capture_sizes: Sequence[int] | None) -> tuple[nn.Module, CUDAGraphRunner | None]:
-        step = _ModelStep(self.model)
         cuda = self.device.type == "cuda"
+        # On CUDA the runner compiles (batch 1 gets a static graph of its own, gpt-fast's way);
+        # elsewhere one graph with an unbacked token count serves every step.
+        runner_compiles = compile and cuda_graphs and cuda
+        step: nn.Module = _ModelStep(self.model)
         postprocess = None if self.keep_logits else _greedy
+        if postprocess is not None and not runner_compiles:
+            step, postprocess = _Postprocessed(step, postprocess), None
+        if compile and not runner_compiles:
+            step = torch.compile(step, fullgraph=True, dynamic=True)
         if not cuda_graphs:
-            fn = step if postprocess is None else _Postprocessed(step, postprocess)
-            return (torch.compile(fn, fullgraph=True, dynamic=True) if compile else fn), None
-        # on CUDA the runner compiles (batch 1 gets its own static graph); on the CPU one graph
-        # with an unbacked token count serves every size
-        runner_compiles = compile and cuda
-        model = step if runner_compiles or not compile else torch.compile(step, fullgraph=True, dynamic=True)
+            return step, None
         if len(self.groups) == 1:
             state = self.backend.get_state_cls()(self.groups[0].spec)
         else:
             state = GroupedState({g.name: self.backend.get_state_cls()(g.spec) for g in self.groups})
-        if not runner_compiles and postprocess is not None:
-            model = _Postprocessed(model, postprocess)
-            postprocess = None
-        runner = CUDAGraphRunner(model, self.backend, self.groups[0].spec, self.kv_caches, state,
+        runner = CUDAGraphRunner(step, self.backend, self.groups[0].spec, self.kv_caches, state,
                                  max_batch_size=max_batch_size, capture_sizes=capture_sizes, use_cuda_graphs=cuda,
                                  progress=cuda, postprocess=postprocess, compile=runner_compiles)
         runner.capture()
@@ -349,7 +348,12 @@ class PagedEngine:
         return [self._record(r, logits[i] if self.keep_logits else None) for i, r in enumerate(step.sampled)]
 
     def output(self, request_id: int) -> RequestOutput:
+        """What the request produced so far (kept after it finishes, until `pop_output`)."""
         return self._outputs[request_id]
+
+    def pop_output(self, request_id: int) -> RequestOutput:
+        """The request's output, forgotten by the engine (a long-running server calls this)."""
+        return self._outputs.pop(request_id)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 8,
                  eos_token_id: int | Sequence[int] | None = None) -> list[list[int]]:
@@ -357,7 +361,7 @@ class PagedEngine:
         ids = [self.add_request(p, max_new_tokens, eos_token_id) for p in prompts]
         while self.has_unfinished():
             self.step()
-        return [self._outputs.pop(i).output_tokens for i in ids]
+        return [self.pop_output(i).output_tokens for i in ids]
 
     def blocks_in_use(self) -> dict[str, int]:
         """Per layer group, the cache blocks (per layer) its requests hold now."""
@@ -385,9 +389,10 @@ class PagedEngine:
 
 
 class _Postprocessed(nn.Module):
-    """A step followed by `fn` (greedy sampling), traced as one graph."""
+    """A step followed by `fn` (greedy sampling), compiled as one graph (the runner's own
+    `postprocess` does this where the runner compiles)."""
 
-    def __init__(self, step: nn.Module, fn: object) -> None:
+    def __init__(self, step: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
         self.step, self.fn = step, fn
 
