@@ -146,8 +146,8 @@ class Scheduler:
     """Continuous batching over paged KV caches with one block table per layer group.
 
     Args:
-        num_blocks, block_size: every group's cache geometry (one allocator per group; block 0
-            is reserved, see `BlockAllocator`).
+        num_blocks, block_size: the groups' cache geometry (one allocator per group; block 0 is
+            reserved, see `BlockAllocator`); num_blocks may differ per group ({group: n}).
         group_windows: group name -> its sliding window W (the group's tables roll) or None.
         max_num_seqs: the most requests in one step.
         max_num_batched_tokens: the most tokens in one step; longer prompts are split into
@@ -163,7 +163,8 @@ class Scheduler:
             sched.update(step, next_tokens)   # one token per step.sample_rows entry
     """
 
-    def __init__(self, *, num_blocks: int, block_size: int, group_windows: Mapping[str, int | None],
+    def __init__(self, *, num_blocks: int | Mapping[str, int], block_size: int,
+                 group_windows: Mapping[str, int | None],
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
         if not group_windows:
             raise ValueError("group_windows needs at least one group")
@@ -172,8 +173,8 @@ class Scheduler:
                              f"{max_num_batched_tokens}")
         self.block_size = block_size
         self.windows = dict(group_windows)
-        self.allocators = {g: BlockAllocator(num_blocks, block_size, reserve_null_block=True)
-                           for g in self.windows}
+        blocks = num_blocks if isinstance(num_blocks, Mapping) else dict.fromkeys(self.windows, num_blocks)
+        self.allocators = {g: BlockAllocator(blocks[g], block_size, reserve_null_block=True) for g in self.windows}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[ServedRequest] = deque()

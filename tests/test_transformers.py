@@ -167,7 +167,10 @@ def test_negative_controls_fail_the_comparison(family_name, drop):
 def test_window_groups_hold_only_their_windows_blocks():
     model = hf_random.random_model(hf_random.random_config("qwen2"), seed=1)
     engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=False, cuda_graphs=False,
-                               max_num_batched_tokens=8)
+                               max_batch_size=4, max_num_batched_tokens=8)
+    # the window group's caches hold what 4 rolling tables can: 4 x window_blocks + the null block
+    assert {g.name: g.spec.num_blocks for g in engine.groups} == {"full": 64, "window6": 4 * 5 + 1}
+    assert engine.kv_caches[1].shape[1] == 21 and engine.kv_caches[0].shape[1] == 64
     rid = engine.add_request(list(range(1, 41)), max_new_tokens=8)
     held = []
     while engine.has_unfinished():

@@ -30,7 +30,7 @@ from torch import nn
 import compiled_attn as ca
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.groups import GroupedMetadata, GroupedState
-from compiled_attn.paging import NULL_BLOCK, ScheduledStep, Scheduler, ServedRequest
+from compiled_attn.paging import NULL_BLOCK, ScheduledStep, Scheduler, ServedRequest, window_blocks
 from compiled_attn.registry import BACKEND_CLASSES, ENV_VAR
 
 IMPLEMENTATION = "compiled_attn"  # the attn_implementation name register() adds
@@ -193,8 +193,10 @@ class PagedEngine:
         model: loaded with `attn_implementation="compiled_attn"` (after `register()`), on the
             device and in the dtype to serve in. Put in eval mode; its attention modules get a
             `ca.Attention` each (no parameters).
-        block_size, num_blocks: cache geometry of every layer group (each group's caches hold
-            num_blocks blocks per layer; block 0 is reserved and kept zero).
+        block_size, num_blocks: cache geometry (blocks per layer; block 0 is reserved and kept
+            zero). A sliding-window group's caches hold fewer where its window allows: at most
+            max_batch_size requests, each holding `paging.window_blocks(W, max_num_batched_tokens,
+            block_size)` blocks (its tables roll), so its KV memory does not grow with context.
         backend: a backend name, or None for the first (FLASHINFER > XFORMERS > TORCH_SDPA)
             that serves every group.
         compile: `torch.compile(fullgraph=True, dynamic=True)` the model step.
@@ -242,7 +244,7 @@ class PagedEngine:
         self.keep_logits = keep_logits
         modules = attention_modules(model)
         self.groups = self._make_groups([layer_settings(m) for m in modules], block_size, num_blocks,
-                                        max_seq_len_to_capture)
+                                        max_seq_len_to_capture, max_batch_size, max_num_batched_tokens)
         self.backend = pick_backend(backend, [g.spec for g in self.groups])
         for group in self.groups:
             s = group.settings
@@ -257,7 +259,7 @@ class PagedEngine:
             g.name: self.backend.get_builder_cls()(g.spec, rolling_tables=g.spec.sliding_window is not None)
             for g in self.groups
         }
-        self.scheduler = Scheduler(num_blocks=num_blocks, block_size=block_size,
+        self.scheduler = Scheduler(num_blocks={g.name: g.spec.num_blocks for g in self.groups}, block_size=block_size,
                                    group_windows={g.name: g.settings.sliding_window for g in self.groups},
                                    max_num_seqs=max_batch_size, max_num_batched_tokens=max_num_batched_tokens)
         self._outputs: dict[int, RequestOutput] = {}
@@ -266,14 +268,18 @@ class PagedEngine:
     # -- construction ----------------------------------------------------------------------------
 
     def _make_groups(self, settings: list[LayerSettings], block_size: int, num_blocks: int,
-                     max_seq_len_to_capture: int) -> list[LayerGroup]:
+                     max_seq_len_to_capture: int, max_num_seqs: int, max_num_batched_tokens: int) -> list[LayerGroup]:
         groups: dict[LayerSettings, LayerGroup] = {}
         for i, s in enumerate(settings):
             if s not in groups:
                 name = group_name(s, {g.name for g in groups.values()})
+                blocks = num_blocks
+                if s.sliding_window is not None:  # what its rolling tables can ever hold, + the null block
+                    most = max_num_seqs * window_blocks(s.sliding_window, max_num_batched_tokens, block_size) + 1
+                    blocks = min(num_blocks, most)
                 spec = ca.AttentionSpec(
                     num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_size=s.head_size, block_size=block_size,
-                    num_blocks=num_blocks, dtype=self.dtype, device=self.device, scale=s.scale,
+                    num_blocks=blocks, dtype=self.dtype, device=self.device, scale=s.scale,
                     sliding_window=s.sliding_window, logits_soft_cap=s.logits_soft_cap,
                     max_seq_len_to_capture=max_seq_len_to_capture)
                 groups[s] = LayerGroup(name, s, [], spec)
