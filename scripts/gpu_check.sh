@@ -5,10 +5,12 @@
 # gpt-fast's (B=64 then B=1, ctx 1024, one process each) and times FlashInfer's decode variants;
 # "fuzz" is the mutation fuzzer's GPU tests,
 # FUZZ_EXAMPLES examples per mutation; "hunt" looks for the differential example that faults or
-# mismatches on HUNT_BACKEND; "hf" is the transformers integration: its GPU tests, then
-# `bench.hf_engine` one part per process (8B shape: engine vs transformers' static cache + compile
-# at B=1, vs generate_batch at B=64, vs our reference Llama through the runner), HF_ARGS for the
-# bench (e.g. "--quick --backend FLASHINFER")); PYTEST_ARGS narrows the tests.
+# mismatches on HUNT_BACKEND; "hf": the transformers integration's GPU tests (HF_TEST_ARGS narrows
+# them, e.g. "-k FLASHINFER"); "hfbench": `bench.hf_engine`, the parts in HF_BENCH_PARTS (default
+# b1; b64, adapter: one per device command, each compiles the 8B shape several times): engine vs
+# transformers' static cache + compile at B=1, vs generate_batch at B=64, vs our reference Llama
+# through the runner; HF_ARGS for the bench, e.g. "--quick --backend FLASHINFER"); PYTEST_ARGS
+# narrows the tests.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PARTS=${PARTS:-"tests fuzz bench"}
@@ -17,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/card.txt"
 status=0
 if [[ " $PARTS " == *" tests "* ]]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/test_fuzz.py \
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/test_fuzz.py --ignore=tests/test_transformers.py \
     ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
@@ -42,9 +44,11 @@ if [[ " $PARTS " == *" bench "* ]]; then
 fi
 if [[ " $PARTS " == *" hf "* ]]; then
   timeout "${HF_TEST_TIMEOUT:-540}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_transformers.py \
-    2>&1 | tee "$OUT/hf-tests.log" | tail -30
+    ${HF_TEST_ARGS:-} 2>&1 | tee "$OUT/hf-tests.log" | tail -30
   status=$(( status || PIPESTATUS[0] ))
-  for part in b1 b64 adapter; do
+fi
+if [[ " $PARTS " == *" hfbench "* ]]; then
+  for part in ${HF_BENCH_PARTS:-b1}; do
     timeout "${HF_TIMEOUT:-540}" python3 -m compiled_attn.bench.hf_engine --part "$part" ${HF_ARGS:-} --out "$OUT" \
       2>&1 | grep -v " - INFO - " | tee "$OUT/hf-engine-$part.log" | tail -12
     status=$(( status || PIPESTATUS[0] ))
