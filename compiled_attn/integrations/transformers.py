@@ -148,6 +148,7 @@ class LayerGroup:
 
 
 def group_name(settings: LayerSettings, taken: set[str]) -> str:
+    """A readable name ("full", "window4096"), made unique: it keys metadata, tables and logs."""
     name = "full" if settings.sliding_window is None else f"window{settings.sliding_window}"
     return name if name not in taken else f"{name}.{len(taken)}"
 
@@ -240,7 +241,6 @@ class PagedEngine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.model = model.eval()
-        self.block_size, self.num_blocks = block_size, num_blocks
         self.keep_logits = keep_logits
         modules = attention_modules(model)
         self.groups = self._make_groups([layer_settings(m) for m in modules], block_size, num_blocks,
