@@ -33,6 +33,7 @@ from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name
 from compiled_attn.integrations import hf_random
 from compiled_attn.integrations import transformers as ca_hf
+from compiled_attn.models.llama import LlamaConfig, build_model
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +135,13 @@ def engine_generate_tok_s(model: torch.nn.Module, backend: str | None, prompts: 
     return sum(len(o) for o in out) / (time.perf_counter() - start)
 
 
-def reference_decode_ms(backend: str, batch: int, ctx: int) -> float:
-    """Our reference Llama (same shape) through the runner, a sync per step (as the engine)."""
-    model = decode_loop.build_8b(backend)
+def reference_decode_ms(config: object, backend: str, batch: int, ctx: int) -> float:
+    """Our reference Llama of the transformers `config`'s shape (random weights) through the
+    runner, a sync per step (as the engine)."""
+    shape = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                        intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+                        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads)
+    model = build_model(shape, seed=0, backend=backend, dtype=torch.bfloat16, device="cuda", init_device="cuda")
     loop = decode_loop.PagedLoop(model, model.layers[0].attn.backend, batch, ctx, {"compile": True})
     ms = decode_loop.loop_ms(loop.loop, True)
     del loop, model
@@ -190,11 +195,12 @@ def run(quick: bool = False, backend: str | None = None, size: str = "llama3-8b"
                 torch._dynamo.reset()
                 engine_ms[b] = engine_decode_ms(model, backend, b, CTX, steps)
         engine_backend = _engine_backend_name(model, backend)
+        config = model.config
         del model
         torch.cuda.empty_cache()
         torch._dynamo.reset()
         for b in (1, 64):
-            ref_ms = attempt(reference_decode_ms, engine_backend, b, CTX)
+            ref_ms = attempt(reference_decode_ms, config, engine_backend, b, CTX)
             point = f"B={b} decode, ctx {CTX} (synced)"
             row(point, f"reference Llama + runner ({engine_backend})", **_speed(ref_ms, b))
             row(point, "PagedEngine", **_speed(engine_ms[b], b), **_ratio(ref_ms, engine_ms[b]))
