@@ -112,3 +112,13 @@ def test_a_rolling_builder_ignores_what_the_window_left_behind():
         ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(
             ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_size=8, block_size=4, num_blocks=16,
                              dtype=torch.float32, device="cpu"), rolling_tables=True)
+
+
+def test_groups_may_have_caches_of_different_sizes():
+    sched = Scheduler(num_blocks={"full": 32, "swa": 6}, block_size=4, group_windows={"full": None, "swa": 4},
+                      max_num_batched_tokens=8)
+    assert {g: a.num_usable for g, a in sched.allocators.items()} == {"full": 31, "swa": 5}
+    # 8-token chunks: the window group never holds more than window_blocks(4, 8, 4) = 4 blocks
+    sched.add_request(list(range(40)), max_new_tokens=4)
+    drive(sched)
+    assert sched.blocks_in_use() == {"full": 0, "swa": 0}

@@ -280,3 +280,12 @@ def test_cli_generate_refuses_a_folder_without_a_config(tmp_path):
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--model", str(tmp_path)])
     assert e.value.code == 2
+
+
+def test_settings_transformers_passes_must_equal_what_the_engine_read():
+    model = hf_random.random_model(hf_random.random_config("gemma2"))
+    engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=False, cuda_graphs=False)
+    ca_hf.attention_modules(model)[1].attn_logit_softcapping = 3.0  # changed behind the engine's back
+    engine.add_request([1, 2, 3], max_new_tokens=2)
+    with pytest.raises(ValueError, match="teach layer_settings"):
+        engine.step()
