@@ -207,21 +207,25 @@ def stand_in_kernels(monkeypatch):
         monkeypatch.setattr(cls, "requires_cuda", False)
 
 
-@pytest.mark.parametrize(("family_name", "backend", "block_size"), [
-    ("gemma2", "FLASHINFER", 4), ("qwen2", "FLASHINFER", 4), ("mistral", "XFORMERS", 64),
+@pytest.mark.parametrize(("family_name", "backend", "block_size", "compile"), [
+    ("gemma2", "FLASHINFER", 4, True), ("qwen2", "FLASHINFER", 4, False), ("mistral", "XFORMERS", 64, False),
 ])
 def test_backend_host_paths_match_transformers_with_stand_in_kernels(stand_in_kernels, family_name, backend,
-                                                                      block_size):
+                                                                      block_size, compile):
     config = hf_random.random_config(family_name, "small", num_hidden_layers=3, sliding_window=6)
     model = hf_random.random_model(config, seed=2)
     prompts = [[(7 * i + j) % 1000 + 1 for j in range(n)] for i, n in enumerate((70, 9, 75))]  # 70+: a 64-block rolls
     ref_tokens, ref_logits = transformers_reference(hf_random.eager_twin(model), prompts, 4)
-    engine = ca_hf.PagedEngine(model, block_size=block_size, num_blocks=24, backend=backend, compile=False,
+    torch._dynamo.reset()
+    counters.clear()
+    engine = ca_hf.PagedEngine(model, block_size=block_size, num_blocks=24, backend=backend, compile=compile,
                                cuda_graphs=True, keep_logits=True, max_num_batched_tokens=64, capture_sizes=[1, 2, 4])
     tokens, logits = serve(engine, prompts, 4)
     assert engine.backend.get_name() == backend and len(engine.groups) == (1 if family_name == "mistral" else 2)
     assert tokens == ref_tokens and max_logit_error(logits, ref_logits) <= 1e-4  # fp32 model, float64 kernels
     assert engine.runner.counts["graph"] > 0
+    if compile:  # FlashInfer's ops with one plan per group: still one graph, no breaks
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
 # ---------------------------------------------------------------------------------------------
