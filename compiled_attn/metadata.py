@@ -322,9 +322,9 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         return md
 
     def _scratch(self) -> np.ndarray:
-        """An int64 [num_blocks] array for `check_block_ids`, allocated (and paged in) once."""
+        """The all-False bool [num_blocks] bitmap `check_block_ids` marks, allocated (and paged in) once."""
         if self._block_scratch is None:
-            self._block_scratch = np.zeros(self.spec.num_blocks, dtype=np.int64)
+            self._block_scratch = np.zeros(self.spec.num_blocks, dtype=bool)
         return self._block_scratch
 
     def _cross_fields(

@@ -18,9 +18,19 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/card.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/card.txt"
 status=0
+# The GPU tests are mostly host-bound (graph capture, compiles, the soak's 10,000 steps of Python):
+# WORKERS pytest-xdist processes share the one GPU (work stealing: the long soak runs start first
+# and the short tests fill in around them). WORKERS=0 runs them in one process.
+workers=${WORKERS:-4}
+xdist=()
+if [[ "$workers" != 0 ]] && python3 -c "import xdist" 2>/dev/null; then
+  xdist=(-n "$workers" --dist worksteal)
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / workers ))}  # float64 references on the CPU: no oversubscription
+fi
 if [[ " $PARTS " == *" tests "* ]]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --ignore=tests/test_fuzz.py --ignore=tests/test_transformers.py \
-    ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+  timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=25 "${xdist[@]}" \
+    --ignore=tests/test_fuzz.py --ignore=tests/test_transformers.py ${PYTEST_ARGS:-tests} 2>&1 \
+    | tee "$OUT/gpu-tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [[ " $PARTS " == *" loop "* ]]; then
@@ -33,9 +43,10 @@ if [[ " $PARTS " == *" loop "* ]]; then
     | tee "$OUT/decode-variants.log" | tail -40
 fi
 if [[ " $PARTS " == *" fuzz "* ]]; then
-  timeout "${FUZZ_TIMEOUT:-400}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_fuzz.py \
-    2>&1 | tee "$OUT/gpu-fuzz.log" | tail -20
+  FUZZ_REPORT="$OUT/fuzz-counts.jsonl" timeout "${FUZZ_TIMEOUT:-400}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+    "${xdist[@]}" tests/test_fuzz.py 2>&1 | tee "$OUT/gpu-fuzz.log" | tail -20
   status=$(( status || PIPESTATUS[0] ))
+  python3 scripts/fuzz_counts.py "$OUT/fuzz-counts.jsonl" | tee "$OUT/fuzz-counts.txt"
 fi
 if [[ " $PARTS " == *" bench "* ]]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 -m compiled_attn bench ${BENCH_ARGS:---quick} --out "$OUT" \
@@ -43,8 +54,8 @@ if [[ " $PARTS " == *" bench "* ]]; then
   status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ " $PARTS " == *" hf "* ]]; then
-  timeout "${HF_TEST_TIMEOUT:-540}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_transformers.py \
-    ${HF_TEST_ARGS:-} 2>&1 | tee "$OUT/hf-tests.log" | tail -30
+  timeout "${HF_TEST_TIMEOUT:-540}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=15 "${xdist[@]}" \
+    tests/test_transformers.py ${HF_TEST_ARGS:-} 2>&1 | tee "$OUT/hf-tests.log" | tail -30
   status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ " $PARTS " == *" hfbench "* ]]; then

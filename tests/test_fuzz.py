@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import unittest.mock
@@ -622,7 +623,7 @@ def present(sc: Scenario) -> list[str]:
 def _(draw, sc):
     name = draw(st.sampled_from(present(sc)))
     t = sc.fwd[name]
-    sc.fwd[name] = draw(st.sampled_from([None, t.cpu().numpy() if t.dtype != torch.bfloat16 else t.float().numpy(),
+    sc.fwd[name] = draw(st.sampled_from([None, (t if t.dtype != torch.bfloat16 else t.float()).cpu().numpy(),
                                          t.tolist(), 3.0, "query"]))
     if sc.fwd[name] is None and name != "query" and sc.kind == T.ENCODER_DECODER and not sc.batch_has_prefill:
         return None  # a decode-only cross step takes key=value=None
@@ -939,7 +940,7 @@ def check_forward_success(sc: Scenario, before: torch.Tensor | None):
         cache = sc.fwd["kv_cache"]
         if before is None:
             return
-        expect = before.clone()
+        expect = before.to("cpu", copy=True)
         if kind in CACHE_WRITING_TYPES and sc.fwd["key"] is not None:
             slots = (md.cross_slot_mapping if kind == T.ENCODER_DECODER else md.slot_mapping).cpu()
             keep = slots >= 0
@@ -953,6 +954,20 @@ def check_forward_success(sc: Scenario, before: torch.Tensor | None):
 
 
 COUNTS: collections.Counter = collections.Counter()  # (path, backend, device, mutation, outcome) -> examples
+
+
+@pytest.fixture(autouse=True, scope="module")
+def report_counts():
+    """FUZZ_REPORT=path: at the end, append this process's examples per (device, backend, path,
+    outcome) to `path` as one JSON line (a line per pytest-xdist worker; gpu_check.sh sums them)."""
+    yield
+    path = os.environ.get("FUZZ_REPORT")
+    if path and COUNTS:
+        totals = collections.Counter()
+        for (route, backend, device, _, outcome), n in COUNTS.items():
+            totals[f"{device} {backend} {route} {outcome}"] += n
+        with open(path, "a") as f:
+            f.write(json.dumps(totals) + "\n")
 
 
 def fuzz_forward(draw, backend: type[ca.AttentionBackend], device: str, path: str, name: str) -> None:
