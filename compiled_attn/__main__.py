@@ -1,14 +1,17 @@
-"""`python -m compiled_attn demo | bench`: the demo (main job) and the benchmark suites."""
+"""`python -m compiled_attn demo | bench | generate`: the demo (main job), the benchmark suites and
+serving a transformers model (optional extra [transformers])."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from compiled_attn import demo
 from compiled_attn.bench import suite
 from compiled_attn.bench.report import print_table
 from compiled_attn.cli import backend_name, output_dir, positive_int
+from compiled_attn.integrations.generate import run_generate
 from compiled_attn.registry import BACKEND_CLASSES
 
 
@@ -28,7 +31,24 @@ def main(argv: list[str] | None = None) -> int:
     bench_args.add_argument("--suite", action="append", default=None, choices=suite.suite_names(),
                        help="run only these suites (repeat to select several)")
     bench_args.add_argument("--out", type=output_dir, default=".", help="folder for bench-results.json and plots")
+    gen_args = sub.add_parser("generate", help="serve a transformers model (local folder or random weights)")
+    source = gen_args.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=model_dir, help="a local transformers model folder (from_pretrained)")
+    source.add_argument("--random", choices=("llama", "qwen2", "mistral", "gemma2"),
+                        help="random weights of this family (no download)")
+    gen_args.add_argument("--size", choices=("tiny", "small", "llama3-8b"), default="small",
+                          help="shape of the --random model")
+    gen_args.add_argument("--prompt", action="append", default=None, help="a prompt text (needs --model's tokenizer)")
+    gen_args.add_argument("--num-prompts", type=positive_int, default=8, help="random prompts (without --prompt)")
+    gen_args.add_argument("--prompt-len", type=positive_int, default=64)
+    gen_args.add_argument("--max-new-tokens", type=positive_int, default=64)
+    gen_args.add_argument("--backend", type=backend_name, default=None)
+    gen_args.add_argument("--block-size", type=positive_int, default=16)
+    gen_args.add_argument("--no-compile", action="store_true")
+    gen_args.add_argument("--no-cuda-graphs", action="store_true")
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
     if args.command == "demo":
         try:  # everything the run would trip over later, before it starts
             demo.check_demo_args(steps=args.steps, backend_name=args.backend)
@@ -43,6 +63,32 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0 if row["agree"] else 1
     return suite.run_bench(backends=args.backend, quick=args.quick, out=args.out, suites=args.suite)
+
+
+def model_dir(text: str) -> str:
+    """A local folder holding a transformers config (no hub access here)."""
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder with a config.json")
+    return text
+
+
+def _generate(args: argparse.Namespace) -> int:
+    try:
+        import transformers  # noqa: F401  (the optional extra this command needs)
+    except ImportError:
+        print("generate needs transformers: pip install 'compiled_attn[transformers]'", file=sys.stderr)
+        return 2
+    row = run_generate(model_dir=args.model, family=args.random, size=args.size, prompts=args.prompt,
+                       num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
+                       backend=args.backend, block_size=args.block_size, compile=not args.no_compile,
+                       cuda_graphs=not args.no_cuda_graphs)
+    texts = row.pop("texts", None)
+    print_table([row], list(row))
+    for i, text in enumerate(texts or []):
+        print(f"[{i}] {text}")
+    print(f"summary: {row['new tokens']} tokens in {row['seconds']:.2f} s = {row['tok/s']:.1f} tok/s "
+          f"({row['backend']} on {row['device']}; groups {row['groups']})")
+    return 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ recompiles. Our ops read it from a context set around each model step: a `contex
 so each thread and each asyncio task sees its own (two models served from one process on two
 threads never read each other's metadata), restored on every exit from the block.
 
+Several layer groups (layers planned differently, e.g. sliding-window and full layers) share one
+forward: the context then holds a `groups.GroupedMetadata` and each op reads its layer's group
+(`LayerCall.group`, set by `ca.Attention(group=...)`).
+
 Per-layer constants (scale, window, soft-cap, ALiBi slopes, k/v scales) reach the ops through a
 layer registry: the op gets the layer's name, a string Dynamo treats as a constant. (Floats
 passed as op arguments become symbolic inputs under `dynamic=True` and cost a `.item()` each.)
@@ -15,16 +19,23 @@ from __future__ import annotations
 import contextvars
 import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from compiled_attn.abstract import AttentionImpl, AttentionMetadata, AttentionType
+from compiled_attn.groups import GroupedMetadata
 
 
 @dataclass
 class ForwardContext:
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionMetadata  # one builder's, or a GroupedMetadata of one per layer group
+
+    def metadata_for(self, group: str | None) -> AttentionMetadata:
+        """What a layer of `group` reads: its group's metadata, or the one metadata (which serves
+        every layer, grouped or not, when the step has a single group)."""
+        md = self.attn_metadata
+        return md.for_group(group) if isinstance(md, GroupedMetadata) else md
 
 
 _forward_context: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
@@ -33,15 +44,22 @@ _forward_context: contextvars.ContextVar[ForwardContext | None] = contextvars.Co
 
 
 @contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata) -> Iterator[ForwardContext]:
+def set_forward_context(
+    attn_metadata: AttentionMetadata | Mapping[str, AttentionMetadata],
+) -> Iterator[ForwardContext]:
     """Make `attn_metadata` visible to every attention op run inside the block, in this thread
     (or asyncio task) only; the previous context comes back however the block exits.
+
+    `attn_metadata`: a builder's metadata, or (several layer groups) a `GroupedMetadata` or a
+    {group name: metadata} dict, each layer reading its own group's.
 
     Example::
 
         with ca.set_forward_context(md):
             logits = compiled_model(input_ids, positions, kv_caches)
     """
+    if isinstance(attn_metadata, Mapping):
+        attn_metadata = GroupedMetadata.of(attn_metadata)
     if not isinstance(attn_metadata, AttentionMetadata):
         raise ValueError(
             f"set_forward_context needs AttentionMetadata from a builder, got {type(attn_metadata)}"
@@ -71,12 +89,14 @@ class LayerCall:
 
     `checked_kinds`: the kinds of call whose static checks this layer passed
     (`validation.check_layer_call`), so that its ops check only the per-step rest.
+    `group`: the layer group whose metadata the ops read from a grouped forward context.
     """
 
     impl: AttentionImpl
     k_scale: float
     v_scale: float
     attn_type: AttentionType
+    group: str | None = None
     checked_kinds: dict[tuple, object] = field(default_factory=dict, repr=False)
 
 

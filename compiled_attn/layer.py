@@ -17,8 +17,10 @@ class Attention(nn.Module):
 
     The model passes tensors only; the step's metadata comes from `set_forward_context`.
 
-    Args: as `AttentionImpl`, plus `attn_type`, `backend` (name or None for auto) and the fp8
-    cache scales `k_scale` / `v_scale` (K/V are divided by them when stored).
+    Args: as `AttentionImpl`, plus `attn_type`, `backend` (name or None for auto), the fp8
+    cache scales `k_scale` / `v_scale` (K/V are divided by them when stored) and `group`: the
+    layer group whose metadata this layer reads when the forward context holds one per group
+    (`compiled_attn.groups.GroupedMetadata`); None for a model with one group.
 
     Shapes: query [num_tokens, num_heads * head_size]; key/value [num_tokens, num_kv_heads *
     head_size] (or None for cross attention after the encoder step); kv_cache [2, num_blocks,
@@ -45,6 +47,7 @@ class Attention(nn.Module):
         backend: str | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        group: str | None = None,
     ) -> None:
         super().__init__()
         # checked here first, so that a bad argument is named as the layer's (not a probe spec's)
@@ -71,7 +74,8 @@ class Attention(nn.Module):
         self.attn_type = attn_type
         # the ops find k/v scales, scale, window, soft-cap and ALiBi through this name (a string
         # is a constant to Dynamo; floats would become symbolic graph inputs under dynamic=True)
-        self.layer_name, self._call = self.impl.register(k_scale, v_scale, self.attn_type)
+        self.layer_name, self._call = self.impl.register(k_scale, v_scale, self.attn_type, group)
+        self.group = group
 
     def forward(
         self,
@@ -87,4 +91,5 @@ class Attention(nn.Module):
         return (
             f"backend={self.backend.get_name()}, num_heads={impl.num_heads}, "
             f"num_kv_heads={impl.num_kv_heads}, head_size={impl.head_size}, attn_type={self.attn_type.name}"
+            + ("" if self.group is None else f", group={self.group!r}")
         )

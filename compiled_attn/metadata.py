@@ -29,6 +29,7 @@ from compiled_attn.validation import (
     check_written_blocks,
     int_list,
     needed_table,
+    rolled_blocks,
 )
 
 
@@ -53,6 +54,11 @@ class CommonMetadata(AttentionMetadata):
                                  encoder tokens of the prefills on the step that has them
     Host copies the device tables were made from (what graph States check before a replay):
         block_tables_host / cross_block_tables_host: int32 numpy, the tables above
+    Rolling tables (a builder made with rolling_tables=True, for a spec with a window W):
+        rolled_blocks: int64 numpy [num_seqs], per request the leading blocks wholly before the
+                       window of its first new token (position seq_len - query_len - W + 1):
+                       ignored in the given table, block 0 in block_tables (masked by the
+                       window), left out of FlashInfer's page list; None without rolling
     """
 
     seq_lens: list[int]
@@ -78,6 +84,7 @@ class CommonMetadata(AttentionMetadata):
     spec: AttentionSpec | None = None
     block_tables_host: np.ndarray | None = None
     cross_block_tables_host: np.ndarray | None = None
+    rolled_blocks: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self._views: dict[str, AttentionMetadata | None] = {}
@@ -201,10 +208,17 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         """What the metadata records as its builder's backend ("" without one)."""
         return "" if self.backend_cls is None else self.backend_cls.get_name()
 
-    def __init__(self, spec: AttentionSpec) -> None:
+    def __init__(self, spec: AttentionSpec, *, rolling_tables: bool = False) -> None:
+        """`rolling_tables`: (sliding-window DECODER specs) the caller frees the blocks a request's
+        window has left behind, so each table's entries before the window of the request's first
+        new token are ignored (see `CommonMetadata.rolled_blocks`)."""
         if not isinstance(spec, AttentionSpec):
             raise ValueError(f"a builder is made from an AttentionSpec, got {type(spec).__name__}")
+        if rolling_tables and (spec.sliding_window is None or spec.attn_type != AttentionType.DECODER):
+            raise ValueError("rolling_tables=True needs a DECODER spec with a sliding_window: other layers read "
+                             "every block of a request")
         super().__init__(spec)
+        self.rolling_tables = bool(rolling_tables)
         self.device = spec.device
         self._block_scratch: np.ndarray | None = None
         check_device_available(self.device)
@@ -245,8 +259,10 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         uses_cache = spec.attn_type not in CACHELESS_TYPES
         num_prefill_tokens = int(query_a[:num_prefills].sum())
         num_tokens = int(query_a.sum())
+        # a sliding-window layer group's server may free the blocks its window left behind
+        rolled = rolled_blocks(starts, spec.sliding_window, spec.block_size) if self.rolling_tables else None
         if uses_cache:
-            table, ids, row_ends = needed_table(block_tables, seq_a, spec.block_size, "block_tables")
+            table, ids, row_ends = needed_table(block_tables, seq_a, spec.block_size, "block_tables", rolled)
             shared = check_block_ids(ids, row_ends, spec.num_blocks, "block_tables", self._scratch())
             slot_mapping = slots_for(table, starts, seq_a, spec.block_size)
             if shared:
@@ -296,6 +312,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
             spec=spec,
             block_tables_host=tables["block_tables"],
             cross_block_tables_host=tables.get("cross_block_tables"),
+            rolled_blocks=rolled,
             **cross,
             **tensors,
             **self.add_backend_fields(seq_lens, query_lens, num_prefills, cross.get("encoder_seq_lens")),

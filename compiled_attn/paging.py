@@ -1,23 +1,50 @@
-"""A minimal paged-KV bookkeeper: cache blocks per request, and one step's builder inputs.
+"""Paged-KV bookkeeping: cache blocks per request, and the steps of a continuous-batching server.
 
-Real servers have schedulers; this only hands out blocks and turns a batch of requests into
-the (seq_lens, query_lens, block_tables) lists a builder takes, plus the model's ids/positions.
-The demo, the soak driver, tests and benchmarks use it.
+Two levels:
+
+- `BlockAllocator`, `Request`, `schedule`: hand out blocks and turn a fixed batch into the
+  (seq_lens, query_lens, block_tables) a builder takes, plus ids / positions (the demo, the soak
+  driver, tests and benchmarks).
+- `Scheduler`: what a server runs. Requests arrive with `add_request` at any time; each
+  `schedule()` makes one step of decodes (one token each) and prompt chunks under a token budget
+  (chunked prefill), admitting waiting requests while others decode. It keeps one block table
+  per layer group: a sliding-window group's table rolls (the blocks its window has left behind go
+  back to the free list, so its memory stops growing with the context). `update()` takes the
+  sampled tokens and frees every block of a finished request (EOS or max_new_tokens).
+  Admission reserves a request's worst case in every group, so a running request never runs out
+  of blocks (no preemption needed).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections import deque
+from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
+
+ROLLED = -1  # a rolling table's entry whose block went back to the free list (builders ignore it)
+NULL_BLOCK = 0  # never handed out by an allocator that reserves it: rolled entries and graph pads read it
 
 
 class BlockAllocator:
-    """Hands out cache blocks from a free list; raises when the cache is full."""
+    """Hands out cache blocks from a free list; raises when the cache is full.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    `reserve_null_block`: never hand out block 0 (NULL_BLOCK), which builders put in place of
+    rolled table entries and graph States read for pad rows: its owner keeps it finite (zeroes),
+    so that masked keys read there are 0 * finite, never NaN."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, reserve_null_block: bool = False) -> None:
         self.block_size = block_size
-        self.free = list(range(num_blocks - 1, -1, -1))
+        self.num_blocks = num_blocks
+        self.free = list(range(num_blocks - 1, NULL_BLOCK if reserve_null_block else -1, -1))
+        self.num_usable = len(self.free)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
 
     def grow(self, table: list[int], num_tokens: int) -> None:
         """Append blocks to `table` until it holds `num_tokens` tokens."""
@@ -64,3 +91,232 @@ def last_token_rows(query_lens: list[int]) -> list[int]:
         at += q
         rows.append(at)
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Continuous batching
+
+
+@dataclasses.dataclass
+class ServedRequest:
+    """One request of a `Scheduler`: its tokens, progress and per-group block tables."""
+
+    request_id: int
+    prompt_len: int
+    tokens: list[int]  # prompt, then the generated tokens
+    max_new_tokens: int
+    eos_token_id: frozenset[int]
+    tables: dict[str, list[int]]  # group -> blocks from position 0 on (ROLLED where freed)
+    reserved: dict[str, int]  # group -> most blocks it can hold at once (reserved at admission)
+    num_computed: int = 0  # tokens whose K/V are in the caches
+    finish_reason: str | None = None  # "eos" or "length" once finished
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class ScheduledStep:
+    """One step's batch, prefills (and prompt chunks) first, then decodes: what a builder and the
+    model take. Tables are int32 [num_seqs, max blocks needed] per layer group, ROLLED where a
+    sliding-window group freed the block (builders of window specs ignore those entries)."""
+
+    requests: list[ServedRequest]
+    seq_lens: np.ndarray  # int64 [num_seqs]
+    query_lens: np.ndarray  # int64 [num_seqs]
+    block_tables: dict[str, np.ndarray]
+    input_ids: np.ndarray  # int64 [num_tokens]
+    positions: np.ndarray  # int64 [num_tokens]
+    sample_rows: list[int]  # rows (in the flat batch) whose logits give a request its next token
+    sampled: list[ServedRequest]  # the requests those rows belong to, in the same order
+
+
+def window_blocks(sliding_window: int, max_query_len: int, block_size: int) -> int:
+    """The most blocks a rolling table holds at once: the window before a step's first new token
+    plus the step's tokens, over at most one partial block at each end."""
+    return -(-(sliding_window - 1 + max_query_len) // block_size) + 1
+
+
+class Scheduler:
+    """Continuous batching over paged KV caches with one block table per layer group.
+
+    Args:
+        num_blocks, block_size: the groups' cache geometry (one allocator per group; block 0 is
+            reserved, see `BlockAllocator`); num_blocks may differ per group ({group: n}).
+        group_windows: group name -> its sliding window W (the group's tables roll) or None.
+        max_num_seqs: the most requests in one step.
+        max_num_batched_tokens: the most tokens in one step; longer prompts are split into
+            chunks (chunked prefill). Decodes are scheduled first, one token each.
+
+    Example::
+
+        sched = Scheduler(num_blocks=1024, block_size=16, group_windows={"full": None, "swa": 4096})
+        rid = sched.add_request(prompt, max_new_tokens=32, eos_token_id=2)
+        while sched.has_unfinished():
+            step = sched.schedule()
+            ...  # build one metadata per group from step.seq_lens, step.query_lens, step.block_tables[g]
+            sched.update(step, next_tokens)   # one token per step.sample_rows entry
+    """
+
+    def __init__(self, *, num_blocks: int | Mapping[str, int], block_size: int,
+                 group_windows: Mapping[str, int | None],
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
+        if not group_windows:
+            raise ValueError("group_windows needs at least one group")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs} and "
+                             f"{max_num_batched_tokens}")
+        self.block_size = block_size
+        self.windows = dict(group_windows)
+        blocks = num_blocks if isinstance(num_blocks, Mapping) else dict.fromkeys(self.windows, num_blocks)
+        self.allocators = {g: BlockAllocator(blocks[g], block_size, reserve_null_block=True) for g in self.windows}
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[ServedRequest] = deque()
+        self.running: list[ServedRequest] = []  # in admission order
+        self._ids = itertools.count()
+        self._outstanding = dict.fromkeys(self.windows, 0)  # reserved blocks not yet held
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int,
+                    eos_token_id: int | Sequence[int] | None = None) -> int:
+        """Queue a request; returns its id. ValueError for one that could never be served."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        eos = frozenset(() if eos_token_id is None else
+                        (eos_token_id,) if isinstance(eos_token_id, int) else map(int, eos_token_id))
+        longest = len(prompt) + max_new_tokens - 1  # the last token is sampled, never fed
+        reserved = {g: self._most_blocks(g, longest, len(prompt)) for g in self.windows}
+        for g, need in reserved.items():
+            if need > self.allocators[g].num_usable:
+                raise ValueError(f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs up to {need} "
+                                 f"blocks of group {g!r}, the cache has {self.allocators[g].num_usable}: raise "
+                                 "num_blocks or shorten the request")
+        request = ServedRequest(next(self._ids), len(prompt), prompt, max_new_tokens, eos,
+                                {g: [] for g in self.windows}, reserved)
+        self.waiting.append(request)
+        return request.request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks_in_use(self) -> dict[str, int]:
+        """Per group, blocks held by requests now."""
+        return {g: a.num_usable - a.num_free for g, a in self.allocators.items()}
+
+    def _most_blocks(self, group: str, longest: int, prompt_len: int) -> int:
+        full = -(-longest // self.block_size)
+        window = self.windows[group]
+        if window is None:
+            return full
+        chunk = min(prompt_len, self.max_num_batched_tokens)
+        return min(full, window_blocks(window, chunk, self.block_size))
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep | None:
+        """The next step, or None when no request has work. Decodes first (one token each), then
+        running prompts' next chunks, then waiting requests admitted while the token budget,
+        max_num_seqs and every group's free blocks (their worst case reserved) allow."""
+        budget = self.max_num_batched_tokens
+        batch: list[tuple[ServedRequest, int]] = []
+        decoding = [r for r in self.running if len(r.tokens) - r.num_computed == 1 and r.num_computed > 0]
+        chunking = [r for r in self.running if not (len(r.tokens) - r.num_computed == 1 and r.num_computed > 0)]
+        for r in decoding + chunking:
+            if len(batch) == self.max_num_seqs or budget == 0:
+                break
+            q = min(len(r.tokens) - r.num_computed, budget)
+            batch.append((r, q))
+            budget -= q
+        while self.waiting and len(batch) < self.max_num_seqs and budget > 0 and self._fits(self.waiting[0]):
+            r = self.waiting.popleft()
+            for g, n in r.reserved.items():
+                self._outstanding[g] += n
+            self.running.append(r)
+            q = min(len(r.tokens), budget)
+            batch.append((r, q))
+            budget -= q
+        if not batch:
+            return None
+        # prefills before decodes, as builders classify them (a 1-token chunk of a cached prompt is a decode)
+        batch.sort(key=lambda rq: rq[1] == 1 and rq[0].num_computed > 0)
+        for r, q in batch:
+            self._allocate(r, r.num_computed + q)
+        return self._step(batch)
+
+    def _fits(self, r: ServedRequest) -> bool:
+        return all(self.allocators[g].num_free - self._outstanding[g] >= n for g, n in r.reserved.items())
+
+    def _allocate(self, r: ServedRequest, seq_len: int) -> None:
+        """Roll each window group's table to the step's first new token, then grow every table to
+        `seq_len` tokens (from the request's reservation)."""
+        for g, table in r.tables.items():
+            allocator, window = self.allocators[g], self.windows[g]
+            if window is not None:
+                first = max(r.num_computed - window + 1, 0) // self.block_size
+                for i in range(first):
+                    if table[i] != ROLLED:
+                        allocator.free.append(table[i])
+                        table[i] = ROLLED
+                        self._outstanding[g] += 1
+            held = len(table)
+            allocator.grow(table, seq_len)
+            self._outstanding[g] -= len(table) - held
+
+    def _step(self, batch: list[tuple[ServedRequest, int]]) -> ScheduledStep:
+        requests = [r for r, _ in batch]
+        query_lens = np.array([q for _, q in batch], dtype=np.int64)
+        starts = np.array([r.num_computed for r in requests], dtype=np.int64)
+        seq_lens = starts + query_lens
+        ids = np.fromiter(itertools.chain.from_iterable(
+            r.tokens[r.num_computed:r.num_computed + q] for r, q in batch), dtype=np.int64, count=int(query_lens.sum()))
+        positions = np.concatenate([np.arange(s, s + q) for s, q in zip(starts, query_lens, strict=True)])
+        width = int(-(-seq_lens.max() // self.block_size))
+        tables = {}
+        for g in self.windows:
+            table = np.zeros((len(batch), width), dtype=np.int32)
+            for i, r in enumerate(requests):
+                row = r.tables[g]
+                table[i, :len(row)] = row
+            tables[g] = table
+        ends = np.cumsum(query_lens) - 1
+        sampled = [i for i, (r, q) in enumerate(batch) if r.num_computed + q == len(r.tokens)]
+        return ScheduledStep(requests, seq_lens, query_lens, tables, ids, positions,
+                             [int(ends[i]) for i in sampled], [requests[i] for i in sampled])
+
+    def update(self, step: ScheduledStep, next_tokens: Sequence[int]) -> list[ServedRequest]:
+        """Record a step: its tokens are now cached, and each of `step.sampled` gets its token from
+        `next_tokens` (one per `step.sample_rows` entry). Returns the requests that finished;
+        their blocks are free again."""
+        if len(next_tokens) != len(step.sampled):
+            raise ValueError(f"update() needs {len(step.sampled)} tokens (one per sample row), got {len(next_tokens)}")
+        for r, q in zip(step.requests, step.query_lens.tolist(), strict=True):
+            r.num_computed += q
+        finished = []
+        for r, token in zip(step.sampled, next_tokens, strict=True):
+            r.tokens.append(int(token))
+            if int(token) in r.eos_token_id:
+                r.finish_reason = "eos"
+            elif len(r.tokens) - r.prompt_len >= r.max_new_tokens:
+                r.finish_reason = "length"
+            if r.finished:
+                self._free(r)
+                finished.append(r)
+        return finished
+
+    def _free(self, r: ServedRequest) -> None:
+        self.running.remove(r)
+        for g, table in r.tables.items():
+            held = [b for b in table if b != ROLLED]
+            self.allocators[g].free.extend(reversed(held))
+            self._outstanding[g] -= r.reserved[g] - len(held)
+            table.clear()

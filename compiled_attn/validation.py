@@ -280,10 +280,12 @@ def _block_row(row: object, what: str) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
-def table_rows(block_tables: object, lens: list[int], block_size: int, what: str) -> list[np.ndarray]:
+def table_rows(block_tables: object, lens: list[int], block_size: int, what: str,
+               rolled: np.ndarray | None = None) -> list[np.ndarray]:
     """Each request's needed blocks (the first ceil(len / block_size) of its table) as int64 arrays.
 
-    Entries past a request's need are ignored: never read, checked or copied to the device.
+    Entries past a request's need are ignored: never read, checked or copied to the device; so
+    are the first rolled[i] of row i (a rolling table's entries the window left behind).
     ValueError for a table that is not a list (or array) of ints, or too short for its request.
     """
     if not isinstance(block_tables, list | tuple | np.ndarray | torch.Tensor):
@@ -301,8 +303,9 @@ def table_rows(block_tables: object, lens: list[int], block_size: int, what: str
             raise ValueError(
                 f"{what}[{i}] has {have} blocks but seq_len={n} needs {need} of block_size={block_size}"
             )
-        heads.append(table[:need])
-        needs.append(need)
+        first = 0 if rolled is None else int(rolled[i])
+        heads.append(table[first:need])
+        needs.append(need - first)
     if all(type(h) is list for h in heads):  # lists of python ints: one conversion for the whole step
         flat = list(itertools.chain.from_iterable(heads))
         if set(map(type, flat)) <= {int} and (not flat or min(flat) >= -(2**63) and max(flat) < 2**63):
@@ -350,8 +353,8 @@ def _row_of(k: int, row_ends: np.ndarray) -> int:
     return int(np.searchsorted(row_ends, k, side="right"))
 
 
-def needed_table(block_tables: object, lens: np.ndarray, block_size: int,
-                 what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def needed_table(block_tables: object, lens: np.ndarray, block_size: int, what: str,
+                 rolled: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every request's needed blocks (the first ceil(len / block_size) of its table) as
     (padded int32 [num_seqs, max(1, max need)] with block 0 past each need, the needed ids
     int64 flat in request order, row_ends int64 [num_seqs]: cumulative ids per request).
@@ -359,26 +362,38 @@ def needed_table(block_tables: object, lens: np.ndarray, block_size: int,
     `block_tables`: a list of per-request lists (or arrays), or one 2-D integer array / CPU
     tensor [num_seqs, >= max need] (no per-element Python work: what a server keeps). Entries
     past a request's need are ignored: never read, checked or copied to the device.
+    `rolled`: int64 [num_seqs] or None, leading entries of each row that a sliding window has
+    left behind (a rolling table): ignored too, block 0 in the padded table, not among the ids.
     """
     need = -(-lens.astype(np.int64) // block_size)
     width = max(int(need.max(initial=0)), 1)
-    row_ends = np.cumsum(need)
     if isinstance(block_tables, np.ndarray | torch.Tensor) and block_tables.ndim == 2:
-        padded, ids = live_entries(_table_array(block_tables, need, what)[:, :width], need)
-        return padded, ids, row_ends
-    rows = table_rows(block_tables, lens.tolist(), block_size, what)  # exactly the needed entries
+        padded, ids = live_entries(_table_array(block_tables, need, what)[:, :width], need, rolled)
+        return padded, ids, np.cumsum(need if rolled is None else need - rolled)
+    rows = table_rows(block_tables, lens.tolist(), block_size, what, rolled)  # exactly the needed entries
     padded = np.zeros((len(rows), width), dtype=np.int32)
     for i, row in enumerate(rows):
-        padded[i, : row.size] = row
-    return padded, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64), row_ends
+        padded[i, need[i] - row.size : need[i]] = row
+    return padded, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64), np.cumsum([r.size for r in rows])
 
 
-def live_entries(table: np.ndarray, need: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(table as int32 with block 0 past each row's need, the needed ids int64 flat in row order)
-    of an int table [num_seqs, width] whose row i needs its first need[i] entries."""
-    if need.size and bool((need == table.shape[1]).all()):  # every row full: no mask
+def rolled_blocks(starts: np.ndarray, sliding_window: int, block_size: int) -> np.ndarray:
+    """Per request, the leading blocks wholly before the window of its first new token (at
+    position starts[i]): no query of the step sees them (int64 [num_seqs])."""
+    return np.maximum(starts.astype(np.int64) - sliding_window + 1, 0) // block_size
+
+
+def live_entries(table: np.ndarray, need: np.ndarray,
+                 rolled: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(table as int32 with block 0 outside each row's live entries, the live ids int64 flat in
+    row order) of an int table [num_seqs, width] whose row i reads entries rolled[i]..need[i]-1
+    (rolled None: from 0)."""
+    if rolled is None and need.size and bool((need == table.shape[1]).all()):  # every row full: no mask
         return table.astype(np.int32), table.reshape(-1).astype(np.int64, copy=False)
-    live = np.arange(table.shape[1])[None, :] < need[:, None]
+    cols = np.arange(table.shape[1])[None, :]
+    live = cols < need[:, None]
+    if rolled is not None:
+        live &= cols >= rolled[:, None]
     return np.where(live, table, 0).astype(np.int32, copy=False), table[live].astype(np.int64, copy=False)
 
 
@@ -401,14 +416,16 @@ def _table_array(tables: np.ndarray | torch.Tensor, need: np.ndarray, what: str)
     return tables
 
 
-def check_table_array(tables: np.ndarray, lens: Sequence[int], block_size: int, num_blocks: int, what: str) -> None:
+def check_table_array(tables: np.ndarray, lens: Sequence[int], block_size: int, num_blocks: int, what: str,
+                      rolled: np.ndarray | None = None) -> None:
     """`check_block_ids` on a padded host table (int [num_seqs, width], what the device got): row i's
-    first ceil(lens[i] / block_size) entries are the ones read."""
+    first ceil(lens[i] / block_size) entries are the ones read, less its first rolled[i]."""
     need = -(-np.asarray(lens, dtype=np.int64) // block_size)
     if tables.ndim != 2 or tables.shape[0] != need.shape[0] or (need.size and need.max() > tables.shape[1]):
         raise ValueError(f"{what}: a [{need.shape[0]}, >= {need.max(initial=0)}] table is needed, got "
                          f"{tuple(tables.shape)}")
-    check_block_ids(live_entries(tables, need)[1], np.cumsum(need), num_blocks, what)
+    ids = live_entries(tables, need, rolled)[1]
+    check_block_ids(ids, np.cumsum(need if rolled is None else need - rolled), num_blocks, what)
 
 
 def check_written_blocks(slots: np.ndarray, writers: Sequence[int], ids: np.ndarray, row_ends: np.ndarray,
@@ -722,7 +739,8 @@ def check_graph_step(md: Any, spec: AttentionSpec, backend_name: str, batch_size
             raise ValueError(f"{backend_name} graphs replay metadata from {backend_name}'s builder (its {name} "
                              "with the host copy they were made from)")
         if host.flags.writeable:  # the builder freezes the tables it checked; anything else is checked here
-            check_table_array(host, lens, spec.block_size, spec.num_blocks, name)
+            rolled = md.rolled_blocks if name == "block_tables" else None
+            check_table_array(host, lens, spec.block_size, spec.num_blocks, name, rolled)
 
 
 # ---------------------------------------------------------------------------------------------

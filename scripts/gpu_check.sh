@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # The one command the device tool runs: GPU-marked tests, then benchmarks; results under $OUT.
 #   device run:  source .whl/setup.sh && bash scripts/gpu_check.sh; save_jit_cache   (carry [".whl"])
-# PARTS selects what runs (default: "tests fuzz bench"; "tests" leaves out the fuzzer and the piecewise tests,
-# which have parts of their own; "loop" profiles the 8B decode loop against
+# PARTS selects what runs (default: "tests fuzz bench"; "loop" profiles the 8B decode loop against
 # gpt-fast's (B=64 then B=1, ctx 1024, one process each) and times FlashInfer's decode variants;
 # "fuzz" is the mutation fuzzer's GPU tests,
 # FUZZ_EXAMPLES examples per mutation; "hunt" looks for the differential example that faults or
-# mismatches on HUNT_BACKEND); "piecewise" runs the piecewise-graph GPU tests (tests/test_piecewise.py,
+# mismatches on HUNT_BACKEND); "piecewise": the piecewise-graph GPU tests (tests/test_piecewise.py,
 # every backend; PW_TESTS=0 skips them) and the piecewise bench suite (PW_BENCH_ARGS, default --quick:
-# the first available backend; "" for all), each under its own timeout; PYTEST_ARGS narrows the tests.
+# the first available backend; "" for all), each under its own timeout; "hf": the transformers
+# integration's GPU tests (HF_TEST_ARGS narrows them, e.g. "-k FLASHINFER"); "hfbench":
+# `bench.hf_engine`, the parts in HF_BENCH_PARTS (default b1; b64, adapter: one per device command,
+# each compiles the 8B shape several times): engine vs transformers' static cache + compile at B=1,
+# vs generate_batch at B=64, vs our reference Llama through the runner; HF_ARGS for the bench, e.g.
+# "--quick --backend FLASHINFER"). "tests" runs every GPU test but the fuzzer's (the piecewise and
+# transformers ones too); PYTEST_ARGS narrows them.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PARTS=${PARTS:-"tests fuzz bench"}
@@ -27,8 +32,7 @@ if [[ "$workers" != 0 ]] && python3 -c "import xdist" 2>/dev/null; then
 fi
 if [[ " $PARTS " == *" tests "* ]]; then
   timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=25 "${xdist[@]}" \
-    --ignore=tests/test_fuzz.py --ignore=tests/test_piecewise.py ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" \
-    | tail -40
+    --ignore=tests/test_fuzz.py ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [[ " $PARTS " == *" loop "* ]]; then
@@ -60,6 +64,18 @@ if [[ " $PARTS " == *" piecewise "* ]]; then
   timeout "${PW_BENCH_TIMEOUT:-330}" python3 -m compiled_attn bench --suite piecewise_bench ${PW_BENCH_ARGS---quick} \
     --out "$OUT" 2>&1 | tee "$OUT/piecewise-bench.log" | grep -v " - INFO - " | tail -30
   status=$(( status || PIPESTATUS[0] ))
+fi
+if [[ " $PARTS " == *" hf "* ]]; then
+  timeout "${HF_TEST_TIMEOUT:-540}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=15 "${xdist[@]}" \
+    tests/test_transformers.py ${HF_TEST_ARGS:-} 2>&1 | tee "$OUT/hf-tests.log" | tail -30
+  status=$(( status || PIPESTATUS[0] ))
+fi
+if [[ " $PARTS " == *" hfbench "* ]]; then
+  for part in ${HF_BENCH_PARTS:-b1}; do
+    timeout "${HF_TIMEOUT:-540}" python3 -m compiled_attn.bench.hf_engine --part "$part" ${HF_ARGS:-} --out "$OUT" \
+      2>&1 | grep -v " - INFO - " | tee "$OUT/hf-engine-$part.log" | tail -12
+    status=$(( status || PIPESTATUS[0] ))
+  done
 fi
 if [[ " $PARTS " == *" hunt "* ]]; then
   backend=${HUNT_BACKEND:-XFORMERS}

@@ -69,7 +69,7 @@ def test_get_attn_backend_and_layer_signatures():
     assert params(ca.get_attn_backend) == ["name", "spec"]
     assert params(ca.Attention.__init__) == ["num_heads", "head_size", "scale", "num_kv_heads", "alibi_slopes",
                                              "sliding_window", "kv_cache_dtype", "logits_soft_cap", "attn_type",
-                                             "backend", "k_scale", "v_scale"]
+                                             "backend", "k_scale", "v_scale", "group"]  # group: extension
     assert params(ca.Attention.forward) == ["query", "key", "value", "kv_cache"]
 
 

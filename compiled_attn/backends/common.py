@@ -68,10 +68,14 @@ class CommonImpl(AttentionImpl):
             self._alibi_by_device[device] = self.alibi_slopes.to(device)
         return self._alibi_by_device[device]
 
-    def register(self, k_scale: float, v_scale: float, attn_type: AttentionType) -> tuple[str, LayerCall]:
-        """A layer name for the ops, and the record to keep alive as long as the name is used."""
+    def register(self, k_scale: float, v_scale: float, attn_type: AttentionType,
+                 group: str | None = None) -> tuple[str, LayerCall]:
+        """A layer name for the ops, and the record to keep alive as long as the name is used;
+        `group`: the layer group whose metadata the ops read (see `compiled_attn.groups`)."""
         k_scale, v_scale = check_kv_scales(k_scale, v_scale)
-        call = LayerCall(self, k_scale, v_scale, self.check_attn_type(attn_type))
+        if group is not None and not isinstance(group, str):
+            raise ValueError(f"group must be a str (a layer group's name) or None, got {type(group).__name__}")
+        call = LayerCall(self, k_scale, v_scale, self.check_attn_type(attn_type), group)
         return register_layer(call), call
 
     def check_supported(self) -> None:

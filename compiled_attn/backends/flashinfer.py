@@ -171,18 +171,22 @@ class FlashInferMetadata(CommonMetadata):
 
 
 def paged_kv_layout(
-    seq_lens: list[int], needed_ids: np.ndarray, block_size: int
+    seq_lens: list[int], needed_ids: np.ndarray, block_size: int, rolled: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """FlashInfer's page CSR for requests of `seq_lens` tokens: (indptr, indices, last_page_len).
 
-    needed_ids: each request's first ceil(seq_len / block_size) blocks, flat in request order
-    (what the builder checked). indptr int32 [n + 1]; indices int32 [indptr[-1]];
-    last_page_len int32 [n] in 1..block_size.
+    needed_ids: each request's first ceil(seq_len / block_size) blocks less its first rolled[i]
+    (rolling tables), flat in request order (what the builder checked). indptr int32 [n + 1];
+    indices int32 [indptr[-1]]; last_page_len int32 [n] in 1..block_size. A rolled request's
+    pages start at its first block in the window: FlashInfer aligns the queries with the end of
+    the keys, so causality and window_left hold over the shorter key run (and it reads less).
     """
     seq = np.asarray(seq_lens, dtype=np.int64)
     pages = -(-seq // block_size)
-    indptr = prefix_sums(pages)
     last = seq - (pages - 1) * block_size
+    if rolled is not None:
+        pages = pages - rolled
+    indptr = prefix_sums(pages)
     return indptr, needed_ids.astype(np.int32), last.astype(np.int32)
 
 
@@ -380,8 +384,8 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
     metadata_cls = FlashInferMetadata
     backend_cls = FlashInferBackend
 
-    def __init__(self, spec: AttentionSpec) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: AttentionSpec, *, rolling_tables: bool = False) -> None:
+        super().__init__(spec, rolling_tables=rolling_tables)
         reason = options_reason(spec.alibi_slopes, spec.num_heads, spec.logits_soft_cap)
         if reason:
             raise NotImplementedError(reason)
@@ -399,7 +403,8 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
         md = super().build(seq_lens, query_lens, block_tables, encoder_seq_lens, cross_block_tables)
         md.qo_indptr = torch.from_numpy(prefix_sums(md.query_lens))
         if self.spec.attn_type == AttentionType.DECODER:
-            indptr, indices, last = paged_kv_layout(md.seq_lens, md._needed_block_ids, self.spec.block_size)
+            indptr, indices, last = paged_kv_layout(md.seq_lens, md._needed_block_ids, self.spec.block_size,
+                                                  md.rolled_blocks)
             md.paged_kv_indptr = torch.from_numpy(indptr)
             md.paged_kv_indices = to_device(indices, self.device)
             md.paged_kv_last_page_len = torch.from_numpy(last)

@@ -187,9 +187,9 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
     metadata_cls = XFormersMetadata
     backend_cls = XFormersBackend
 
-    def __init__(self, spec: AttentionSpec) -> None:
+    def __init__(self, spec: AttentionSpec, *, rolling_tables: bool = False) -> None:
         check_block_size(spec.block_size)  # the message that says why, before the builder's generic one
-        super().__init__(spec)
+        super().__init__(spec, rolling_tables=rolling_tables)
 
     def build(
         self,

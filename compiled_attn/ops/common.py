@@ -22,7 +22,7 @@ def checked_step(
     then only what changes per step; attention ops also pass their `output`) before the op
     writes or reads anything. RuntimeError for a dead layer name or no forward context."""
     call = get_layer(layer_name)
-    md = get_forward_context().attn_metadata
+    md = get_forward_context().metadata_for(call.group)
     check_layer_call(call, md, query, key, value, kv_cache, output)
     return call, md
 

@@ -43,8 +43,10 @@ def attend(
     lk, hkv = k.shape[1], k.shape[2]
     kpos = torch.arange(lk, device=q.device)
     valid = kpos[None, :] < kv_len[:, None].to(torch.int64)  # [B, Lk]
-    # Caches come from torch.empty: zero what lies beyond each length so that garbage (even
-    # NaN, which survives a -inf mask as 0 * NaN) never reaches an output.
+    if sliding_window > 0:  # keys before every query's window: rolled-away blocks read as block 0
+        valid = valid & (kpos[None, :] > q_pos[:, :1] - sliding_window)
+    # Caches come from torch.empty: zero what lies beyond each length (and window) so that
+    # garbage (even NaN, which survives a -inf mask as 0 * NaN) never reaches an output.
     k = torch.where(valid[:, :, None, None], k, 0)
     v = torch.where(valid[:, :, None, None], v, 0)
     rel = kpos[None, None, :] - q_pos[:, :, None]  # [B, Lq, Lk] key pos - query pos

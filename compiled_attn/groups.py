@@ -1,0 +1,190 @@
+"""Several layer groups in one forward: one metadata (and one graph State) per group.
+
+Layers whose attention is planned alike — same heads, head size, scale, window, soft-cap — form
+a group with one `AttentionSpec`, one builder and one cache geometry. A model whose layers differ
+(Gemma2's alternating windows, Qwen2's `max_window_layers`) has several groups in one forward:
+each group's builder plans its own step (FlashInfer bakes window, soft-cap and scale into its
+plan), and `GroupedMetadata` carries them all through the forward context; each op picks its
+layer's group (`ca.Attention(group=...)`). `GroupedState` does the same for CUDA-graph States,
+so `CUDAGraphRunner` captures such a model with no change: it sees one metadata and one State.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+
+import torch
+
+from compiled_attn.abstract import AttentionMetadata, AttentionState
+
+_SEP = "/"  # group name / field name in the flat buffer dict a runner keeps
+
+
+@dataclasses.dataclass(eq=False)
+class GroupedMetadata(AttentionMetadata):
+    """One step described for several layer groups: `groups[name]` is the metadata that group's
+    builder made for the step (the same requests, lengths and order in every group; each
+    group's own block tables). The step-level fields (`num_prefills`, token counts,
+    `slot_mapping` of the first group) let runners treat it as one metadata.
+
+    Example::
+
+        md = GroupedMetadata.of({"full": full_builder.build(seq_lens, query_lens, full_tables),
+                                 "sliding": swa_builder.build(seq_lens, query_lens, swa_tables)})
+        with ca.set_forward_context(md):      # or set_forward_context({...}) with the dict
+            logits = model(input_ids, positions, kv_caches)
+    """
+
+    groups: dict[str, AttentionMetadata] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, groups: Mapping[str, AttentionMetadata]) -> GroupedMetadata:
+        """ValueError unless `groups` maps names to metadata of one backend and one step."""
+        if not isinstance(groups, Mapping) or not groups:
+            raise ValueError("GroupedMetadata needs a non-empty {group name: metadata} mapping")
+        items = list(groups.items())
+        first_name, first = items[0]
+        for name, md in items:
+            if not isinstance(name, str) or not isinstance(md, AttentionMetadata) or isinstance(md, GroupedMetadata):
+                raise ValueError(f"group {name!r}: set_forward_context / GroupedMetadata take AttentionMetadata from "
+                                 f"a builder per group name, got {type(name).__name__} -> {type(md).__name__}")
+            if _step_of(md) != _step_of(first):
+                raise ValueError(f"groups {first_name!r} and {name!r} describe different steps "
+                                 f"({_step_of(first)} vs {_step_of(md)}): build every group from the same "
+                                 "seq_lens and query_lens")
+            if getattr(md, "backend_name", None) != getattr(first, "backend_name", None):
+                raise ValueError(f"groups {first_name!r} and {name!r} come from different backends: one forward "
+                                 "runs one backend")
+        return cls(num_prefills=first.num_prefills, num_prefill_tokens=first.num_prefill_tokens,
+                   num_decode_tokens=first.num_decode_tokens, slot_mapping=first.slot_mapping, groups=dict(items))
+
+    @property
+    def first(self) -> AttentionMetadata:
+        return next(iter(self.groups.values()))
+
+    # the step-level facts a runner reads, the same in every group
+    @property
+    def backend_name(self) -> str:
+        return getattr(self.first, "backend_name", "")
+
+    @property
+    def num_seqs(self) -> int:
+        return self.first.num_seqs
+
+    @property
+    def num_decodes(self) -> int:
+        return self.first.num_decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.first.max_seq_len
+
+    @property
+    def longest_seq_len(self) -> int:
+        return self.first.longest_seq_len
+
+    @property
+    def prefill_metadata(self) -> GroupedMetadata | None:
+        return self._view("prefill_metadata")
+
+    @property
+    def decode_metadata(self) -> GroupedMetadata | None:
+        return self._view("decode_metadata")
+
+    def _view(self, name: str) -> GroupedMetadata | None:
+        views = {g: getattr(md, name) for g, md in self.groups.items()}
+        return None if any(v is None for v in views.values()) else GroupedMetadata.of(views)
+
+    def for_group(self, group: str | None) -> AttentionMetadata:
+        """The metadata of `group`; ValueError naming the fix for a layer outside the groups."""
+        if group is None:
+            raise ValueError(f"the forward context holds metadata of layer groups {list(self.groups)}, but this "
+                             "layer has no group: make it with ca.Attention(..., group=<its group>)")
+        md = self.groups.get(group)
+        if md is None:
+            raise ValueError(f"this layer is in group {group!r}, the forward context's metadata has groups "
+                             f"{list(self.groups)}: build one metadata per group of the model")
+        return md
+
+
+def _step_of(md: AttentionMetadata) -> tuple:
+    """What must agree between the groups of one step."""
+    return (md.num_prefills, md.num_prefill_tokens, md.num_decode_tokens,
+            tuple(getattr(md, "seq_lens", ())), tuple(getattr(md, "query_lens", ())))
+
+
+class GroupedState(AttentionState):
+    """The CUDA-graph States of several layer groups as one State (docs/design.md, section 3):
+    every call goes to each group's State with that group's metadata; input buffers are one flat
+    dict keyed "group/field". The groups' States must declare the same table widths (same
+    block_size and max_seq_len_to_capture).
+
+    Example::
+
+        state = GroupedState({g: backend.get_state_cls()(spec) for g, spec in specs.items()})
+        runner = CUDAGraphRunner(model, backend, next(iter(specs.values())), kv_caches, state)
+    """
+
+    def __init__(self, states: Mapping[str, AttentionState]) -> None:
+        if not isinstance(states, Mapping) or not states or not all(
+                isinstance(s, AttentionState) for s in states.values()):
+            raise ValueError("GroupedState needs a non-empty {group name: AttentionState} mapping")
+        self.states = dict(states)
+        first = next(iter(self.states.values()))
+        super().__init__(first.spec)
+        widths = {name: s.graph_table_widths() for name, s in self.states.items()}
+        if len(set(widths.values())) > 1:
+            raise ValueError(f"the groups' States capture different table widths {widths}: give every group's "
+                             "spec one block_size and max_seq_len_to_capture")
+
+    def graph_table_widths(self) -> tuple[int, ...]:
+        return next(iter(self.states.values())).graph_table_widths()
+
+    @contextmanager
+    def graph_capture(self, max_batch_size: int) -> Iterator[None]:
+        with ExitStack() as stack:
+            for state in self.states.values():
+                stack.enter_context(state.graph_capture(max_batch_size))
+            yield
+
+    def graph_capture_get_metadata_for_batch(self, batch_size: int, *, table_width: int | None = None
+                                             ) -> GroupedMetadata:
+        kw = {} if table_width is None else {"table_width": table_width}
+        return GroupedMetadata.of({g: s.graph_capture_get_metadata_for_batch(batch_size, **kw)
+                                   for g, s in self.states.items()})
+
+    def graph_clone(self, batch_size: int, *, table_width: int | None = None) -> GroupedState:
+        kw = {} if table_width is None else {"table_width": table_width}
+        return GroupedState({g: s.graph_clone(batch_size, **kw) for g, s in self.states.items()})
+
+    def get_graph_input_buffers(self, attn_metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
+        md = _grouped(attn_metadata)
+        return {f"{g}{_SEP}{name}": t for g, s in self.states.items()
+                for name, t in s.get_graph_input_buffers(md.for_group(g)).items()}
+
+    def prepare_graph_input_buffers(self, input_buffers: dict[str, torch.Tensor],
+                                    attn_metadata: AttentionMetadata) -> None:
+        md = _grouped(attn_metadata)
+        per_group: dict[str, dict[str, torch.Tensor]] = {g: {} for g in self.states}
+        for key, t in input_buffers.items():
+            g, _, name = key.partition(_SEP)
+            per_group[g][name] = t
+        for g, state in self.states.items():
+            state.prepare_graph_input_buffers(per_group[g], md.for_group(g))
+
+    def begin_forward(self, attn_metadata: AttentionMetadata) -> None:
+        md = _grouped(attn_metadata)
+        for g, state in self.states.items():
+            state.begin_forward(md.for_group(g))
+
+
+def _grouped(md: object) -> GroupedMetadata:
+    if not isinstance(md, GroupedMetadata):
+        raise ValueError(f"a GroupedState serves GroupedMetadata (one metadata per group), got {type(md).__name__}")
+    return md

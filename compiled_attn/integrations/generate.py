@@ -1,0 +1,99 @@
+"""`python -m compiled_attn generate`: serve a transformers model through `PagedEngine`.
+
+The model is a local directory (`--model DIR`, loaded with `from_pretrained`; its tokenizer, if
+it has one, encodes `--prompt` texts and decodes the outputs) or a random-weight model of one of
+`hf_random.FAMILIES` (`--random llama`): no hub access is needed. Prompts are the given texts or
+random token ids; a progress bar counts generated tokens, and the summary reports tokens/s.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from compiled_attn.integrations import hf_random
+from compiled_attn.integrations import transformers as ca_hf
+
+
+def load_model(model_dir: str | None, family: str | None, size: str, dtype: torch.dtype,
+               device: torch.device) -> tuple[Any, Any]:
+    """(model with attn_implementation="compiled_attn", tokenizer or None)."""
+    ca_hf.register()
+    if family is not None:
+        return hf_random.random_model(hf_random.random_config(family, size), dtype=dtype, device=device), None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=ca_hf.IMPLEMENTATION, dtype=dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        tokenizer = None  # a folder with weights only: random prompts, token ids out
+    return model.to(device).eval(), tokenizer
+
+
+def run_generate(*, model_dir: str | None = None, family: str | None = None, size: str = "small",
+                 prompts: list[str] | None = None, num_prompts: int = 8, prompt_len: int = 64,
+                 max_new_tokens: int = 64, backend: str | None = None, block_size: int = 16,
+                 num_blocks: int | None = None, compile: bool = True, cuda_graphs: bool = True, seed: int = 0,
+                 progress: bool = True) -> dict[str, Any]:
+    """Serve the prompts; returns the summary row (tokens/s over the whole run, first step included)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model, tokenizer = load_model(model_dir, family, size, dtype, device)
+    if prompts and tokenizer is None:
+        raise ValueError("--prompt needs a model folder with a tokenizer; use --num-prompts for random prompts")
+    if prompts:
+        ids = [tokenizer(p)["input_ids"] for p in prompts]
+    else:
+        g = torch.Generator().manual_seed(seed)
+        ids = [torch.randint(1, model.config.vocab_size, (prompt_len,), generator=g).tolist()
+               for _ in range(num_prompts)]
+    longest = max(len(p) for p in ids) + max_new_tokens
+    blocks = num_blocks or len(ids) * -(-longest // block_size) + 1
+    start = time.perf_counter()
+    engine = ca_hf.PagedEngine(model, block_size=block_size, num_blocks=blocks, backend=backend, compile=compile,
+                               cuda_graphs=cuda_graphs, max_batch_size=max(len(ids), 1),
+                               max_seq_len_to_capture=-(-longest // block_size) * block_size)
+    setup_s = time.perf_counter() - start
+    rids = [engine.add_request(p, max_new_tokens, getattr(tokenizer, "eos_token_id", None)) for p in ids]
+    bar = _bar(len(ids) * max_new_tokens, progress)
+    start = time.perf_counter()
+    generated = 0
+    while engine.has_unfinished():
+        n = len(engine.step())
+        generated += n
+        bar.update(n)
+    seconds = time.perf_counter() - start
+    bar.close()
+    outputs = [engine.output(r).output_tokens for r in rids]
+    row = {
+        "model": model_dir or f"random {family} ({size})",
+        "backend": engine.backend.get_name(),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "groups": ", ".join(f"{g.name} x{len(g.layers)}" for g in engine.groups),
+        "requests": len(ids),
+        "new tokens": generated,
+        "setup s": setup_s,
+        "seconds": seconds,
+        "tok/s": generated / seconds,
+    }
+    if tokenizer is not None:
+        row["texts"] = [tokenizer.decode(o) for o in outputs]
+    return row
+
+
+class _NoBar:
+    def update(self, n: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _bar(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generating", unit="tok")

@@ -1,0 +1,154 @@
+"""Several layer groups in one forward (docs/design.md, section 4b): one metadata per group in the
+forward context, each backend planning per group, the graph State of several groups, and rolling
+block tables for sliding-window groups."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_xformers import host_metadata
+
+import compiled_attn as ca
+from compiled_attn.backends.flashinfer import FlashInferBackend
+from compiled_attn.backends.xformers import XFormersBackend
+from compiled_attn.graphs import CUDAGraphRunner
+from compiled_attn.groups import GroupedMetadata, GroupedState
+
+SDPA = ca.get_attn_backend("TORCH_SDPA")
+
+
+def spec_of(backend_dtype=torch.float32, **kw) -> ca.AttentionSpec:
+    base = dict(num_heads=4, num_kv_heads=2, head_size=64, block_size=16, num_blocks=32, dtype=backend_dtype,
+                device="cpu")
+    return ca.AttentionSpec(**{**base, **kw})
+
+
+FULL, WINDOW = spec_of(), spec_of(sliding_window=5, scale=0.3)
+SEQ_LENS, QUERY_LENS = [20, 40, 17], [20, 3, 1]
+TABLES = {"full": [[1, 2], [3, 4, 5], [6, 7]], "window": [[8, 9], [10, 11, 12], [13, 14]]}
+
+
+def random_step(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(QUERY_LENS)
+    q = torch.randn(n, 4 * 64, generator=g)
+    k, v = torch.randn(n, 2 * 64, generator=g), torch.randn(n, 2 * 64, generator=g)
+    caches = {name: torch.randn(SDPA.get_kv_cache_shape(32, 16, 2, 64), generator=g) for name in TABLES}
+    return q, k, v, caches
+
+
+def test_each_layer_reads_its_groups_metadata():
+    specs = {"full": FULL, "window": WINDOW}
+    mds = {name: SDPA.get_builder_cls()(spec).build(SEQ_LENS, QUERY_LENS, TABLES[name]) for name, spec in specs.items()}
+    layers = {name: ca.Attention(4, 64, spec.softmax_scale, num_kv_heads=2, sliding_window=spec.sliding_window,
+                                 backend="TORCH_SDPA", group=name) for name, spec in specs.items()}
+    q, k, v, caches = random_step()
+    grouped_caches = {name: c.clone() for name, c in caches.items()}
+    with ca.set_forward_context(mds):  # a dict becomes GroupedMetadata
+        assert isinstance(ca.get_forward_context().attn_metadata, GroupedMetadata)
+        grouped = {name: layer(q, k, v, grouped_caches[name]) for name, layer in layers.items()}
+    for name, layer in layers.items():  # each alone, on its own metadata: the single-group call
+        with ca.set_forward_context(mds[name]):
+            alone = layer(q, k, v, caches[name])
+        torch.testing.assert_close(grouped[name], alone, rtol=0, atol=0)
+        assert torch.equal(grouped_caches[name], caches[name])
+    assert not torch.allclose(grouped["full"], grouped["window"])
+
+
+def test_a_grouped_context_refuses_layers_outside_its_groups():
+    md = SDPA.get_builder_cls()(FULL).build(SEQ_LENS, QUERY_LENS, TABLES["full"])
+    q, k, v, caches = random_step()
+    for group, match in ((None, "has no group"), ("other", "group 'other'")):
+        layer = ca.Attention(4, 64, 0.125, num_kv_heads=2, backend="TORCH_SDPA", group=group)
+        with pytest.raises(ValueError, match=match), ca.set_forward_context({"full": md}):
+            layer(q, k, v, caches["full"])
+    with pytest.raises(ValueError, match="group must be a str"):
+        ca.Attention(4, 64, 0.125, num_kv_heads=2, backend="TORCH_SDPA", group=3)
+
+
+def test_grouped_metadata_refuses_groups_of_different_steps():
+    a = SDPA.get_builder_cls()(FULL).build(SEQ_LENS, QUERY_LENS, TABLES["full"])
+    b = SDPA.get_builder_cls()(WINDOW).build([20, 40], [20, 3], TABLES["window"][:2])
+    with pytest.raises(ValueError, match="different steps"):
+        GroupedMetadata.of({"full": a, "window": b})
+    with pytest.raises(ValueError, match="non-empty"):
+        GroupedMetadata.of({})
+
+
+def test_flashinfer_plans_every_group_with_its_own_window_cap_and_scale(fake_flashinfer):
+    specs = {"full": spec_of(torch.bfloat16), "local": spec_of(torch.bfloat16, sliding_window=8, logits_soft_cap=30.0,
+                                                               scale=0.25)}
+    md = GroupedMetadata.of({name: FlashInferBackend.get_builder_cls()(spec).build(SEQ_LENS, QUERY_LENS, TABLES[t])
+                             for (name, spec), t in zip(specs.items(), TABLES, strict=True)})
+    planned = {}
+    for name in specs:
+        plan = md.for_group(name).step_plan
+        plan.ensure_planned()
+        planned[name] = {k: plan.wrapper(k).plans[0][1] for k in ("prefill", "decode")}
+    for kind in ("prefill", "decode"):
+        full, local = planned["full"][kind], planned["local"][kind]
+        assert (full["window_left"], full["logits_soft_cap"], full["sm_scale"]) == (-1, None, 64**-0.5)
+        assert (local["window_left"], local["logits_soft_cap"], local["sm_scale"]) == (7, 30.0, 0.25)
+
+
+def test_flashinfer_rolling_page_list_starts_at_the_window(fake_flashinfer):
+    spec = spec_of(torch.bfloat16, sliding_window=20, block_size=4)
+    builder = FlashInferBackend.get_builder_cls()(spec, rolling_tables=True)
+    # request 0: 6-token chunk at 30..35 (window of position 30 starts at 11: blocks 0-1 rolled);
+    # request 1 decodes at position 8 (nothing rolled)
+    table = np.array([[-1, -1, 3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 0, 0, 0, 0, 0, 0]], dtype=np.int32)
+    md = builder.build([36, 9], [6, 1], table)
+    assert md.rolled_blocks.tolist() == [2, 0]
+    assert md.paged_kv_indptr.tolist() == [0, 7, 10]
+    assert md.paged_kv_indices.tolist() == [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    assert md.paged_kv_last_page_len.tolist() == [4, 1]
+    # the rolled entries are not checked: the same table without rolling names block -1
+    with pytest.raises(ValueError, match="names block -1"):
+        FlashInferBackend.get_builder_cls()(spec).build([36, 9], [6, 1], table)
+
+
+def test_xformers_groups_build_their_own_window_starts():
+    specs = {"full": spec_of(torch.bfloat16, block_size=64), "local": spec_of(torch.bfloat16, block_size=64,
+                                                                               sliding_window=8)}
+    tables = [[1], [2], [3]]
+    starts = {name: host_metadata(spec, SEQ_LENS, QUERY_LENS, tables).decode_window_starts
+              for name, spec in specs.items()}
+    assert starts["full"] is None and starts["local"].tolist() == [17 - 8, 0]
+    assert XFormersBackend.get_builder_cls()(specs["local"], rolling_tables=True).rolling_tables
+
+
+def test_grouped_state_serves_a_runner_whose_groups_differ():
+    """Two groups of one model through CUDAGraphRunner's padded static-buffer step (CPU: no capture):
+    decode outputs equal the eager step's."""
+    specs = {"full": spec_of(max_seq_len_to_capture=64), "window": spec_of(sliding_window=5, max_seq_len_to_capture=64)}
+    layers = {name: ca.Attention(4, 64, 0.125, num_kv_heads=2, sliding_window=s.sliding_window,
+                                 backend="TORCH_SDPA", group=name) for name, s in specs.items()}
+    g = torch.Generator().manual_seed(0)
+    wq = torch.randn(64, 4 * 64, generator=g) * 0.1
+    wkv = torch.randn(64, 2 * 64, generator=g) * 0.1
+
+    def model(input_ids, positions, kv_caches):
+        x = torch.nn.functional.embedding(input_ids, torch.ones(64, 64)) * positions[:, None]
+        q, kv = x @ wq, x @ wkv
+        return sum(layer(q, kv, kv, cache) for layer, cache in zip(layers.values(), kv_caches, strict=True))
+
+    caches = [torch.randn(SDPA.get_kv_cache_shape(32, 16, 2, 64), generator=g) for _ in specs]
+    state = GroupedState({name: SDPA.get_state_cls()(s) for name, s in specs.items()})
+    runner = CUDAGraphRunner(model, SDPA, specs["full"], caches, state, capture_sizes=[1, 4], use_cuda_graphs=False,
+                             progress=False)
+    runner.capture()
+    builders = {name: SDPA.get_builder_cls()(s) for name, s in specs.items()}
+    seq_lens, tables = [9, 30, 17], {"full": [[1], [2, 3], [4, 5]], "window": [[6], [7, 8], [9, 10]]}
+    md = GroupedMetadata.of({name: b.build(seq_lens, [1, 1, 1], tables[name]) for name, b in builders.items()})
+    ids, pos = torch.tensor([3, 5, 7]), torch.tensor([8, 29, 16])
+    eager_caches = [c.clone() for c in caches]
+    graphed = runner.run(md, ids, pos)
+    with ca.set_forward_context(md):
+        eager = model(ids, pos, eager_caches)
+    assert runner.counts["graph"] == 1
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)  # padded batch: another summation order
+    bufs = runner._captured[4, runner.widths[0]].input_buffers
+    assert {k.partition("/")[0] for k in bufs} == {"full", "window"}
+    with pytest.raises(ValueError, match="different table widths"):
+        GroupedState({"a": SDPA.get_state_cls()(specs["full"]), "b": SDPA.get_state_cls()(spec_of())})

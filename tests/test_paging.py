@@ -1,0 +1,124 @@
+"""The public scheduler (`compiled_attn.paging.Scheduler`): admission while others decode, chunked
+prefill, blocks freed on finish, rolling tables for sliding-window groups."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import compiled_attn as ca
+from compiled_attn.paging import NULL_BLOCK, ROLLED, Scheduler, window_blocks
+
+
+def drive(sched: Scheduler, token: int = 7, on_step=None) -> int:
+    """Run the scheduler to the end, feeding `token` as every sampled token; returns the steps."""
+    steps = 0
+    while sched.has_unfinished():
+        step = sched.schedule()
+        if on_step is not None:
+            on_step(step)
+        sched.update(step, [token] * len(step.sample_rows))
+        steps += 1
+    return steps
+
+
+def test_admits_waiting_requests_while_others_decode():
+    sched = Scheduler(num_blocks=64, block_size=4, group_windows={"full": None}, max_num_batched_tokens=16)
+    a = sched.add_request([1] * 5, max_new_tokens=4)
+    first = sched.schedule()
+    sched.update(first, [9])
+    b = sched.add_request([2] * 3, max_new_tokens=2)
+    step = sched.schedule()
+    # the newcomer's prompt comes first (prefills before decodes), the running request decodes
+    assert [r.request_id for r in step.requests] == [b, a]
+    assert step.query_lens.tolist() == [3, 1] and step.seq_lens.tolist() == [3, 6]
+    assert step.input_ids.tolist() == [2, 2, 2, 9] and step.positions.tolist() == [0, 1, 2, 5]
+    assert step.sample_rows == [2, 3]
+
+
+def test_long_prompts_are_chunked_under_the_token_budget():
+    sched = Scheduler(num_blocks=64, block_size=4, group_windows={"full": None}, max_num_batched_tokens=8)
+    sched.add_request(list(range(20)), max_new_tokens=2)
+    chunks = []
+    drive(sched, on_step=lambda s: chunks.append((s.query_lens.tolist(), s.sample_rows)))
+    assert chunks == [([8], []), ([8], []), ([4], [3]), ([1], [0])]
+
+
+def test_blocks_are_freed_on_eos_and_on_length():
+    sched = Scheduler(num_blocks=32, block_size=4, group_windows={"full": None})
+    free = sched.allocators["full"].num_free
+    eos = sched.add_request([1, 2, 3], max_new_tokens=100, eos_token_id=5)
+    length = sched.add_request([1, 2, 3, 4, 5, 6], max_new_tokens=3)
+    step = sched.schedule()
+    assert sched.blocks_in_use() == {"full": 1 + 2}
+    finished = sched.update(step, [5, 8])
+    assert [(r.request_id, r.finish_reason) for r in finished] == [(eos, "eos")]
+    assert sched.blocks_in_use() == {"full": 2}
+    (last,) = [r for r in sched.running if r.request_id == length]
+    drive(sched)
+    assert last.finish_reason == "length" and last.output_tokens == [8, 7, 7]
+    assert sched.running == [] and sched.allocators["full"].num_free == free
+    assert NULL_BLOCK not in sched.allocators["full"].free  # reserved: never handed out
+
+
+def test_admission_waits_for_the_worst_case_blocks():
+    sched = Scheduler(num_blocks=9, block_size=4, group_windows={"full": None})  # 8 usable
+    sched.add_request([1] * 8, max_new_tokens=9)  # up to 16 tokens fed: 4 blocks reserved
+    sched.add_request([1] * 8, max_new_tokens=9)
+    late = sched.add_request([1] * 4, max_new_tokens=1)
+    step = sched.schedule()
+    assert late not in [r.request_id for r in step.requests]  # 4 + 4 reserved, nothing left
+    with pytest.raises(ValueError, match="raise num_blocks"):
+        sched.add_request([1] * 40, max_new_tokens=1)
+
+
+def test_sliding_window_tables_roll_and_stop_growing():
+    """Goal of issue 15: decoding at ctx 8192 with window 4096, a window group holds <= 55 % of a
+    full group's blocks (while a prompt chunk of C tokens is in flight it holds up to W + C tokens'
+    worth: `window_blocks`)."""
+    bs, window, ctx, chunk = 16, 4096, 8192, 512
+    sched = Scheduler(num_blocks=2 * ctx // bs + 2, block_size=bs, group_windows={"full": None, "swa": window},
+                      max_num_batched_tokens=chunk)
+    sched.add_request(list(range(ctx - 64)), max_new_tokens=65)
+    peak = {"full": 0, "swa": 0}
+    at_ctx = {}
+
+    def check(step):
+        for g, n in sched.blocks_in_use().items():
+            peak[g] = max(peak[g], n)
+        table, seq = step.block_tables["swa"][0], int(step.seq_lens[0])
+        first = max(seq - int(step.query_lens[0]) - window + 1, 0) // bs
+        assert (table[:first] == ROLLED).all() and (table[first: -(-seq // bs)] >= 1).all()
+        if seq == ctx:
+            at_ctx.update(sched.blocks_in_use())
+
+    drive(sched, on_step=check)
+    assert at_ctx["full"] == ctx // bs
+    assert at_ctx["swa"] <= 0.55 * at_ctx["full"], at_ctx
+    assert peak["swa"] <= window_blocks(window, chunk, bs) < peak["full"]
+
+
+def test_a_rolling_builder_ignores_what_the_window_left_behind():
+    spec = ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_size=8, block_size=4, num_blocks=16, dtype=torch.float32,
+                            device="cpu", sliding_window=5)
+    builder = ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(spec, rolling_tables=True)
+    # request 0 decodes at position 12: its window 8..12 starts in block 2, blocks 0 and 1 rolled away
+    table = np.array([[ROLLED, ROLLED, 3, 4], [5, 6, 0, 0]], dtype=np.int32)
+    md = builder.build([6, 13], [6, 1], table[[1, 0]])
+    assert md.rolled_blocks.tolist() == [0, 2]
+    assert md.block_tables_host.tolist() == [[5, 6, 0, 0], [0, 0, 3, 4]]
+    with pytest.raises(ValueError, match="rolling_tables=True needs"):
+        ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(
+            ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_size=8, block_size=4, num_blocks=16,
+                             dtype=torch.float32, device="cpu"), rolling_tables=True)
+
+
+def test_groups_may_have_caches_of_different_sizes():
+    sched = Scheduler(num_blocks={"full": 32, "swa": 6}, block_size=4, group_windows={"full": None, "swa": 4},
+                      max_num_batched_tokens=8)
+    assert {g: a.num_usable for g, a in sched.allocators.items()} == {"full": 31, "swa": 5}
+    # 8-token chunks: the window group never holds more than window_blocks(4, 8, 4) = 4 blocks
+    sched.add_request(list(range(40)), max_new_tokens=4)
+    drive(sched)
+    assert sched.blocks_in_use() == {"full": 0, "swa": 0}

@@ -1,0 +1,295 @@
+"""The transformers integration against transformers itself: greedy tokens equal
+`model.generate(do_sample=False)` under its eager attention and per-step logits agree, for Llama,
+Qwen2 (window on some layers), Mistral (window shorter than the prompts) and Gemma2 (alternating
+windows, soft-cap, query_pre_attn_scalar); dropping a window, the cap or the scale must break the
+agreement (negative controls). CPU: fp32, TORCH_SDPA, plus FLASHINFER / XFORMERS with float64
+stand-in kernels; GPU (bf16): every backend that serves each model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+pytest.importorskip("transformers")
+
+import compiled_attn as ca  # noqa: E402
+from compiled_attn.backends import flashinfer as fib  # noqa: E402
+from compiled_attn.backends.flashinfer import FlashInferBackend  # noqa: E402
+from compiled_attn.backends.xformers import XFormersBackend  # noqa: E402
+from compiled_attn.integrations import hf_random  # noqa: E402
+from compiled_attn.integrations import transformers as ca_hf  # noqa: E402
+from compiled_attn.ops import xformers as xformers_ops  # noqa: E402
+from compiled_attn.paging import window_blocks  # noqa: E402
+
+ca_hf.register()
+
+# lengths 5..13 against windows of 6 tokens; a budget of 8 tokens chunks the long prompts and
+# admits the later ones while the first decode
+PROMPTS = [[5, 17, 9, 3, 44, 12, 7, 90, 31], [4, 4, 2, 60, 101, 9, 8],
+           [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [77, 3, 5, 120, 6]]
+NEW_TOKENS = 8
+LOGITS_ATOL = 1e-5
+
+
+def serve(engine: ca_hf.PagedEngine, prompts=PROMPTS, new_tokens=NEW_TOKENS, late: int = 1):
+    """Serve `prompts` (the last `late` of them added after the first step) -> (tokens, logits) per prompt."""
+    ids = [engine.add_request(p, new_tokens) for p in prompts[: len(prompts) - late]]
+    engine.step()
+    ids += [engine.add_request(p, new_tokens) for p in prompts[len(prompts) - late:]]
+    while engine.has_unfinished():
+        engine.step()
+    outs = [engine.output(i) for i in ids]
+    return [o.output_tokens for o in outs], [torch.stack(o.logits) for o in outs]
+
+
+def transformers_reference(ref: torch.nn.Module, prompts=PROMPTS, new_tokens=NEW_TOKENS):
+    """transformers' own greedy generate (eager attention, one prompt at a time) and the logits of
+    every step (teacher-forced over the generated sequence)."""
+    tokens, logits = [], []
+    for p in prompts:
+        out = ref.generate(torch.tensor([p], device=ref.device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+        tokens.append(out[0, len(p):].tolist())
+        logits.append(ref(out).logits[0, len(p) - 1 : -1].float().cpu())
+    return tokens, logits
+
+
+def max_logit_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module", params=hf_random.FAMILIES)
+def family(request):
+    """(family, compiled_attn model, its eager twin, transformers' greedy tokens and logits)."""
+    model = hf_random.random_model(hf_random.random_config(request.param), seed=1)
+    ref = hf_random.eager_twin(model)
+    return request.param, model, ref, transformers_reference(ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: what the engine reads, and fp32 agreement with transformers
+
+
+def test_register_makes_the_implementation_valid_and_it_runs_only_in_an_engine():
+    model = hf_random.random_model(hf_random.random_config("llama"))
+    assert model.config._attn_implementation == "compiled_attn"
+    with pytest.raises(RuntimeError, match="PagedEngine"):
+        model(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match="attn_implementation='compiled_attn'"):
+        ca_hf.PagedEngine(hf_random.eager_twin(model), compile=False)
+
+
+EXPECTED_GROUPS = {  # family -> {group: (layers, window, soft-cap)}; tiny configs have 3 layers, window 6
+    "llama": {"full": ([0, 1, 2], None, None)},
+    "qwen2": {"full": ([0], None, None), "window6": ([1, 2], 6, None)},
+    "mistral": {"window6": ([0, 1, 2], 6, None)},
+    "gemma2": {"window6": ([0, 2], 6, 2.0), "full": ([1], None, 2.0)},
+}
+
+
+def test_engine_reads_every_layers_settings_from_the_model(family):
+    name, model, _, _ = family
+    engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=False, cuda_graphs=False)
+    got = {g.name: (g.layers, g.spec.sliding_window, g.spec.logits_soft_cap) for g in engine.groups}
+    assert got == EXPECTED_GROUPS[name]
+    scale = (16 // 2) ** -0.5 if name == "gemma2" else 16**-0.5  # Gemma2: query_pre_attn_scalar = head_dim // 2
+    assert all(g.spec.scale == pytest.approx(scale) for g in engine.groups)
+    assert all(g.spec.num_heads == 4 and g.spec.num_kv_heads == 2 and g.spec.head_size == 16 for g in engine.groups)
+
+
+def test_compiled_engine_matches_transformers_greedy_tokens_and_logits(family):
+    """One compiled graph (fullgraph=True, no recompiles across prefills, chunks, admissions and
+    decodes of 1..4 requests), served through the runner's padded static step."""
+    _, model, _, (ref_tokens, ref_logits) = family
+    torch._dynamo.reset()
+    counters.clear()
+    engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=True, cuda_graphs=True, keep_logits=True,
+                               max_num_batched_tokens=8, capture_sizes=[1, 2, 4])
+    tokens, logits = serve(engine)
+    assert tokens == ref_tokens
+    assert max_logit_error(logits, ref_logits) <= LOGITS_ATOL
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+    assert engine.runner.counts["graph"] > 0 and engine.blocks_in_use() == dict.fromkeys(engine.blocks_in_use(), 0)
+
+
+def test_eager_engine_matches_transformers_without_runner(family):
+    _, model, _, (ref_tokens, ref_logits) = family
+    engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=False, cuda_graphs=False, keep_logits=True,
+                               max_num_batched_tokens=8)
+    tokens, logits = serve(engine)
+    assert tokens == ref_tokens and max_logit_error(logits, ref_logits) <= LOGITS_ATOL
+
+
+def test_generate_returns_the_new_tokens_of_every_prompt(family):
+    _, model, _, (ref_tokens, _) = family
+    engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=False, cuda_graphs=False)
+    assert engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS) == ref_tokens
+    eos = ref_tokens[0][1]
+    stop = ref_tokens[0].index(eos) + 1  # the EOS token ends the request and is returned
+    assert engine.generate(PROMPTS[:1], max_new_tokens=3, eos_token_id=eos) == [ref_tokens[0][:stop]]
+
+
+def drop_window(model):
+    for m in ca_hf.attention_modules(model):
+        if hasattr(m, "sliding_window"):
+            m.sliding_window = None
+    model.config.sliding_window = None  # Mistral passes its config's window to every layer
+
+
+def drop_cap(model):
+    for m in ca_hf.attention_modules(model):
+        m.attn_logit_softcapping = None
+
+
+def drop_scale(model):
+    for m in ca_hf.attention_modules(model):
+        m.scaling = m.head_dim**-0.5
+
+
+@pytest.mark.parametrize(("family_name", "drop"), [
+    ("qwen2", drop_window), ("mistral", drop_window), ("gemma2", drop_window), ("gemma2", drop_cap),
+    ("gemma2", drop_scale),
+], ids=["qwen2-window", "mistral-window", "gemma2-window", "gemma2-cap", "gemma2-scale"])
+def test_negative_controls_fail_the_comparison(family_name, drop):
+    """The same weights with a window, the soft-cap or the scale dropped (the engine reads what the
+    model says) no longer agree with transformers: the comparison above can fail."""
+    model = hf_random.random_model(hf_random.random_config(family_name), seed=1)
+    ref_tokens, ref_logits = transformers_reference(hf_random.eager_twin(model))
+    drop(model)
+    engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=False, cuda_graphs=False, keep_logits=True,
+                               max_num_batched_tokens=8)
+    tokens, logits = serve(engine)
+    assert max_logit_error(logits, ref_logits) > 100 * LOGITS_ATOL
+
+
+def test_window_groups_hold_only_their_windows_blocks():
+    model = hf_random.random_model(hf_random.random_config("qwen2"), seed=1)
+    engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=False, cuda_graphs=False,
+                               max_batch_size=4, max_num_batched_tokens=8)
+    # the window group's caches hold what 4 rolling tables can: 4 x window_blocks + the null block
+    assert {g.name: g.spec.num_blocks for g in engine.groups} == {"full": 64, "window6": 4 * 5 + 1}
+    assert engine.kv_caches[1].shape[1] == 21 and engine.kv_caches[0].shape[1] == 64
+    rid = engine.add_request(list(range(1, 41)), max_new_tokens=8)
+    held = []
+    while engine.has_unfinished():
+        engine.step()
+        held.append(engine.blocks_in_use())
+    assert max(h["full"] for h in held) == 12  # 47 tokens fed
+    assert max(h["window6"] for h in held) <= window_blocks(6, 8, 4) == 5
+    assert held[-1] == {"full": 0, "window6": 0} and engine.output(rid).finish_reason == "length"
+
+
+def test_a_request_that_cannot_fit_says_how_to_fix_it():
+    model = hf_random.random_model(hf_random.random_config("llama"))
+    engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=8, compile=False, cuda_graphs=False)
+    with pytest.raises(ValueError, match="raise num_blocks"):
+        engine.add_request(list(range(40)), max_new_tokens=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: FLASHINFER and XFORMERS host paths (planning per group, rolling tables) with float64
+# stand-ins for their kernels, against transformers
+
+
+@pytest.fixture
+def stand_in_kernels(monkeypatch):
+    from test_flashinfer import DENSE_FLASHINFER
+    from test_xformers import dense_float64_kernel
+
+    monkeypatch.setattr(fib, "_flashinfer", lambda: DENSE_FLASHINFER)
+    monkeypatch.setattr(fib, "WORKSPACE_BYTES", 1024)
+    monkeypatch.setattr(xformers_ops, "run_xformers", dense_float64_kernel)
+    for cls in (FlashInferBackend, XFormersBackend):  # CPU and fp32, for the stand-ins
+        monkeypatch.setattr(cls, "unavailable_reason", classmethod(lambda cls: None))
+        monkeypatch.setattr(cls, "supported_dtypes", (*cls.supported_dtypes, torch.float32))
+        monkeypatch.setattr(cls, "requires_cuda", False)
+
+
+@pytest.mark.parametrize(("family_name", "backend", "block_size", "compile"), [
+    ("gemma2", "FLASHINFER", 4, True), ("qwen2", "FLASHINFER", 4, False), ("mistral", "XFORMERS", 64, False),
+])
+def test_backend_host_paths_match_transformers_with_stand_in_kernels(stand_in_kernels, family_name, backend,
+                                                                      block_size, compile):
+    config = hf_random.random_config(family_name, "small", num_hidden_layers=3, sliding_window=6)
+    model = hf_random.random_model(config, seed=2)
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(n)] for i, n in enumerate((70, 9, 75))]  # 70+: a 64-block rolls
+    ref_tokens, ref_logits = transformers_reference(hf_random.eager_twin(model), prompts, 4)
+    torch._dynamo.reset()
+    counters.clear()
+    engine = ca_hf.PagedEngine(model, block_size=block_size, num_blocks=24, backend=backend, compile=compile,
+                               cuda_graphs=True, keep_logits=True, max_num_batched_tokens=64, capture_sizes=[1, 2, 4])
+    tokens, logits = serve(engine, prompts, 4)
+    assert engine.backend.get_name() == backend and len(engine.groups) == (1 if family_name == "mistral" else 2)
+    assert tokens == ref_tokens and max_logit_error(logits, ref_logits) <= 1e-4  # fp32 model, float64 kernels
+    assert engine.runner.counts["graph"] > 0
+    if compile:  # FlashInfer's ops with one plan per group: still one graph, no breaks
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (bf16): every backend that serves the model, against transformers' eager attention in fp32
+
+
+def gpu_cases():
+    for family_name in hf_random.FAMILIES:
+        for backend in ca.registry.BACKEND_CLASSES():
+            if backend == "XFORMERS" and family_name == "gemma2":
+                continue  # no soft-cap on xFormers
+            yield pytest.param(family_name, backend, marks=pytest.mark.gpu, id=f"{family_name}-{backend}")
+
+
+@pytest.mark.parametrize(("family_name", "backend"), list(gpu_cases()))
+def test_gpu_bf16_matches_transformers_fp32_teacher_forced(family_name, backend):
+    """The product path (compiled, decode steps replayed as CUDA graphs, prefills and chunks
+    eager), teacher-forced against the fp32 model under transformers' eager attention."""
+    cls = ca.registry.BACKEND_CLASSES()[backend]
+    if cls.unavailable_reason() is not None:
+        pytest.skip(f"{backend}: {cls.unavailable_reason()}")
+    block_size = 64 if backend == "XFORMERS" else 16
+    config = hf_random.random_config(family_name, "small", sliding_window=40)
+    model = hf_random.random_model(config, dtype=torch.bfloat16, device="cuda", seed=3)
+    ref = hf_random.eager_twin(model, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in (100, 7, 57, 140, 33)]
+    engine = ca_hf.PagedEngine(model, block_size=block_size, num_blocks=64, backend=backend, compile=True,
+                               cuda_graphs=True, keep_logits=True, max_num_batched_tokens=128,
+                               capture_sizes=[1, 2, 4, 8], max_seq_len_to_capture=256)
+    tokens, logits = serve(engine, prompts, 24, late=2)
+    for p, t, lg in zip(prompts, tokens, logits, strict=True):
+        ref_logits = ref(torch.tensor([p + t], device="cuda")).logits[0, len(p) - 1 : -1].float().cpu()
+        err = ((lg - ref_logits).norm() / ref_logits.norm()).item()
+        assert err <= 3e-2, (family_name, backend, err)
+    assert engine.runner.counts["graph"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def test_cli_generate_serves_a_random_model(capsys):
+    from compiled_attn import __main__ as cli
+
+    argv = ["generate", "--random", "qwen2", "--size", "tiny", "--num-prompts", "3", "--prompt-len", "9",
+            "--max-new-tokens", "4", "--block-size", "4", "--no-compile"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "summary: 12 tokens in" in out and "tok/s" in out and "full x1, window6 x2" in out
+
+
+def test_cli_generate_refuses_a_folder_without_a_config(tmp_path):
+    from compiled_attn import __main__ as cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(tmp_path)])
+    assert e.value.code == 2
+
+
+def test_settings_transformers_passes_must_equal_what_the_engine_read():
+    model = hf_random.random_model(hf_random.random_config("gemma2"))
+    engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=False, cuda_graphs=False)
+    ca_hf.attention_modules(model)[1].attn_logit_softcapping = 3.0  # changed behind the engine's back
+    engine.add_request([1, 2, 3], max_new_tokens=2)
+    with pytest.raises(ValueError, match="teach layer_settings"):
+        engine.step()
