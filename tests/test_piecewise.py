@@ -317,7 +317,7 @@ def test_steps_after_the_first_per_bucket_bypass_dynamo(monkeypatch, sdpa_model)
     step = prompts(2, seed=9, vocab=TINY.vocab_size, lo=2, hi=4)
     for i in range(3):
         want = ref.step(step)
-        with torch.no_grad():  # captured with grad mode on (the default)
+        with torch.no_grad():  # the caller's grad mode is not the pieces' concern: they always run without grad
             torch.testing.assert_close(eng.step(step), want, rtol=1e-5, atol=1e-5, msg=f"step {i}")
         step = {k: [t] for k, t in zip(step, want.argmax(-1).tolist(), strict=True)}
     assert graphs.backend.num_compiles == 1
@@ -507,3 +507,9 @@ def test_compiled_runner_with_piecewise_serves_greedy_tokens_like_eager(name):
             step = {**prompts(1, seed=60 + i, vocab=GPU_CONFIG.vocab_size), **step}
     assert agree / total >= 0.9
     assert runner.counts["piecewise"] == 3 and runner.counts["graph"] == 7
+
+
+def test_piecewise_routing_without_the_token_count_is_refused():
+    with pytest.raises(ValueError, match="num_tokens"):
+        choose_path(num_prefills=1, num_seqs=2, max_seq_len=40, largest_size=16, max_seq_len_to_capture=64,
+                    largest_piecewise_tokens=64)

@@ -296,3 +296,20 @@ def test_settings_transformers_passes_must_equal_what_the_engine_read():
     engine.add_request([1, 2, 3], max_new_tokens=2)
     with pytest.raises(ValueError, match="teach layer_settings"):
         engine.step()
+
+
+def test_a_mask_or_dropout_the_engine_would_ignore_is_refused():
+    """transformers passes no mask to this implementation; one that arrives anyway (the model's own
+    chunked or bidirectional attention, a caller's 4-D mask) or attention dropout would be ignored
+    by the paged step: both raise instead of changing the numerics silently."""
+    model = hf_random.random_model(hf_random.random_config("llama"))
+    engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=16, compile=False, cuda_graphs=False)
+    module = ca_hf.attention_modules(model)[0]
+    c = model.config
+    q = torch.randn(1, c.num_attention_heads, 3, module.head_dim)
+    kv = torch.randn(1, c.num_key_value_heads, 3, module.head_dim)
+    call = dict(scaling=module.scaling, **{ca_hf.CACHES_KWARG: engine.kv_caches})
+    with pytest.raises(ValueError, match="attention mask"):
+        ca_hf.attention_forward(module, q, kv, kv, torch.ones(1, 1, 3, 3, dtype=torch.bool), **call)
+    with pytest.raises(ValueError, match="dropout"):
+        ca_hf.attention_forward(module, q, kv, kv, None, dropout=0.1, **call)

@@ -100,7 +100,7 @@ def _smallest_at_least(values: Iterable[int], n: int) -> int | None:
 
 def choose_path(
     *, num_prefills: int, num_seqs: int, max_seq_len: int, largest_size: int, max_seq_len_to_capture: int,
-    num_tokens: int = 0, largest_piecewise_tokens: int | None = None,
+    num_tokens: int | None = None, largest_piecewise_tokens: int | None = None,
 ) -> str:
     """GRAPH, PIECEWISE, or the reason the step runs eagerly (checked in this order: prefill,
     oversize, overlong).
@@ -119,6 +119,8 @@ def choose_path(
     """
     if num_seqs < 1:
         raise ValueError("an empty batch has nothing to run")
+    if largest_piecewise_tokens is not None and num_tokens is None:
+        raise ValueError("choose_path with largest_piecewise_tokens needs the step's num_tokens")
     if num_prefills:
         reason = EAGER_PREFILL
     elif num_seqs > largest_size:

@@ -90,7 +90,10 @@ class CapturedPiece:
             graph, outputs = capture_graph(self.runnable, args, control.pool)
             self.graphs[control.bucket] = (graph, tree_map_only(torch.Tensor, non_owning, outputs))
             return outputs  # owning: the pool frees them when the capture forward drops them
-        graph, outputs = self.graphs[control.bucket]
+        captured = self.graphs.get(control.bucket)
+        if captured is None:
+            raise RuntimeError(f"no piecewise graph for {control.bucket} tokens: call capture() before run()")
+        graph, outputs = captured
         graph.replay()
         return outputs
 

@@ -53,7 +53,7 @@ INPUT_DTYPE = torch.int64  # input ids and positions, as the reference model tak
 COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
 
 
-class _Step(torch.nn.Module):
+class WithPostprocess(torch.nn.Module):
     """model then postprocess, as one module: compiled together, the postprocess (say, an
     argmax over the logits) fuses into the step's last kernels."""
 
@@ -103,7 +103,9 @@ class CUDAGraphRunner:
             a backed symbol, so batch 1 gets a static graph of its own where Inductor turns
             matrix-vector products into tuned reductions (COMPILE_OPTIONS) and every other size
             shares one graph. False: run `model` as given (eager, or compiled by the caller, the
-            token count marked unbacked so that no size recompiles).
+            token count marked unbacked so that no size recompiles); with `piecewise=True` the
+            steps the decode graphs do not take run the runner's own pieces either way
+            (compiled by `piece_compiler`), not the caller's compiled model.
         use_cuda_graphs: False runs the same padded static-buffer step without capturing it
             (isolates padding from capture problems when debugging; works on CPU).
         progress: show a progress bar while capturing.
@@ -163,12 +165,12 @@ class CUDAGraphRunner:
                                       "these steps with piecewise=False")
         if piecewise_sizes is not None and not piecewise:
             raise ValueError("piecewise_sizes without piecewise=True: pass piecewise=True to capture them")
-        step = model if postprocess is None else _Step(model, postprocess)
+        step = model if postprocess is None else WithPostprocess(model, postprocess)
         self.piecewise: PiecewiseGraphs | None = None
         if piecewise:
             eager = _original(model)
             self.piecewise = PiecewiseGraphs(
-                eager if postprocess is None else _Step(eager, postprocess), kv_caches,
+                eager if postprocess is None else WithPostprocess(eager, postprocess), kv_caches,
                 sizes=piecewise_sizes_for(piecewise_sizes),
                 device=spec.device, use_cuda_graphs=use_cuda_graphs, piece_compiler=piece_compiler,
                 options=COMPILE_OPTIONS if compile else None, warmup_steps=warmup_steps,

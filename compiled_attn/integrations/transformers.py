@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 import compiled_attn as ca
 from compiled_attn.graphs import CUDAGraphRunner
+from compiled_attn.graphs.runner import WithPostprocess
 from compiled_attn.groups import GroupedMetadata, GroupedState
 from compiled_attn.paging import NULL_BLOCK, ScheduledStep, Scheduler, ServedRequest, window_blocks
 from compiled_attn.registry import BACKEND_CLASSES, ENV_VAR
@@ -70,6 +71,14 @@ def attention_forward(
         raise RuntimeError(f"attn_implementation={IMPLEMENTATION!r} runs inside compiled_attn's PagedEngine (which "
                            "owns the caches and the step's metadata); call engine.generate / engine.step")
     _check_call_settings(layer, scaling, sliding_window, softcap)
+    # transformers builds no mask for an implementation without a mask function, so a mask here
+    # came from the model or its caller (chunked, bidirectional or padded attention): the paged
+    # step attends causally within each request (and its window) only, and would ignore it.
+    if attention_mask is not None:
+        raise ValueError(f"layer {module.layer_idx} was given an attention mask {tuple(attention_mask.shape)}: "
+                         "PagedEngine serves causal attention per request (with the layer's window) only")
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} (a model in training mode?): call model.eval() first")
     _, num_heads, num_tokens, head_size = query.shape
     q = query[0].transpose(0, 1).reshape(num_tokens, num_heads * head_size)
     k = key[0].transpose(0, 1).reshape(num_tokens, -1)
@@ -308,7 +317,7 @@ class PagedEngine:
         step: nn.Module = _ModelStep(self.model)
         postprocess = None if self.keep_logits else _greedy
         if postprocess is not None and not runner_compiles:
-            step, postprocess = _Postprocessed(step, postprocess), None
+            step, postprocess = WithPostprocess(step, postprocess), None
         if compile and not runner_compiles:
             step = torch.compile(step, fullgraph=True, dynamic=True)
         if not cuda_graphs:
@@ -392,18 +401,6 @@ class PagedEngine:
         if logits is not None:
             out.logits.append(logits)
         return out
-
-
-class _Postprocessed(nn.Module):
-    """A step followed by `fn` (greedy sampling), compiled as one graph (the runner's own
-    `postprocess` does this where the runner compiles)."""
-
-    def __init__(self, step: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
-        self.step, self.fn = step, fn
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        return self.fn(self.step(input_ids, positions, kv_caches))
 
 
 def pick_backend(name: str | None, specs: list[ca.AttentionSpec]) -> type[ca.AttentionBackend]:
