@@ -12,6 +12,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 
+import torch
+
 from compiled_attn.validation import INT32_MAX, as_int
 
 # vLLM's sizes: every small batch gets a close fit, larger ones pad by at most 7 rows.
@@ -60,6 +62,18 @@ def piecewise_sizes_for(sizes: Iterable[int] | None = None) -> list[int]:
     if isinstance(sizes, list | tuple | range) and not len(sizes):
         raise ValueError("piecewise_sizes must name at least one token count")
     return capture_sizes_for(INT32_MAX, DEFAULT_PIECEWISE_SIZES if sizes is None else sizes)
+
+
+def fill_padded(ids_buffer: torch.Tensor, positions_buffer: torch.Tensor, input_ids: torch.Tensor,
+                positions: torch.Tensor, size: int) -> None:
+    """A step's ids and positions into the first rows of static buffers, rows up to `size` (its
+    bucket) zeroed: zeros are a valid id and position; the pad rows' outputs are dropped."""
+    n = input_ids.shape[0]
+    ids_buffer[:n].copy_(input_ids, non_blocking=True)
+    positions_buffer[:n].copy_(positions, non_blocking=True)
+    if n < size:
+        ids_buffer[n:size].zero_()
+        positions_buffer[n:size].zero_()
 
 
 def capture_widths_for(widths: Iterable[int], full_width: int) -> list[int]:

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_map_only
 from compiled_attn.abstract import AttentionMetadata
 from compiled_attn.dynamo import mark_token_dim
 from compiled_attn.forward_context import get_forward_context, set_forward_context
-from compiled_attn.graphs.buckets import pick_batch_size
+from compiled_attn.graphs.buckets import fill_padded, pick_batch_size
 from compiled_attn.graphs.split import Piece, is_context_op, split_at_context_ops
 
 logger = logging.getLogger(__name__)
@@ -369,11 +369,7 @@ class PiecewiseGraphs:
         bucket = pick_batch_size(self.sizes, n)
         if bucket is None:
             raise ValueError(f"{n} tokens > the largest piecewise bucket {self.sizes[0]}: use run_unpadded")
-        self._input_ids[:n].copy_(input_ids, non_blocking=True)
-        self._positions[:n].copy_(positions, non_blocking=True)
-        if n < bucket:  # pads: zeros are valid ids / positions; their outputs are dropped below
-            self._input_ids[n:bucket].zero_()
-            self._positions[n:bucket].zero_()
+        fill_padded(self._input_ids, self._positions, input_ids, positions, bucket)
         with set_forward_context(md), self.control.serving(bucket):
             output = self._bucket_step(bucket)
         # Clone: the last piece's output is pool memory that the next replay (any bucket) rewrites.

@@ -35,6 +35,7 @@ from compiled_attn.graphs.buckets import (
     capture_sizes_for,
     capture_widths_for,
     choose_path,
+    fill_padded,
     pick_batch_size,
     pick_table_width,
     piecewise_sizes_for,
@@ -351,11 +352,7 @@ class CUDAGraphRunner:
         n = md.num_seqs
         bs = pick_batch_size(self.sizes, n)
         entry = self._captured[bs, pick_table_width(self.widths, md.max_seq_len, self.spec.block_size)]
-        self._input_ids[:n].copy_(input_ids, non_blocking=True)
-        self._positions[:n].copy_(positions, non_blocking=True)
-        if n < bs:  # pads: zeros are valid ids / positions; their outputs are dropped below
-            self._input_ids[n:bs].zero_()
-            self._positions[n:bs].zero_()
+        fill_padded(self._input_ids, self._positions, input_ids, positions, bs)
         entry.graph_state.prepare_graph_input_buffers(entry.input_buffers, md)
         entry.graph_state.begin_forward(md)
         if entry.graph is not None:
