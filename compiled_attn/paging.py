@@ -173,6 +173,9 @@ class Scheduler:
                              f"{max_num_batched_tokens}")
         self.block_size = block_size
         self.windows = dict(group_windows)
+        if isinstance(num_blocks, Mapping) and set(num_blocks) != set(self.windows):
+            raise ValueError(f"num_blocks names the groups {sorted(num_blocks)} but group_windows "
+                             f"{sorted(self.windows)}: give every group its number of blocks")
         blocks = num_blocks if isinstance(num_blocks, Mapping) else dict.fromkeys(self.windows, num_blocks)
         self.allocators = {g: BlockAllocator(blocks[g], block_size, reserve_null_block=True) for g in self.windows}
         self.max_num_seqs = max_num_seqs

@@ -122,3 +122,8 @@ def test_groups_may_have_caches_of_different_sizes():
     sched.add_request(list(range(40)), max_new_tokens=4)
     drive(sched)
     assert sched.blocks_in_use() == {"full": 0, "swa": 0}
+
+
+def test_block_counts_must_name_every_group():
+    with pytest.raises(ValueError, match="every group"):
+        Scheduler(num_blocks={"full": 64}, block_size=4, group_windows={"full": None, "window8": 8})

@@ -167,10 +167,11 @@ class PiecewiseBackend:
         with fake_mode:
             _CompilePieces(split, self, token_counts).run(*fake_inputs)
         self.split_module, self.pieces = split, pieces
-        self.compile_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.compile_seconds += seconds
         logger.info("piecewise: %d pieces, %d op groups (compiled with %s in %.1f s)",
                     sum(not p.is_op_group for p in pieces), sum(p.is_op_group for p in pieces),
-                    self.piece_compiler, time.perf_counter() - start)
+                    self.piece_compiler, seconds)
         return self._recording(split)
 
     def _recording(self, split: fx.GraphModule) -> Callable[..., Any]:

@@ -54,8 +54,11 @@ def split_at_context_ops(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Piece
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if node.op == "call_function" and node.target is operator.getitem and node.args[0] in part_of:
-            # A tuple (or torch.Size) never crosses a cut: its getitems stay with what made it.
+        if (node.op == "call_function" and node.target is operator.getitem and node.args[0] in part_of
+                and isinstance(node.args[0].meta.get("example_value"), tuple | list | torch.Size)):
+            # A tuple (or torch.Size) never crosses a cut: its getitems stay with what made it. A
+            # tensor's getitem is a read like any other: it stays where it was, after any op
+            # that writes the tensor.
             part_of[node] = part_of[node.args[0]]
             continue
         op = is_context_op(node)
