@@ -142,6 +142,12 @@ def window_blocks(sliding_window: int, max_query_len: int, block_size: int) -> i
     return -(-(sliding_window - 1 + max_query_len) // block_size) + 1
 
 
+def _is_decode(r: ServedRequest, query_len: int) -> bool:
+    """Whether `query_len` new tokens of `r` make a decode as the builders classify it: one token
+    after some computed ones (a 1-token chunk of a cached prompt included)."""
+    return query_len == 1 and r.num_computed > 0
+
+
 class Scheduler:
     """Continuous batching over paged KV caches with one block table per layer group.
 
@@ -232,9 +238,8 @@ class Scheduler:
         max_num_seqs and every group's free blocks (their worst case reserved) allow."""
         budget = self.max_num_batched_tokens
         batch: list[tuple[ServedRequest, int]] = []
-        decoding = [r for r in self.running if len(r.tokens) - r.num_computed == 1 and r.num_computed > 0]
-        chunking = [r for r in self.running if not (len(r.tokens) - r.num_computed == 1 and r.num_computed > 0)]
-        for r in decoding + chunking:
+        decodes_first = sorted(self.running, key=lambda r: not _is_decode(r, len(r.tokens) - r.num_computed))
+        for r in decodes_first:
             if len(batch) == self.max_num_seqs or budget == 0:
                 break
             q = min(len(r.tokens) - r.num_computed, budget)
@@ -251,7 +256,7 @@ class Scheduler:
         if not batch:
             return None
         # prefills before decodes, as builders classify them (a 1-token chunk of a cached prompt is a decode)
-        batch.sort(key=lambda rq: rq[1] == 1 and rq[0].num_computed > 0)
+        batch.sort(key=lambda rq: _is_decode(*rq))
         for r, q in batch:
             self._allocate(r, r.num_computed + q)
         return self._step(batch)
