@@ -86,7 +86,8 @@ def _generate(args: argparse.Namespace) -> int:
     print_table([row], list(row))
     for i, text in enumerate(texts or []):
         print(f"[{i}] {text}")
-    print(f"summary: {row['new tokens']} tokens in {row['seconds']:.2f} s = {row['tok/s']:.1f} tok/s "
+    steady = "" if row["steady tok/s"] is None else f", {row['steady tok/s']:.1f} tok/s after the first step"
+    print(f"summary: {row['new tokens']} tokens in {row['seconds']:.2f} s = {row['tok/s']:.1f} tok/s{steady} "
           f"({row['backend']} on {row['device']}; groups {row['groups']})")
     return 0
 

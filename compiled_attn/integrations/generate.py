@@ -38,7 +38,8 @@ def run_generate(*, model_dir: str | None = None, family: str | None = None, siz
                  max_new_tokens: int = 64, backend: str | None = None, block_size: int = 16,
                  num_blocks: int | None = None, compile: bool = True, cuda_graphs: bool = True, seed: int = 0,
                  progress: bool = True) -> dict[str, Any]:
-    """Serve the prompts; returns the summary row (tokens/s over the whole run, first step included)."""
+    """Serve the prompts; returns the summary row: tokens/s over the whole run (first step, with
+    its compiles, included) and after the first step ("steady tok/s": the serving rate)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -61,11 +62,12 @@ def run_generate(*, model_dir: str | None = None, family: str | None = None, siz
     rids = [engine.add_request(p, max_new_tokens, getattr(tokenizer, "eos_token_id", None)) for p in ids]
     bar = _bar(len(ids) * max_new_tokens, progress)
     start = time.perf_counter()
-    generated = 0
+    generated, first = 0, None  # first: (seconds, tokens) at the end of the first step
     while engine.has_unfinished():
         n = len(engine.step())
         generated += n
         bar.update(n)
+        first = first or (time.perf_counter() - start, generated)
     seconds = time.perf_counter() - start
     bar.close()
     outputs = [engine.output(r).output_tokens for r in rids]
@@ -79,6 +81,7 @@ def run_generate(*, model_dir: str | None = None, family: str | None = None, siz
         "setup s": setup_s,
         "seconds": seconds,
         "tok/s": generated / seconds,
+        "steady tok/s": (generated - first[1]) / (seconds - first[0]) if seconds > first[0] else None,
     }
     if tokenizer is not None:
         row["texts"] = [tokenizer.decode(o) for o in outputs]
