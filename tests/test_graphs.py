@@ -616,15 +616,20 @@ def gpu_spec(name: str) -> ca.AttentionSpec:
                                      device="cuda", max_seq_len_to_capture=GPU_MAX_LEN)
 
 
+def gpu_backend(name: str, spec: ca.AttentionSpec) -> type[ca.AttentionBackend]:
+    """The backend `name` serving `spec` here, or skip the test naming why it cannot."""
+    try:
+        return ca.get_attn_backend(name, spec)
+    except (ca.BackendUnavailableError, NotImplementedError) as e:
+        pytest.skip(f"{name} unavailable here: {e}")
+
+
 @pytest.fixture(scope="module", params=["TORCH_SDPA", "FLASHINFER", "XFORMERS"])
 def gpu(request) -> GpuSetup:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     name, spec = request.param, gpu_spec(request.param)
-    try:
-        backend = ca.get_attn_backend(name, spec)
-    except (ca.BackendUnavailableError, NotImplementedError) as e:
-        pytest.skip(f"{name} unavailable here: {e}")
+    backend = gpu_backend(name, spec)
     model = build_model(GPU_CONFIG, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
     runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),
                              capture_sizes=GPU_SIZES, max_batch_size=max(GPU_SIZES), progress=False)
@@ -808,10 +813,7 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name):
     """CUDAGraphRunner(compile=True, postprocess=argmax) with real graphs: the static batch-1
     graph (tuned matrix-vector reductions) and the shared graph give eager's logits' argmax."""
     spec = gpu_spec(name)
-    try:
-        backend = ca.get_attn_backend(name, spec)
-    except (ca.BackendUnavailableError, NotImplementedError) as e:
-        pytest.skip(f"{name} unavailable here: {e}")
+    backend = gpu_backend(name, spec)
     model = build_model(GPU_CONFIG, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
     torch._dynamo.reset()
     runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),

@@ -21,6 +21,7 @@ from test_graphs import (
     GPU_MAX_LEN,
     Engine,
     direct,
+    gpu_backend,
     gpu_spec,
     prompts,
     rel_err,
@@ -383,10 +384,7 @@ def gpu_piecewise(request):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     name, spec = request.param, gpu_spec(request.param)
-    try:
-        backend = ca.get_attn_backend(name, spec)
-    except (ca.BackendUnavailableError, NotImplementedError) as e:
-        pytest.skip(f"{name} unavailable here: {e}")
+    backend = gpu_backend(name, spec)
     torch._dynamo.reset()
     model = build_model(GPU_CONFIG, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
     runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),
@@ -480,10 +478,7 @@ def test_compiled_runner_with_piecewise_serves_greedy_tokens_like_eager(name):
     pieces compiled with COMPILE_OPTIONS and the argmax in the last piece; prefill and mixed
     steps (piecewise) and decodes (full graphs) give eager's greedy tokens."""
     spec = gpu_spec(name)
-    try:
-        backend = ca.get_attn_backend(name, spec)
-    except (ca.BackendUnavailableError, NotImplementedError) as e:
-        pytest.skip(f"{name} unavailable here: {e}")
+    backend = gpu_backend(name, spec)
     torch._dynamo.reset()
     model = build_model(GPU_CONFIG, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
     runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),
