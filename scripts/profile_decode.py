@@ -12,8 +12,10 @@ Before the trace each side's loop is timed as in the bench (`decode_loop.loop_ms
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -33,6 +35,16 @@ def trace(loop) -> dict:
         loop(PROFILED_STEPS, False)
         torch.cuda.synchronize()
     return {**table, **per_layer_table(cuda_kernels(prof), PROFILED_STEPS, dl.LlamaConfig.llama3_8b().num_layers)}
+
+
+def host_profile(ours: dl.PagedLoop, path: str, steps: int = 50) -> None:
+    """cProfile of `steps` synced steps of ours (build + run), the top functions by own time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    ours.host_us(steps)
+    profiler.disable()
+    with open(path, "w") as f:
+        pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(30)
 
 
 def main() -> None:
@@ -58,12 +70,16 @@ def main() -> None:
         for variant in args.variant or ("compile",):
             step_model = model if variant == "compile" else torch.compile(model, fullgraph=True, dynamic=True)
             ours = dl.PagedLoop(step_model, backend, batch, ctx, {"compile": variant == "compile"})
-            sides[f"ours {backend.get_name()} ({variant})"] = trace(ours.loop)
+            side = f"ours {backend.get_name()} ({variant})"
+            sides[side] = {**trace(ours.loop), **ours.host_us()}
+            host_profile(ours, os.path.join(args.out, f"host-profile-{batch}x{ctx}-{variant}.txt"))
             del ours
         torch.cuda.empty_cache()
         for side, table in sides.items():
             text = markdown(table, f"{side}, B={batch}, ctx {ctx}, {card_name()}: loop {table['loop ms/step']:.3f} "
-                                   f"ms/step pipelined, {table['loop ms/step synced']:.3f} synced")
+                                   f"ms/step pipelined, {table['loop ms/step synced']:.3f} synced"
+                                   + (f"; host per synced step: build {table['build us']:.0f} us, run "
+                                      f"{table['run us']:.0f} us" if "build us" in table else ""))
             print(text, "\n", flush=True)
             results[f"{side} {point}"] = table
             with open(os.path.join(args.out, "decode-profile.md"), "a") as f:

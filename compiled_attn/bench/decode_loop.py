@@ -167,11 +167,31 @@ class PagedLoop:
         self.runner.capture()
         self.first = torch.randint(config.vocab_size, (batch,), device="cuda")
 
-    def step(self, tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """One decode step for every request at `seq_len` tokens (the last one is `tokens`)."""
+    def inputs(self, seq_len: int) -> tuple[ca.AttentionMetadata, torch.Tensor]:
+        """The metadata and positions of a step for every request at `seq_len` tokens."""
         md = self.builder.build(np.full(self.batch, seq_len), self.query_lens, self.tables)
         positions = torch.from_numpy(np.full(self.batch, seq_len - 1, dtype=np.int64)).to("cuda", non_blocking=True)
+        return md, positions
+
+    def step(self, tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """One decode step for every request at `seq_len` tokens (the last one is `tokens`)."""
+        md, positions = self.inputs(seq_len)
         return self.runner.run(md, tokens, positions)
+
+    def host_us(self, steps: int = STEPS) -> dict[str, float]:
+        """Median host time per synced step (the GPU idle, nothing queued): `build()` plus the
+        positions' copy, and `runner.run()` (its checks, copies, planning and the replay's launch)."""
+        cur, build, run = self.first, [], []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            md, positions = self.inputs(self.ctx + 1 + i)
+            t1 = time.perf_counter()
+            cur = self.runner.run(md, cur, positions)
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            build.append(t1 - t0)
+            run.append(t2 - t1)
+        return {"build us": float(np.median(build)) * 1e6, "run us": float(np.median(run)) * 1e6}
 
     def loop(self, steps: int, sync_each: bool) -> torch.Tensor:
         cur, out = self.first, []
@@ -246,8 +266,8 @@ def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile") -
     step_model = model if variant != "dynamic" else torch.compile(model, fullgraph=True, dynamic=True)
     kv_cache_dtype = model.layers[0].attn.impl.kv_cache_dtype
     ours = PagedLoop(step_model, backend, batch, ctx, kw, kv_cache_dtype=kv_cache_dtype)
-    row = _row(model, batch, ctx, f"ours {backend.get_name()} ({variant})", loop_ms(ours.loop, False),
-               loop_ms(ours.loop, True))
+    row = {**_row(model, batch, ctx, f"ours {backend.get_name()} ({variant})", loop_ms(ours.loop, False),
+                  loop_ms(ours.loop, True)), **ours.host_us()}
     del ours
     torch.cuda.empty_cache()
     return row
