@@ -259,11 +259,13 @@ class GraphState(AttentionState):
     def _write_step(self, bufs: dict[str, torch.Tensor], md: CommonMetadata | None) -> None:
         """md's rows into the buffers of one batch size, pads after them (only pads when md is None)."""
         n = 0 if md is None else md.num_seqs
+        pads = n < bufs["slot_mapping"].shape[0]  # a full batch skips the empty fills' host calls
         for field, pad in self.ROW_PADS.items():
             if field in bufs:
                 if md is not None:
                     bufs[field][:n].copy_(getattr(md, field)[:n], non_blocking=True)
-                bufs[field][n:].fill_(pad)
+                if pads:
+                    bufs[field][n:].fill_(pad)
         for field in self.TABLES:
             if field in bufs:
                 if md is not None:
@@ -272,7 +274,8 @@ class GraphState(AttentionState):
                     # earlier steps (or SCRATCH_BLOCK): valid blocks, and keys beyond seq_len never
                     # reach an output. Columns past table_width are not this graph's to read.
                     bufs[field][:n, : src.shape[1]].copy_(src, non_blocking=True)
-                bufs[field][n:].fill_(SCRATCH_BLOCK)
+                if pads:
+                    bufs[field][n:].fill_(SCRATCH_BLOCK)
         self.copy_extra(bufs, md)
 
     def begin_forward(self, attn_metadata: CommonMetadata) -> None:

@@ -79,7 +79,8 @@ def main() -> None:
             text = markdown(table, f"{side}, B={batch}, ctx {ctx}, {card_name()}: loop {table['loop ms/step']:.3f} "
                                    f"ms/step pipelined, {table['loop ms/step synced']:.3f} synced"
                                    + (f"; host per synced step: build {table['build us']:.0f} us, run "
-                                      f"{table['run us']:.0f} us" if "build us" in table else ""))
+                                      f"{table['run us']:.0f} us of which the graph launch "
+                                      f"{table['replay us']:.0f} us" if "build us" in table else ""))
             print(text, "\n", flush=True)
             results[f"{side} {point}"] = table
             with open(os.path.join(args.out, "decode-profile.md"), "a") as f:

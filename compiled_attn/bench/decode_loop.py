@@ -180,18 +180,32 @@ class PagedLoop:
 
     def host_us(self, steps: int = STEPS) -> dict[str, float]:
         """Median host time per synced step (the GPU idle, nothing queued): `build()` plus the
-        positions' copy, and `runner.run()` (its checks, copies, planning and the replay's launch)."""
-        cur, build, run = self.first, [], []
-        for i in range(steps):
-            t0 = time.perf_counter()
-            md, positions = self.inputs(self.ctx + 1 + i)
-            t1 = time.perf_counter()
-            cur = self.runner.run(md, cur, positions)
-            t2 = time.perf_counter()
-            torch.cuda.synchronize()
-            build.append(t1 - t0)
-            run.append(t2 - t1)
-        return {"build us": float(np.median(build)) * 1e6, "run us": float(np.median(run)) * 1e6}
+        positions' copy, `runner.run()` (its checks, copies, planning and the replay's launch), and
+        the graph launch alone (`CUDAGraph.replay`, timed by wrapping it for these steps): run minus
+        replay is the runner's own work."""
+        cur, build, run, replay = self.first, [], [], []
+        launch = torch.cuda.CUDAGraph.replay
+
+        def timed_replay(graph: torch.cuda.CUDAGraph) -> None:
+            t = time.perf_counter()
+            launch(graph)
+            replay.append(time.perf_counter() - t)
+
+        torch.cuda.CUDAGraph.replay = timed_replay
+        try:
+            for i in range(steps):
+                t0 = time.perf_counter()
+                md, positions = self.inputs(self.ctx + 1 + i)
+                t1 = time.perf_counter()
+                cur = self.runner.run(md, cur, positions)
+                t2 = time.perf_counter()
+                torch.cuda.synchronize()
+                build.append(t1 - t0)
+                run.append(t2 - t1)
+        finally:
+            torch.cuda.CUDAGraph.replay = launch
+        us = {"build us": build, "run us": run, "replay us": replay}
+        return {name: float(np.median(t)) * 1e6 for name, t in us.items()}
 
     def loop(self, steps: int, sync_each: bool) -> torch.Tensor:
         cur, out = self.first, []
@@ -281,12 +295,18 @@ def build_8b(backend: str, kv_cache_dtype: str = "auto") -> Llama:
 
 def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
         points: tuple[tuple[int, int], ...] | None = None, peer_compiles: int | None = None,
-        variants: tuple[str, ...] = ("compile",)) -> list[dict]:
+        variants: tuple[str, ...] = ("compile",), on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
     """Rows per (batch, ctx): the peer (with the first backend's model), then ours per backend.
-    Points whose KV caches do not fit the card are reported as skipped."""
+    Points whose KV caches do not fit the card are reported as skipped. `on_row` sees each row
+    as it is measured (a run cut short keeps what it printed)."""
     points = points or (QUICK_POINTS if quick else GRID)
     peer_compiles = peer_compiles or (1 if quick else 2)
     rows, peer_ms = [], {}
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        on_row(row)
+
     for i, name in enumerate(backends):
         try:
             model = build_8b(name)
@@ -295,17 +315,19 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
             continue
         for batch, ctx in points:
             if not fits(model, batch, ctx):
-                rows.append({"card": card_name(), "batch": batch, "ctx": ctx, "side": "skipped: KV does not fit"})
+                add({"card": card_name(), "batch": batch, "ctx": ctx, "side": "skipped: KV does not fit"})
                 continue
             if i == 0:
-                rows.append(measure_peer(model, batch, ctx, peer_compiles))
+                add(measure_peer(model, batch, ctx, peer_compiles))
                 peer_ms[batch, ctx] = rows[-1]["ms/step"]
-            rows += [with_ratio(measure_ours(model, batch, ctx, variant), peer_ms) for variant in variants]
+            for variant in variants:
+                add(with_ratio(measure_ours(model, batch, ctx, variant), peer_ms))
         del model
         torch.cuda.empty_cache()
     for name in () if quick else backends:
         if "fp8" in BACKEND_CLASSES()[name.upper()].supported_kv_cache_dtypes:
-            rows += fp8_rows(name, peer_ms)
+            for row in fp8_rows(name, peer_ms):
+                add(row)
     return rows
 
 
@@ -335,7 +357,7 @@ def main() -> None:
     args = parser.parse_args()
     points = tuple(tuple(int(n) for n in p.split("x")) for p in args.point) if args.point else None
     print_table(run(args.quick, tuple(args.backend or BACKENDS), points, args.peer_compiles,
-                    tuple(args.variant or ("compile",))))
+                    tuple(args.variant or ("compile",)), on_row=lambda row: print(row, flush=True)))
 
 
 if __name__ == "__main__":
