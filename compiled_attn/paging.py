@@ -12,13 +12,15 @@ Two levels:
   back to the free list, so its memory stops growing with the context). `update()` takes the
   sampled tokens and frees every block of a finished request (EOS or max_new_tokens).
   Admission reserves a request's worst case in every group, so a running request never runs out
-  of blocks (no preemption needed).
+  of blocks (no preemption needed). Each running request owns a slot: its row of one persistent
+  table array per group, which a step gathers at once (no per-request copy of its table).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 
@@ -110,6 +112,7 @@ class ServedRequest:
     reserved: dict[str, int]  # group -> most blocks it can hold at once (reserved at admission)
     num_computed: int = 0  # tokens whose K/V are in the caches
     finish_reason: str | None = None  # "eos" or "length" once finished
+    slot: int = -1  # its row of the scheduler's table arrays while running
 
     @property
     def output_tokens(self) -> list[int]:
@@ -187,9 +190,19 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[ServedRequest] = deque()
-        self.running: list[ServedRequest] = []  # in admission order
+        self.running: list[ServedRequest] = []  # in admission order (never more than max_num_seqs)
         self._ids = itertools.count()
         self._outstanding = dict.fromkeys(self.windows, 0)  # reserved blocks not yet held
+        # Per slot (a running request's `slot`): its tables mirrored in one int32 array per group
+        # (0 past the blocks held; widened when a request outgrows it), which a step gathers at
+        # once; for window groups, how many leading entries are ROLLED; and the two thresholds
+        # past which `_allocate` has work: tokens every table has room for, and the first new
+        # token at which a window group rolls a block. A step compares two ints per request.
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._tables = {g: np.zeros((max_num_seqs, 0), dtype=np.int32) for g in self.windows}
+        self._rolled = {g: [0] * max_num_seqs for g, w in self.windows.items() if w is not None}
+        self._room: list[float] = [0] * max_num_seqs
+        self._roll_at: list[float] = [math.inf] * max_num_seqs
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -237,69 +250,103 @@ class Scheduler:
         running prompts' next chunks, then waiting requests admitted while the token budget,
         max_num_seqs and every group's free blocks (their worst case reserved) allow."""
         budget = self.max_num_batched_tokens
-        batch: list[tuple[ServedRequest, int]] = []
-        decodes_first = sorted(self.running, key=lambda r: not _is_decode(r, len(r.tokens) - r.num_computed))
-        for r in decodes_first:
-            if len(batch) == self.max_num_seqs or budget == 0:
+        # prefills before decodes, as builders classify them (a 1-token chunk of a cached prompt is a decode)
+        ready: list[ServedRequest] = []  # running requests whose next token is a decode: first served
+        rest: list[ServedRequest] = []
+        for r in self.running:
+            (ready if _is_decode(r, len(r.tokens) - r.num_computed) else rest).append(r)
+        taken = min(len(ready), self.max_num_seqs, budget)
+        decodes = [(r, 1) for r in ready[:taken]]
+        budget -= taken
+        prompts: list[tuple[ServedRequest, int]] = []
+        for r in rest:  # then prompt chunks, while seats and tokens are left
+            if len(prompts) + len(decodes) == self.max_num_seqs or budget == 0:
                 break
             q = min(len(r.tokens) - r.num_computed, budget)
-            batch.append((r, q))
+            (decodes if _is_decode(r, q) else prompts).append((r, q))
             budget -= q
-        while self.waiting and len(batch) < self.max_num_seqs and budget > 0 and self._fits(self.waiting[0]):
+        while (self.waiting and len(prompts) + len(decodes) < self.max_num_seqs and budget > 0
+               and self._fits(self.waiting[0])):
             r = self.waiting.popleft()
             for g, n in r.reserved.items():
                 self._outstanding[g] += n
+            r.slot = self._free_slots.pop()
+            self._room[r.slot] = 0  # no blocks yet: its first step allocates
             self.running.append(r)
             q = min(len(r.tokens), budget)
-            batch.append((r, q))
+            prompts.append((r, q))  # nothing computed yet: never a decode
             budget -= q
-        if not batch:
+        if not prompts and not decodes:
             return None
-        # prefills before decodes, as builders classify them (a 1-token chunk of a cached prompt is a decode)
-        batch.sort(key=lambda rq: _is_decode(*rq))
-        for r, q in batch:
-            self._allocate(r, r.num_computed + q)
-        return self._step(batch)
+        return self._step(prompts + decodes)
 
     def _fits(self, r: ServedRequest) -> bool:
         return all(self.allocators[g].num_free - self._outstanding[g] >= n for g, n in r.reserved.items())
 
     def _allocate(self, r: ServedRequest, seq_len: int) -> None:
         """Roll each window group's table to the step's first new token, then grow every table to
-        `seq_len` tokens (from the request's reservation)."""
+        `seq_len` tokens (from the request's reservation); the slot's table rows follow, and its
+        thresholds for the next call."""
+        room, roll_at = math.inf, math.inf
         for g, table in r.tables.items():
-            allocator, window = self.allocators[g], self.windows[g]
+            allocator, window, row = self.allocators[g], self.windows[g], self._tables[g][r.slot]
             if window is not None:
+                rolled = self._rolled[g][r.slot]  # entries before it are ROLLED already
                 first = max(r.num_computed - window + 1, 0) // self.block_size
-                for i in range(first):
-                    if table[i] != ROLLED:
-                        allocator.free.append(table[i])
-                        table[i] = ROLLED
-                        self._outstanding[g] += 1
+                for i in range(rolled, first):
+                    allocator.free.append(table[i])
+                    table[i] = ROLLED
+                    self._outstanding[g] += 1
+                if first > rolled:
+                    row[rolled:first] = ROLLED
+                    self._rolled[g][r.slot] = rolled = first
+                # the first new token from which block `rolled` is wholly before the window
+                roll_at = min(roll_at, (rolled + 1) * self.block_size + window - 1)
             held = len(table)
             allocator.grow(table, seq_len)
             self._outstanding[g] -= len(table) - held
+            if len(table) > row.size:
+                row = self._widen(g, len(table))[r.slot]
+            row[held:len(table)] = table[held:]
+            room = min(room, len(table) * self.block_size)
+        self._room[r.slot], self._roll_at[r.slot] = room, roll_at
+
+    def _widen(self, group: str, width: int) -> np.ndarray:
+        """Group `group`'s table array with room for `width` blocks a row (doubling: rarely)."""
+        old = self._tables[group]
+        wider = np.zeros((old.shape[0], max(width, 2 * old.shape[1])), dtype=np.int32)
+        wider[:, :old.shape[1]] = old
+        self._tables[group] = wider
+        return wider
 
     def _step(self, batch: list[tuple[ServedRequest, int]]) -> ScheduledStep:
-        requests = [r for r, _ in batch]
-        query_lens = np.array([q for _, q in batch], dtype=np.int64)
-        starts = np.array([r.num_computed for r in requests], dtype=np.int64)
-        seq_lens = starts + query_lens
-        ids = np.fromiter(itertools.chain.from_iterable(
-            r.tokens[r.num_computed:r.num_computed + q] for r, q in batch), dtype=np.int64, count=int(query_lens.sum()))
-        positions = np.concatenate([np.arange(s, s + q) for s, q in zip(starts, query_lens, strict=True)])
-        width = int(-(-seq_lens.max() // self.block_size))
-        tables = {}
-        for g in self.windows:
-            table = np.zeros((len(batch), width), dtype=np.int32)
-            for i, r in enumerate(requests):
-                row = r.tables[g]
-                table[i, :len(row)] = row
-            tables[g] = table
-        ends = np.cumsum(query_lens) - 1
-        sampled = [i for i, (r, q) in enumerate(batch) if r.num_computed + q == len(r.tokens)]
-        return ScheduledStep(requests, seq_lens, query_lens, tables, ids, positions,
-                             [int(ends[i]) for i in sampled], [requests[i] for i in sampled])
+        """Allocate what the batch's rows need and lay the step out. One pass of scalar Python
+        per row (cheaper than a numpy call per row, or than numpy on small batches), a few
+        numpy calls per step; each group's tables are one gather from its array."""
+        requests, slots, seq_lens, query_lens, ids, positions, rows, sampled = [], [], [], [], [], [], [], []
+        num_tokens = 0
+        for r, q in batch:
+            start, slot = r.num_computed, r.slot
+            if start + q > self._room[slot] or start >= self._roll_at[slot]:  # a block to add or to roll
+                self._allocate(r, start + q)
+            requests.append(r)
+            slots.append(slot)
+            seq_lens.append(start + q)
+            query_lens.append(q)
+            if q == 1:
+                ids.append(r.tokens[start])
+                positions.append(start)
+            else:
+                ids += r.tokens[start:start + q]
+                positions += range(start, start + q)
+            num_tokens += q
+            if start + q == len(r.tokens):  # its last token is fed: the row's logits sample the next
+                rows.append(num_tokens - 1)
+                sampled.append(r)
+        width = -(-max(seq_lens) // self.block_size)
+        tables = {g: t[slots, :width] for g, t in self._tables.items()}  # copies: later steps edit the arrays
+        return ScheduledStep(requests, np.array(seq_lens, dtype=np.int64), np.array(query_lens, dtype=np.int64),
+                             tables, np.array(ids, dtype=np.int64), np.array(positions, dtype=np.int64), rows, sampled)
 
     def update(self, step: ScheduledStep, next_tokens: Sequence[int]) -> list[ServedRequest]:
         """Record a step: its tokens are now cached, and each of `step.sampled` gets its token from
@@ -311,14 +358,16 @@ class Scheduler:
             r.num_computed += q
         finished = []
         for r, token in zip(step.sampled, next_tokens, strict=True):
-            r.tokens.append(int(token))
-            if int(token) in r.eos_token_id:
+            token = int(token)
+            r.tokens.append(token)
+            if token in r.eos_token_id:
                 r.finish_reason = "eos"
             elif len(r.tokens) - r.prompt_len >= r.max_new_tokens:
                 r.finish_reason = "length"
-            if r.finished:
-                self._free(r)
-                finished.append(r)
+            else:
+                continue
+            self._free(r)
+            finished.append(r)
         return finished
 
     def _free(self, r: ServedRequest) -> None:
@@ -328,3 +377,8 @@ class Scheduler:
             self.allocators[g].free.extend(reversed(held))
             self._outstanding[g] -= r.reserved[g] - len(held)
             table.clear()
+            self._tables[g][r.slot] = 0
+            if g in self._rolled:
+                self._rolled[g][r.slot] = 0
+        self._free_slots.append(r.slot)
+        r.slot = -1

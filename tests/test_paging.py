@@ -127,3 +127,51 @@ def test_groups_may_have_caches_of_different_sizes():
 def test_block_counts_must_name_every_group():
     with pytest.raises(ValueError, match="every group"):
         Scheduler(num_blocks={"full": 64}, block_size=4, group_windows={"full": None, "window8": 8})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_steps_match_each_requests_own_state_under_random_traffic(seed):
+    """Random traffic (arrivals while others decode, chunked prompts, EOS and length finishes, a
+    full and a rolling window group, few seats so that they are reused): every step's lengths,
+    ids, positions, tables and sample rows equal what each request's own tokens and tables say,
+    rebuilt request by request; no block is held twice, and all are free at the end."""
+    rng = np.random.default_rng(seed)
+    bs, window = 4, 7
+    sched = Scheduler(num_blocks={"full": 128, "swa": 40}, block_size=bs, group_windows={"full": None, "swa": window},
+                      max_num_seqs=3, max_num_batched_tokens=int(rng.integers(4, 16)))
+
+    def arrive():
+        prompt = rng.integers(1, 40, int(rng.integers(1, 30))).tolist()
+        sched.add_request(prompt, max_new_tokens=int(rng.integers(1, 24)), eos_token_id=0)
+
+    for _ in range(3):
+        arrive()
+    late = 12
+    while sched.has_unfinished():
+        if late and rng.random() < 0.3:
+            arrive()
+            late -= 1
+        step = sched.schedule()
+        starts = [r.num_computed for r in step.requests]
+        query_lens = step.query_lens.tolist()
+        assert step.seq_lens.tolist() == [s + q for s, q in zip(starts, query_lens, strict=True)]
+        assert step.input_ids.tolist() == [t for r, s, q in zip(step.requests, starts, query_lens, strict=True)
+                                           for t in r.tokens[s:s + q]]
+        assert step.positions.tolist() == [p for s, q in zip(starts, query_lens, strict=True) for p in range(s, s + q)]
+        ends = np.cumsum(query_lens) - 1
+        last = [i for i, r in enumerate(step.requests) if starts[i] + query_lens[i] == len(r.tokens)]
+        assert step.sample_rows == ends[last].tolist() and step.sampled == [step.requests[i] for i in last]
+        width = -(-int(step.seq_lens.max()) // bs)
+        for g in ("full", "swa"):
+            expected = np.zeros((len(step.requests), width), dtype=np.int32)
+            for i, r in enumerate(step.requests):
+                expected[i, :len(r.tables[g])] = r.tables[g]
+                assert len(r.tables[g]) >= -(-int(step.seq_lens[i]) // bs)
+            np.testing.assert_array_equal(step.block_tables[g], expected)
+            held = [b for r in sched.running for b in r.tables[g] if b != ROLLED]
+            assert len(held) == len(set(held)) == sched.blocks_in_use()[g] and NULL_BLOCK not in held
+        for r, s in zip(step.requests, starts, strict=True):  # the window group keeps the window's blocks only
+            first = max(s - window + 1, 0) // bs
+            assert all(b == ROLLED for b in r.tables["swa"][:first]) and ROLLED not in r.tables["swa"][first:]
+        sched.update(step, rng.integers(0, 40, len(step.sample_rows)).tolist())
+    assert sched.blocks_in_use() == {"full": 0, "swa": 0}

@@ -352,15 +352,13 @@ class PagedEngine:
         if step is None:
             return []
         out = self._run(step)  # [num_tokens] tokens, or [num_tokens, vocab] logits
-        rows = torch.tensor(step.sample_rows, dtype=torch.int64, device=out.device)
-        picked = out[rows]
-        if self.keep_logits:
-            logits = picked.float().cpu()
-            tokens = logits.argmax(-1).tolist()
-        else:
-            tokens = picked.tolist()  # the host needs the tokens: this syncs
+        if len(step.sample_rows) < out.shape[0]:  # prompt chunks' rows sample nothing (in decode, every row samples)
+            out = out[torch.tensor(step.sample_rows, dtype=torch.int64, device=out.device)]
+        logits = out.float().cpu() if self.keep_logits else None
+        tokens = (out if logits is None else logits.argmax(-1)).tolist()  # the host needs the tokens: this syncs
         self.scheduler.update(step, tokens)
-        return [self._record(r, logits[i] if self.keep_logits else None) for i, r in enumerate(step.sampled)]
+        return [self._record(r, token, None if logits is None else logits[i])
+                for i, (r, token) in enumerate(zip(step.sampled, tokens, strict=True))]
 
     def output(self, request_id: int) -> RequestOutput:
         """What the request produced so far (kept after it finishes, until `pop_output`)."""
@@ -394,10 +392,13 @@ class PagedEngine:
         with ca.set_forward_context(md):
             return self._step_fn(ids, pos, self.kv_caches)
 
-    def _record(self, r: ServedRequest, logits: torch.Tensor | None) -> RequestOutput:
+    def _record(self, r: ServedRequest, token: int, logits: torch.Tensor | None) -> RequestOutput:
+        """`r`'s output with the token it got this step (appended: copying its tokens each step
+        would cost O(length))."""
         out = self._outputs[r.request_id]
-        out.output_tokens = r.output_tokens
-        out.finished, out.finish_reason = r.finished, r.finish_reason
+        out.output_tokens.append(token)
+        if r.finish_reason is not None:
+            out.finished, out.finish_reason = True, r.finish_reason
         if logits is not None:
             out.logits.append(logits)
         return out
