@@ -13,7 +13,8 @@
 # each compiles the 8B shape several times): engine vs transformers' static cache + compile at B=1,
 # vs generate_batch at B=64, vs our reference Llama through the runner; HF_ARGS for the bench, e.g.
 # "--quick --backend FLASHINFER"). "tests" runs every GPU test but the fuzzer's (the piecewise and
-# transformers ones too); PYTEST_ARGS narrows them.
+# transformers ones too); PYTEST_ARGS narrows them. INDUCTOR_CACHE=1 carries Inductor's caches
+# between runs (below).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PARTS=${PARTS:-"tests fuzz bench"}
@@ -21,6 +22,23 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/card.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/card.txt"
 status=0
+# INDUCTOR_CACHE=1: Inductor's and Triton's caches (compiled graphs, kernels, coordinate-descent
+# results) live in /tmp/inductor-cache, loaded from the carried .whl/inductor-cache.tar.xz.NN and
+# written back as $OUT/inductor-cache.tar.xz.NN (15 MB parts: copy them into .whl/, as the
+# FlashInfer JIT cache). A warm cache skips recompiles, and it also replays the cached tuning
+# draws: a peer's "best of N fresh compiles" then times one tuning N times.
+if [[ "${INDUCTOR_CACHE:-0}" == 1 ]]; then
+  export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TRITON_CACHE_DIR=/tmp/inductor-cache/triton
+  mkdir -p "$TRITON_CACHE_DIR"
+  if ls .whl/inductor-cache.tar.xz.* >/dev/null 2>&1; then
+    cat .whl/inductor-cache.tar.xz.* | tar xJf - -C "$TORCHINDUCTOR_CACHE_DIR"
+  fi
+  save_inductor_cache() {
+    tar cf - -C "$TORCHINDUCTOR_CACHE_DIR" . | xz -T0 -6 | split -b 15m -d - "$OUT/inductor-cache.tar.xz."
+    ls -la "$OUT"/inductor-cache.tar.xz.*
+  }
+  trap save_inductor_cache EXIT
+fi
 # The GPU tests are mostly host-bound (graph capture, compiles, the soak's 10,000 steps of Python):
 # WORKERS pytest-xdist processes share the one GPU (work stealing: the long soak runs start first
 # and the short tests fill in around them). WORKERS=0 runs them in one process.
