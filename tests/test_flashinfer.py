@@ -154,17 +154,22 @@ def test_encoder_only_plans_non_causal_ragged(fake_flashinfer):
 
 def test_split_kv_is_off_from_the_measured_number_of_request_kv_head_pairs(fake_flashinfer):
     """Graph wrappers plan by their batch size (capture and every replay: one grid), eager decodes
-    by their own count; only the tensor-core kernel (group >= 4) drops split-kv."""
+    by their own count; only the tensor-core kernel (group >= 4) drops split-kv. Without split-kv
+    the capture's plan stands: a replay only refills the page CSR it reads."""
     spec = spec_of(num_heads=8, num_kv_heads=2, max_seq_len_to_capture=64)  # group 4: tensor cores
     big = fib.NO_SPLIT_KV_MIN_PAIRS // spec.num_kv_heads
     _, graphs = capture_state(spec, [big, big - 1])
     md = FlashInferBackend.get_builder_cls()(spec).build([17, 3], [1, 1], [[5, 6], [7]])
-    for bs, want in ((big, True), (big - 1, False)):
+    for bs, want in ((big, [True]), (big - 1, [False, False])):
         _, bufs, graph_state = graphs[bs]
         graph_state.prepare_graph_input_buffers(bufs, md)  # two live rows in either graph
         graph_state.begin_forward(md)
         plans = graph_state._slots[bs].wrapper.plans
-        assert [kw.get("disable_split_kv", False) for _, kw in plans] == [want, want]
+        assert [kw.get("disable_split_kv", False) for _, kw in plans] == want
+        if bs == big:  # the refill (the recording stand-in's plan() writes no buffers)
+            assert bufs["paged_kv_indptr"][:4].tolist() == [0, 2, 3, 4]  # then one page per pad row
+            assert bufs["paged_kv_last_page_len"][:3].tolist() == [1, 3, 1]
+            assert bufs["paged_kv_indices"][:4].tolist() == [5, 6, 7, fib.SCRATCH_BLOCK]
     for heads, n, want in ((8, big, True), (8, big - 1, False), (2, big, False)):  # (2, 2): CUDA cores
         step = FlashInferBackend.get_builder_cls()(spec_of(num_heads=heads, num_kv_heads=2, num_blocks=n)).build(
             [5] * n, [1] * n, [[i] for i in range(n)])
@@ -329,9 +334,13 @@ class DenseWrapper:
     scales run() gets."""
 
     def __init__(self, kind: str, *args, **kwargs) -> None:
-        self.kind = kind
+        self.kind, self.num_plans = kind, 0
+        # a use_cuda_graph decode wrapper's kernels read the page CSR from these buffers at run time
+        self.graph_buffers = (kwargs.get("paged_kv_indptr_buffer"), kwargs.get("paged_kv_indices_buffer"),
+                              kwargs.get("paged_kv_last_page_len_buffer")) if kwargs.get("use_cuda_graph") else None
 
     def plan(self, *args, **kw) -> None:
+        self.num_plans += 1
         if self.kind == "decode":
             kv_indptr, indices, last, hq, _, _, page = args[:7]
             qo = torch.arange(len(kv_indptr))
@@ -342,6 +351,9 @@ class DenseWrapper:
             indices = last = page = None
         self.qo, self.kv_indptr = torch.as_tensor(qo).tolist(), torch.as_tensor(kv_indptr).tolist()
         self.indices, self.last, self.page = indices, last, page
+        if self.graph_buffers is not None:  # FlashInfer's plan() copies the page CSR into them
+            for buf, src in zip(self.graph_buffers, (kv_indptr, indices, last), strict=True):
+                buf[: len(src)].copy_(torch.as_tensor(src))
         self.options = dict(
             causal=kw.get("causal", True), scale=kw["sm_scale"], logits_soft_cap=kw["logits_soft_cap"] or None,
             sliding_window=kw["window_left"] + 1 if kw["window_left"] >= 0 else None,
@@ -349,6 +361,9 @@ class DenseWrapper:
         )
 
     def run(self, q, kv, value=None, *, out, k_scale=None, v_scale=None) -> None:
+        if self.graph_buffers is not None:  # what the buffers hold now, as FlashInfer's graph kernels
+            indptr, self.indices, self.last = self.graph_buffers
+            self.kv_indptr = indptr.tolist()
         for i in range(len(self.qo) - 1):
             k, v = self._keys(i, kv, value)
             rows = slice(self.qo[i], self.qo[i + 1])

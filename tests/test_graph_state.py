@@ -10,6 +10,7 @@ FlashInfer runs on CPU with conftest's recording stand-in, or test_flashinfer's 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -343,7 +344,30 @@ class OneLayerStep:
 
 @pytest.mark.parametrize("contract_backend", ["TORCH_SDPA", "FLASHINFER", toy_backend.NAME], indirect=True)
 def test_padded_static_step_equals_eager_and_pads_write_nothing(contract_backend, monkeypatch):
-    backend, name = contract_backend, contract_backend.get_name()
+    runner = replays_against_eager(contract_backend, monkeypatch, lambda runner: None)
+    assert runner.counts["graph"] == 5
+
+
+def test_flashinfer_graphs_without_split_kv_keep_the_capture_plan(monkeypatch):
+    """Without split-kv FlashInfer's schedule depends on the batch size alone: that graph's wrapper
+    keeps its capture plan and each step refills only the page CSR (still equal to eager as the
+    lengths change); a graph with split-kv plans every step (the split follows the lengths)."""
+    monkeypatch.setattr(fib, "NO_SPLIT_KV_MIN_PAIRS", 8)  # 4 requests x 2 KV heads: none; 2 x 2: split
+    plans_after_capture = {}
+
+    def count_plans(runner: CUDAGraphRunner) -> dict[int, int]:
+        return {bs: entry.graph_state._slots[bs].wrapper.num_plans for (bs, _), entry in runner._captured.items()}
+
+    runner = replays_against_eager(BACKEND_CLASSES()["FLASHINFER"], monkeypatch,
+                                   lambda r: plans_after_capture.update(count_plans(r)))
+    assert count_plans(runner) == {4: plans_after_capture[4], 2: plans_after_capture[2] + 2}  # sizes 4, 4, 2, 2, 4
+
+
+def replays_against_eager(backend: type[ca.AttentionBackend], monkeypatch,
+                          after_capture: Callable[[CUDAGraphRunner], None]) -> CUDAGraphRunner:
+    """Decode steps of 4, 3, 2, 1, 4 random requests through a one-layer model's static steps of
+    sizes 4 and 2 (FLASHINFER with dense attention): each equals the eager step, pads write nothing."""
+    name = backend.get_name()
     if name == "FLASHINFER":
         monkeypatch.setattr(fib, "_flashinfer", lambda: DENSE_FLASHINFER)
         monkeypatch.setattr(fib, "WORKSPACE_BYTES", 1024)
@@ -353,6 +377,7 @@ def test_padded_static_step_equals_eager_and_pads_write_nothing(contract_backend
     cache = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     eager_cache = cache.clone()
     runner = static_runner(model, name, spec, [cache], [4, 2])
+    after_capture(runner)
     builder, rng = backend.get_builder_cls()(spec), random.Random(0)
     for n in (4, 3, 2, 1, 4):  # fewer rows after more: stale rows of the graph of 4 become pads
         seq_lens = [rng.randint(2, spec.max_seq_len_to_capture) for _ in range(n)]
@@ -364,4 +389,4 @@ def test_padded_static_step_equals_eager_and_pads_write_nothing(contract_backend
             want = model(ids, pos, [eager_cache])
         torch.testing.assert_close(runner.run(md, ids, pos), want, rtol=1e-5, atol=1e-5)
         assert torch.equal(cache, eager_cache), "a pad row wrote into the cache"
-    assert runner.counts["graph"] == 5
+    return runner

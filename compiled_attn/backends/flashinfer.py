@@ -491,12 +491,22 @@ class FlashInferState(GraphState):
 
     def plan(self, md: FlashInferMetadata | None, batch_size: int) -> None:
         spec = self.spec
-        inputs = self._padded_plan_inputs(md, batch_size)
+        indptr, indices, last = self._padded_plan_inputs(md, batch_size)
         # split-kv by the graph's size, not the live rows: capture and every replay plan one grid
         split = decode_split_options(spec, batch_size)
-        self._slots[batch_size].plan(self, lambda w: w.plan(
-            *inputs, spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size, **plan_options(spec),
-            **split,
+        slot = self._slots[batch_size]
+        if split.get("disable_split_kv") and slot.owner is not None:
+            # Without split-kv FlashInfer's schedule is one tile per (request, KV head): it depends
+            # on the batch size alone, so the plan made at capture stands, and a step only refills
+            # the page CSR the kernel reads: what plan() would copy, without its host scheduling,
+            # its pinned copy of the same schedule and the wait on that copy's fence.
+            bufs = self._buffers
+            bufs["paged_kv_indptr"][: batch_size + 1].copy_(indptr, non_blocking=True)
+            bufs["paged_kv_last_page_len"][:batch_size].copy_(last, non_blocking=True)
+            return
+        slot.plan(self, lambda w: w.plan(
+            indptr, indices, last, spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
+            **plan_options(spec), **split,
         ))
 
     def _padded_plan_inputs(self, md: FlashInferMetadata | None, bs: int) -> tuple[torch.Tensor, ...]:
