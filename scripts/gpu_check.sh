@@ -2,7 +2,8 @@
 # The one command the device tool runs: GPU-marked tests, then benchmarks; results under $OUT.
 #   device run:  source .whl/setup.sh && bash scripts/gpu_check.sh; save_jit_cache   (carry [".whl"])
 # PARTS selects what runs (default: "tests fuzz bench"; "loop" profiles the 8B decode loop against
-# gpt-fast's (B=64 then B=1, ctx 1024, one process each) and times FlashInfer's decode variants;
+# gpt-fast's (B=64 then B=1, ctx 1024, one process each) and times FlashInfer's decode variants (FA3 among
+# them: a JIT build of a minute or more the first time, VARIANTS_TIMEOUT);
 # "fuzz" is the mutation fuzzer's GPU tests,
 # FUZZ_EXAMPLES examples per mutation; "hunt" looks for the differential example that faults or
 # mismatches on HUNT_BACKEND); "piecewise": the piecewise-graph GPU tests (tests/test_piecewise.py,
@@ -59,7 +60,7 @@ if [[ " $PARTS " == *" loop "* ]]; then
       --out "$OUT/loop-$point" > "$OUT/loop-$point.log" 2>&1 || status=1
     grep -h "^\*\*" "$OUT/loop-$point.log"
   done
-  timeout 120 python3 -m compiled_attn.bench.decode_flashinfer --variants 2>&1 | grep -v " - INFO - " \
+  timeout "${VARIANTS_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_flashinfer --variants 2>&1 | grep -v " - INFO - " \
     | tee "$OUT/decode-variants.log" | tail -40
 fi
 if [[ " $PARTS " == *" fuzz "* ]]; then
