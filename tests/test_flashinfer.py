@@ -177,6 +177,20 @@ def test_split_kv_is_off_from_the_measured_number_of_request_kv_head_pairs(fake_
         assert step.step_plan.wrapper("decode").plans[0][1].get("disable_split_kv", False) is want
 
 
+def test_graphs_whose_wrapper_resolved_to_fa3_plan_every_replay(fake_flashinfer):
+    """FA3's schedule follows the lengths even without split-kv: no capture plan is kept for it."""
+    spec = spec_of(num_heads=8, num_kv_heads=2, max_seq_len_to_capture=64)
+    big = fib.NO_SPLIT_KV_MIN_PAIRS // spec.num_kv_heads
+    _, graphs = capture_state(spec, [big])
+    _, bufs, graph_state = graphs[big]
+    graph_state._slots[big].wrapper._backend = "fa3"  # what FlashInfer's plan() records it resolved to
+    md = FlashInferBackend.get_builder_cls()(spec).build([17, 3], [1, 1], [[5, 6], [7]])
+    for _ in range(2):
+        graph_state.prepare_graph_input_buffers(bufs, md)
+        graph_state.begin_forward(md)
+    assert len(graph_state._slots[big].wrapper.plans) == 3  # capture, then each replay
+
+
 def capture_state(spec, sizes):
     state = FlashInferBackend.get_state_cls()(spec)
     out = {}

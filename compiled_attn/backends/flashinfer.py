@@ -495,11 +495,15 @@ class FlashInferState(GraphState):
         # split-kv by the graph's size, not the live rows: capture and every replay plan one grid
         split = decode_split_options(spec, batch_size)
         slot = self._slots[batch_size]
-        if split.get("disable_split_kv") and slot.owner is not None:
-            # Without split-kv FlashInfer's schedule is one tile per (request, KV head): it depends
-            # on the batch size alone, so the plan made at capture stands, and a step only refills
-            # the page CSR the kernel reads: what plan() would copy, without its host scheduling,
-            # its pinned copy of the same schedule and the wait on that copy's fence.
+        # FlashInfer's own attribute: the kernel family its last plan() resolved "auto" to (the
+        # stand-ins of the CPU tests have none: they model fa2)
+        fa2 = getattr(slot.wrapper, "_backend", "fa2") == "fa2"
+        if split.get("disable_split_kv") and fa2 and slot.owner is not None:
+            # Without split-kv FlashInfer's fa2 schedule is one tile per (request, KV head): it
+            # depends on the batch size alone, so the plan made at capture stands, and a step only
+            # refills the page CSR the kernel reads: what plan() would copy, without its host
+            # scheduling, its pinned copy of the same schedule and the wait on that copy's fence.
+            # (FA3's plan sorts requests by length: it is re-planned every step.)
             bufs = self._buffers
             bufs["paged_kv_indptr"][: batch_size + 1].copy_(indptr, non_blocking=True)
             bufs["paged_kv_last_page_len"][:batch_size].copy_(last, non_blocking=True)
