@@ -168,8 +168,9 @@ def group_name(settings: LayerSettings, taken: set[str]) -> str:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """What a request produced so far. `logits`: per new token, fp32 [vocab] on the CPU (only
-    with `PagedEngine(keep_logits=True)`)."""
+    """What a request produced so far: one object per request, updated in place by every step
+    (`output_tokens` and `logits` grow; copy them to keep a snapshot). `logits`: per new token,
+    fp32 [vocab] on the CPU (only with `PagedEngine(keep_logits=True)`)."""
 
     request_id: int
     prompt: list[int]
