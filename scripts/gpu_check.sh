@@ -13,7 +13,7 @@
 # `bench.hf_engine`, the parts in HF_BENCH_PARTS (default b1; b64, adapter: one per device command,
 # each compiles the 8B shape several times): engine vs transformers' static cache + compile at B=1,
 # vs generate_batch at B=64, vs our reference Llama through the runner; HF_ARGS for the bench, e.g.
-# "--quick --backend FLASHINFER"). "tests" runs every GPU test but the fuzzer's (the piecewise and
+# "--quick --backend FLASHINFER"; "--profile" with the adapter part writes both sides' kernel tables). "tests" runs every GPU test but the fuzzer's (the piecewise and
 # transformers ones too); PYTEST_ARGS narrows them. INDUCTOR_CACHE=1 carries Inductor's caches
 # between runs (below).
 set -uo pipefail

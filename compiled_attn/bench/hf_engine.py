@@ -14,6 +14,7 @@ from a `LlamaConfig`, one copy on the card for every side; issue 15's goals).
   needs each step's tokens on the host: EOS, scheduling). Goal: engine >= 0.95x.
 
     python -m compiled_attn.bench.hf_engine [--quick] [--backend FLASHINFER] [--part b1|b64|adapter] [--out DIR]
+        [--profile]   # adapter: per-layer kernel tables of the engine's and the reference's steps
 
 Each part compiles the 8B model two or three times (minutes each): `--part` runs one per process.
 """
@@ -21,14 +22,18 @@ Each part compiles the 8B model two or three times (minutes each): `--part` runs
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from compiled_attn.bench import decode_loop
+from compiled_attn.bench.kernel_table import cuda_kernels, markdown, per_layer_table
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name
 from compiled_attn.integrations import hf_random
@@ -39,6 +44,7 @@ log = logging.getLogger(__name__)
 
 CTX = 1024  # prompt tokens of the decode points
 STEPS = 56  # timed decode steps (as decode_loop)
+PROFILED_STEPS = 8  # steps in a kernel table (--profile)
 WARM_STEPS = 8
 PROMPT, NEW = 512, 128  # the B=64 serving point
 BLOCK_SIZE = 16
@@ -70,11 +76,25 @@ def _engine(model: torch.nn.Module, backend: str | None, batch: int, longest: in
                              max_seq_len_to_capture=-(-longest // BLOCK_SIZE) * BLOCK_SIZE)
 
 
-def engine_decode_ms(model: torch.nn.Module, backend: str | None, batch: int, ctx: int, steps: int = STEPS) -> float:
-    """ms per decode step of `batch` requests from `ctx` tokens on (every request decoding)."""
-    engine = _engine(model, backend, batch, ctx + WARM_STEPS + steps + 2, max(2048, ctx))
+def kernel_profile(step: Callable[[], object], num_layers: int, title: str, path: str) -> None:
+    """The per-layer kernel table of PROFILED_STEPS calls of `step` (a sync after each, as timed),
+    appended to the markdown file `path`."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_STEPS):
+            step()
+            torch.cuda.synchronize()
+    table = per_layer_table(cuda_kernels(prof), PROFILED_STEPS, num_layers)
+    with open(path, "a") as f:
+        f.write(markdown(table, f"{title}, {card_name()}") + "\n\n")
+
+
+def engine_decode_ms(model: torch.nn.Module, backend: str | None, batch: int, ctx: int, steps: int = STEPS,
+                     profile_to: str | None = None) -> float:
+    """ms per decode step of `batch` requests from `ctx` tokens on (every request decoding); with
+    `profile_to`, then the kernel table of a few more steps (`kernel_profile`)."""
+    engine = _engine(model, backend, batch, ctx + WARM_STEPS + steps + PROFILED_STEPS + 2, max(2048, ctx))
     for p in _prompts(model.config.vocab_size, batch, ctx):
-        engine.add_request(p, max_new_tokens=WARM_STEPS + steps + 1)
+        engine.add_request(p, max_new_tokens=WARM_STEPS + steps + PROFILED_STEPS + 1)
     while any(not engine.output(i).output_tokens for i in range(batch)):  # prefill (in chunks)
         engine.step()
     for _ in range(WARM_STEPS):
@@ -87,6 +107,8 @@ def engine_decode_ms(model: torch.nn.Module, backend: str | None, batch: int, ct
     ms = (time.perf_counter() - start) * 1e3 / steps
     if engine.runner is not None and engine.runner.counts["graph"] < steps:
         log.warning("engine: only %d of its decode steps replayed graphs", engine.runner.counts["graph"])
+    if profile_to:
+        kernel_profile(engine.step, model.config.num_hidden_layers, f"PagedEngine, B={batch}, ctx {ctx}", profile_to)
     return ms
 
 
@@ -135,15 +157,18 @@ def engine_generate_tok_s(model: torch.nn.Module, backend: str | None, prompts: 
     return sum(len(o) for o in out) / (time.perf_counter() - start)
 
 
-def reference_decode_ms(config: object, backend: str, batch: int, ctx: int) -> float:
+def reference_decode_ms(config: object, backend: str, batch: int, ctx: int, profile_to: str | None = None) -> float:
     """Our reference Llama of the transformers `config`'s shape (random weights) through the
-    runner, a sync per step (as the engine)."""
+    runner, a sync per step (as the engine); `profile_to` as in `engine_decode_ms`."""
     shape = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                         intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
                         num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads)
     model = build_model(shape, seed=0, backend=backend, dtype=torch.bfloat16, device="cuda", init_device="cuda")
     loop = decode_loop.PagedLoop(model, model.layers[0].attn.backend, batch, ctx, {"compile": True})
     ms = decode_loop.loop_ms(loop.loop, True)
+    if profile_to:
+        kernel_profile(functools.partial(loop.loop, 1, True), shape.num_layers,
+                       f"reference Llama + runner, B={batch}, ctx {ctx}", profile_to)
     del loop, model
     torch.cuda.empty_cache()
     return ms
@@ -153,7 +178,9 @@ PARTS = ("b1", "b64", "adapter")
 
 
 def run(quick: bool = False, backend: str | None = None, size: str = "llama3-8b",
-        parts: tuple[str, ...] = PARTS) -> list[dict]:
+        parts: tuple[str, ...] = PARTS, profile_to: str | None = None) -> list[dict]:
+    """Rows of the selected parts; `profile_to`: a markdown file for the adapter part's kernel
+    tables (engine and reference, B=1 and B=64: where the engine's step differs on the GPU)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     steps = 16 if quick else STEPS
     rows: list[dict] = []
@@ -191,16 +218,16 @@ def run(quick: bool = False, backend: str | None = None, size: str = "llama3-8b"
         row(point, "PagedEngine", **{"tok/s": ours_tok_s}, **vs)
     if "adapter" in parts:  # the engine against our reference model through the runner
         for b in (1, 64):
-            if b not in engine_ms:
+            if b not in engine_ms or profile_to:
                 torch._dynamo.reset()
-                engine_ms[b] = engine_decode_ms(model, backend, b, CTX, steps)
+                engine_ms[b] = engine_decode_ms(model, backend, b, CTX, steps, profile_to)
         engine_backend = _engine_backend_name(model, backend)
         config = model.config
         del model
         torch.cuda.empty_cache()
         torch._dynamo.reset()
         for b in (1, 64):
-            ref_ms = attempt(reference_decode_ms, config, engine_backend, b, CTX)
+            ref_ms = attempt(reference_decode_ms, config, engine_backend, b, CTX, profile_to)
             point = f"B={b} decode, ctx {CTX} (synced)"
             row(point, f"reference Llama + runner ({engine_backend})", **_speed(ref_ms, b))
             row(point, "PagedEngine", **_speed(engine_ms[b], b), **_ratio(ref_ms, engine_ms[b]))
@@ -229,12 +256,18 @@ def main() -> None:
     parser.add_argument("--size", default="llama3-8b", help="hf_random size (tiny / small for a smoke run)")
     parser.add_argument("--part", action="append", choices=PARTS, default=None, help="repeat to select several")
     parser.add_argument("--out", default=None, help="folder for hf-engine[-PART].json")
+    parser.add_argument("--profile", action="store_true",
+                        help="adapter part: kernel tables of both sides into --out/hf-engine-adapter-profile.md")
     args = parser.parse_args()
     parts = tuple(args.part or PARTS)
-    rows = run(args.quick, args.backend, args.size, parts)
-    print_table(rows)
+    if args.profile and not args.out:
+        parser.error("--profile writes into --out: name the folder")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
+    profile_to = os.path.join(args.out, "hf-engine-adapter-profile.md") if args.profile else None
+    rows = run(args.quick, args.backend, args.size, parts, profile_to)
+    print_table(rows)
+    if args.out:
         name = "hf-engine.json" if args.part is None else f"hf-engine-{'-'.join(parts)}.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(rows, f, indent=1, default=str)
