@@ -23,6 +23,7 @@ from test_graphs import (
     direct,
     gpu_backend,
     gpu_spec,
+    greedy_agreement,
     prompts,
     rel_err,
 )
@@ -487,20 +488,11 @@ def test_compiled_runner_with_piecewise_serves_greedy_tokens_like_eager(name):
     runner.capture()
     ref = Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec)), backend_name=name)
     eng = Engine(spec, runner.run, backend_name=name)
-    step = prompts(2, seed=6, vocab=GPU_CONFIG.vocab_size)
-    agree = total = 0
-    for i in range(10):
-        logits = ref.step(step)
-        got, want = eng.step(step), logits.argmax(-1)
-        top2 = logits.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 0.05 * top2[:, 0].abs().clamp(min=1)  # bf16 near-ties may differ
-        assert torch.equal(got[clear], want[clear]), f"step {i}"
-        agree += (got == want).sum().item()
-        total += len(want)
-        step = {k: [tok] for k, tok in zip(step, want.tolist(), strict=True)}
-        if i in (2, 5):  # a new prompt joins: a mixed step
-            step = {**prompts(1, seed=60 + i, vocab=GPU_CONFIG.vocab_size), **step}
-    assert agree / total >= 0.9
+
+    def next_step(i: int, step: dict) -> dict:  # after steps 2 and 5 a new prompt joins: a mixed step
+        return {**prompts(1, seed=60 + i, vocab=GPU_CONFIG.vocab_size), **step} if i in (2, 5) else step
+
+    assert greedy_agreement(ref, eng, prompts(2, seed=6, vocab=GPU_CONFIG.vocab_size), 10, next_step) >= 0.9
     assert runner.counts["piecewise"] == 3 and runner.counts["graph"] == 7
 
 
