@@ -486,8 +486,9 @@ class FlashInferState(GraphState):
         n, nnz = (0, 0) if md is None else (md.num_seqs, md.paged_kv_indices.shape[0])
         if md is not None:
             bufs["paged_kv_indices"][:nnz].copy_(md.paged_kv_indices, non_blocking=True)
-        if n < bufs["slot_mapping"].shape[0]:  # the pad rows' one page each
-            bufs["paged_kv_indices"][nnz : nnz + bufs["slot_mapping"].shape[0] - n].fill_(SCRATCH_BLOCK)
+        pads = bufs["slot_mapping"].shape[0] - n
+        if pads:  # the pad rows' one page each
+            bufs["paged_kv_indices"][nnz : nnz + pads].fill_(SCRATCH_BLOCK)
 
     def plan(self, md: FlashInferMetadata | None, batch_size: int) -> None:
         spec = self.spec
