@@ -19,17 +19,30 @@ from __future__ import annotations
 import contextvars
 import itertools
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from compiled_attn.abstract import AttentionImpl, AttentionMetadata, AttentionType
 from compiled_attn.groups import GroupedMetadata
+
+T = TypeVar("T")
 
 
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata  # one builder's, or a GroupedMetadata of one per layer group
+    # What ops derive from the metadata once per forward and share across layers (`derived`)
+    _derived: dict[Hashable, Any] = field(default_factory=dict, repr=False)
+
+    def derived(self, key: Hashable, make: Callable[[], T]) -> T:
+        """`make()` the first time `key` is asked for in this context, the same object after: for
+        tensors every layer of a step would otherwise recompute from the metadata (the key names
+        what they depend on)."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     def metadata_for(self, group: str | None) -> AttentionMetadata:
         """What a layer of `group` reads: its group's metadata, or the one metadata (which serves

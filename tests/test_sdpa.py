@@ -168,3 +168,25 @@ def test_matches_reference_bf16_cuda(name):
     assert out.device.type == "cuda" and out.dtype == torch.bfloat16
     assert torch.isfinite(out).all()
     assert rel_err(out, reference(case, batch)) <= 1e-2
+
+
+def test_layers_of_one_forward_share_key_slots_per_window():
+    # The key slots are made once per forward by the first layer of each window and reused by
+    # the others; a layer with another window must not read the first one's (its valid keys differ).
+    case = dataclasses.replace(CASES["mixed"], block_size=4)
+    spec = make_spec(case, torch.float32, "cpu")
+    batch = make_batch(spec, list(case.seq_lens), list(case.query_lens), seed=11)
+    md = batch.build(BACKEND)
+    windows = [None, 5, None, 5]
+    outs = []
+    with ca.set_forward_context(md) as context:
+        for window in windows:
+            impl = BACKEND.get_impl_cls()(case.num_heads, case.head_size, spec.softmax_scale, case.num_kv_heads,
+                                          sliding_window=window)
+            name, _record = impl.register(1.0, 1.0, T.DECODER)
+            outs.append(impl.run(batch.query, batch.key, batch.value, batch.kv_cache, T.DECODER, name))
+        slot_keys = [k for k in context._derived if k[0] == "torch_sdpa_slots"]
+    assert sorted((k[2], k[4]) for k in slot_keys) == [("decode", 0), ("decode", 5), ("prefill", 0), ("prefill", 5)]
+    for window, out in zip(windows, outs, strict=True):
+        assert rel_err(out, reference_forward(batch, sliding_window=window)) <= 1e-5
+    assert not torch.equal(outs[0], outs[1])  # the window changes the output of these lengths
