@@ -70,9 +70,11 @@ if [[ " $PARTS " == *" fuzz "* ]]; then
   python3 scripts/fuzz_counts.py "$OUT/fuzz-counts.jsonl" | tee "$OUT/fuzz-counts.txt"
 fi
 if [[ " $PARTS " == *" bench "* ]]; then
+  start=$SECONDS  # the process's wall time: the suites' (printed per suite) plus imports and start-up
   timeout "${BENCH_TIMEOUT:-300}" python3 -m compiled_attn bench ${BENCH_ARGS:---quick} --out "$OUT" \
     2>&1 | tee "$OUT/bench.log" | tail -60
   status=$(( status || PIPESTATUS[0] ))
+  echo "bench wall: $(( SECONDS - start )) s" | tee -a "$OUT/bench.log"
 fi
 if [[ " $PARTS " == *" piecewise "* ]]; then
   if [[ "${PW_TESTS:-1}" == 1 ]]; then

@@ -53,31 +53,41 @@ def suite_names() -> list[str]:
     return [suite_name(s) for s, _, _ in SUITES]
 
 
+def seconds_line(seconds: dict[str, float]) -> str:
+    """`suite seconds: ceilings 0.6, overhead 10.8; total 11.4` from the suites' wall seconds."""
+    parts = ", ".join(f"{module.rsplit('.', 1)[-1]} {s:.1f}" for module, s in seconds.items())
+    return f"suite seconds: {parts}; total {sum(seconds.values()):.1f}"
+
+
 def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     wanted = {b.upper() for b in backends} if backends else None
     chosen = [s for s, needs_cuda, b in SUITES
               if (cuda or not needs_cuda) and (wanted is None or b is None or b in wanted)
               and (suites is None or suite_name(s) in suites)]
-    results: dict[str, list[dict] | str] = {"card": card_name(), "nominal_bw": nominal_bandwidth() or 0}
+    seconds: dict[str, float] = {}  # wall time per suite, by its results' key
+    results: dict[str, object] = {"card": card_name(), "nominal_bw": nominal_bandwidth() or 0, "suite seconds": seconds}
     failed = 0
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "bench-results.json" if suites is None else f"bench-results-{'-'.join(suites)}.json")
     for suite in tqdm(chosen, desc="bench suites"):
         module = suite.__name__  # the results' key
         start = time.perf_counter()
+        rows: list[dict] | str
         try:
-            results[module] = suite.run(quick)
+            rows = suite.run(quick)
         except Exception as e:  # a broken suite must not hide the others' numbers
             log.exception("suite %s failed", module)
-            results[module] = f"FAILED: {type(e).__name__}: {e}"
+            rows = f"FAILED: {type(e).__name__}: {e}"
             failed += 1
-        results.setdefault("suite seconds", {})[module] = seconds = round(time.perf_counter() - start, 1)
-        if isinstance(results[module], list):
-            print(f"\n== {module} ({card_name()}, {seconds:.0f} s)")
-            print_table(results[module])
+        results[module] = rows
+        seconds[module] = round(time.perf_counter() - start, 1)
+        if isinstance(rows, list):
+            print(f"\n== {module} ({card_name()}, {seconds[module]:.0f} s)")
+            print_table(rows)
         with open(path, "w") as f:  # after every suite: a run cut off by a timeout keeps what it measured
             json.dump(results, f, indent=1, default=str)
+    print(seconds_line(seconds))  # where the run's time went, in one line under the tables
     try:
         for path in write_plots(results, out):
             print(f"plot: {path}")
