@@ -6,7 +6,7 @@ of the gpt-fast peer, reduced to per-layer kernel tables (markdown + JSON under 
 
 Each side runs PROFILED_STEPS steps as in the bench's loop (no synchronize inside) after a
 warm-up; the trace's kernels give the per-layer table and the GPU-busy fraction of the steps.
-Before the trace each side's loop is timed as in the bench (`decode_loop.loop_ms`).
+Before the trace each side's loop is timed as in the bench (`decode_loop.loop_times`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ PROFILED_STEPS = 8
 def trace(loop) -> dict:
     """The per-layer table of PROFILED_STEPS pipelined steps, plus the loop's ms / step
     (pipelined and synced, timed without the profiler)."""
-    table = {"loop ms/step": dl.loop_ms(loop, False), "loop ms/step synced": dl.loop_ms(loop, True)}
+    pipelined, synced = dl.loop_times(loop)
+    table = {"loop ms/step": pipelined, "loop ms/step synced": synced}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         loop(PROFILED_STEPS, False)
         torch.cuda.synchronize()

@@ -8,9 +8,10 @@ import torch
 import compiled_attn as ca
 from compiled_attn.bench.decode_loop import GptFastDecoder
 from compiled_attn.bench.kernel_table import Kernel, per_layer_table
-from compiled_attn.bench.piecewise_bench import STEPS, step_inputs
+from compiled_attn.bench.piecewise_bench import QUICK_BUCKETS, STEPS, step_inputs
 from compiled_attn.bench.plots import decode_series
 from compiled_attn.bench.report import print_table
+from compiled_attn.bench.suite import seconds_line
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 
 
@@ -115,3 +116,9 @@ def test_piecewise_bench_steps_are_the_issues_mixed_and_prefill_steps():
     md, _, pos = step_inputs(backend, spec, *prefill, vocab=100)
     assert (md.num_prefills, md.num_decodes, md.num_tokens) == (8, 0, 4096)
     assert pos.tolist() == list(range(512)) * 8 and md.slot_mapping.unique().numel() == 4096
+    assert QUICK_BUCKETS == (320, 4096)  # --quick captures the buckets of these two steps only
+
+
+def test_seconds_line_says_where_the_run_went():
+    seconds = {"compiled_attn.bench.ceilings": 0.6, "compiled_attn.bench.decode_loop": 95.3}
+    assert seconds_line(seconds) == "suite seconds: ceilings 0.6, decode_loop 95.3; total 95.9"

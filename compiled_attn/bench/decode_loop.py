@@ -33,16 +33,18 @@ import torch.nn.functional as F
 from torch import nn
 
 import compiled_attn as ca
+from compiled_attn.bench.models import shared_model
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, nominal_bandwidth
 from compiled_attn.graphs import CUDAGraphRunner
-from compiled_attn.models.llama import Llama, LlamaConfig, allocate_kv_caches, apply_rotary, build_model
+from compiled_attn.models.llama import Llama, LlamaConfig, allocate_kv_caches, apply_rotary
 from compiled_attn.registry import BACKEND_CLASSES
 
 log = logging.getLogger(__name__)
 
 STEPS = 56  # tokens per timed loop; the peer's cache holds ctx + 64 positions
 REPEATS = 5  # timed loops per point; the median is reported
+QUICK_REPEATS = 3
 BLOCK_SIZE = 16
 BACKENDS = ("FLASHINFER", "TORCH_SDPA")
 QUICK_POINTS = ((1, 1024), (64, 1024))
@@ -221,10 +223,12 @@ class PagedLoop:
 # Timing
 
 
-def loop_ms(loop: Callable[[int, bool], torch.Tensor], sync_each: bool, repeats: int = REPEATS) -> float:
+def loop_ms(loop: Callable[[int, bool], torch.Tensor], sync_each: bool, repeats: int = REPEATS,
+            warm_up: bool = True) -> float:
     """Median ms per step of `loop(STEPS, sync_each)` (host clock, one sync after the loop)."""
-    loop(STEPS, sync_each)  # warm-up: compiles, captures, first-use kernels
-    torch.cuda.synchronize()
+    if warm_up:
+        loop(STEPS, sync_each)  # compiles, captures, first-use kernels
+        torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -232,6 +236,11 @@ def loop_ms(loop: Callable[[int, bool], torch.Tensor], sync_each: bool, repeats:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3 / STEPS)
     return float(np.median(times))
+
+
+def loop_times(loop: Callable[[int, bool], torch.Tensor], repeats: int = REPEATS) -> tuple[float, float]:
+    """(pipelined, synced) ms per step of `loop`, after one warm-up loop: the second mode needs none."""
+    return loop_ms(loop, False, repeats), loop_ms(loop, True, repeats, warm_up=False)
 
 
 def bytes_per_step(model: Llama, batch: int, ctx: int) -> int:
@@ -258,20 +267,20 @@ def _row(model: Llama, batch: int, ctx: int, side: str, pipelined: float, synced
             "MBU": moved / (pipelined / 1e3) / (nominal_bandwidth() or float("nan"))}
 
 
-def measure_peer(model: Llama, batch: int, ctx: int, compiles: int) -> dict:
+def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int = REPEATS) -> dict:
     """The best of `compiles` fresh peer compiles (each timed pipelined and synced)."""
     times = []
     with torch._inductor.config.patch(PEER_INDUCTOR):
         for _ in range(compiles):
             loop = peer_loop(model, batch, ctx)
-            times.append((loop_ms(loop, False), loop_ms(loop, True)))
+            times.append(loop_times(loop, repeats))
             del loop
             torch.cuda.empty_cache()
     return {**_row(model, batch, ctx, "peer (gpt-fast)", *min(times)),
             "peer compiles ms": [round(t[0], 3) for t in times]}
 
 
-def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile") -> dict:
+def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile", repeats: int = REPEATS) -> dict:
     """Ours through the runner; variant "compile": `CUDAGraphRunner(compile=True)`; "dynamic": the
     README's `torch.compile(model, fullgraph=True, dynamic=True)` handed to the runner; "fp8":
     compile, with the model's layers and caches in fp8 (e4m3; a row the peer cannot have)."""
@@ -280,34 +289,36 @@ def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile") -
     step_model = model if variant != "dynamic" else torch.compile(model, fullgraph=True, dynamic=True)
     kv_cache_dtype = model.layers[0].attn.impl.kv_cache_dtype
     ours = PagedLoop(step_model, backend, batch, ctx, kw, kv_cache_dtype=kv_cache_dtype)
-    row = {**_row(model, batch, ctx, f"ours {backend.get_name()} ({variant})", loop_ms(ours.loop, False),
-                  loop_ms(ours.loop, True)), **ours.host_us()}
+    row = {**_row(model, batch, ctx, f"ours {backend.get_name()} ({variant})", *loop_times(ours.loop, repeats)),
+           **ours.host_us()}
     del ours
     torch.cuda.empty_cache()
     return row
 
 
 def build_8b(backend: str, kv_cache_dtype: str = "auto") -> Llama:
-    config = LlamaConfig.llama3_8b()
-    return build_model(config, seed=0, backend=backend, dtype=torch.bfloat16, device="cuda", init_device="cuda",
-                       kv_cache_dtype=kv_cache_dtype)
+    """The 8B-shaped model (seed 0, bf16), shared with the bench's other 8B suites."""
+    return shared_model(LlamaConfig.llama3_8b(), backend, kv_cache_dtype)
 
 
 def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
         points: tuple[tuple[int, int], ...] | None = None, peer_compiles: int | None = None,
         variants: tuple[str, ...] = ("compile",), on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
-    """Rows per (batch, ctx): the peer (with the first backend's model), then ours per backend.
+    """Rows per (batch, ctx): the peer (with the first available backend's model), then ours per
+    backend (quick: the first available backend only, fewer timed loops, one peer compile).
     Points whose KV caches do not fit the card are reported as skipped. `on_row` sees each row
     as it is measured (a run cut short keeps what it printed)."""
     points = points or (QUICK_POINTS if quick else GRID)
     peer_compiles = peer_compiles or (1 if quick else 2)
+    repeats = QUICK_REPEATS if quick else REPEATS
     rows, peer_ms = [], {}
 
     def add(row: dict) -> None:
         rows.append(row)
         on_row(row)
 
-    for i, name in enumerate(backends):
+    with_peer = True  # the peer runs once, on the first backend that builds
+    for name in backends:
         try:
             model = build_8b(name)
         except (ca.BackendUnavailableError, NotImplementedError) as e:
@@ -317,13 +328,16 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
             if not fits(model, batch, ctx):
                 add({"card": card_name(), "batch": batch, "ctx": ctx, "side": "skipped: KV does not fit"})
                 continue
-            if i == 0:
-                add(measure_peer(model, batch, ctx, peer_compiles))
+            if with_peer:
+                add(measure_peer(model, batch, ctx, peer_compiles, repeats))
                 peer_ms[batch, ctx] = rows[-1]["ms/step"]
             for variant in variants:
-                add(with_ratio(measure_ours(model, batch, ctx, variant), peer_ms))
+                add(with_ratio(measure_ours(model, batch, ctx, variant, repeats), peer_ms))
         del model
         torch.cuda.empty_cache()
+        with_peer = False
+        if quick:  # each backend costs two coordinate-descent-tuned 8B compiles
+            break
     for name in () if quick else backends:
         if "fp8" in BACKEND_CLASSES()[name.upper()].supported_kv_cache_dtypes:
             for row in fp8_rows(name, peer_ms):

@@ -11,19 +11,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import compiled_attn as ca
+from compiled_attn.bench.models import shared_model
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, nominal_bandwidth
 from compiled_attn.cli import backend_name, positive_int
 from compiled_attn.graphs import CUDAGraphRunner
-from compiled_attn.models.llama import Llama, LlamaConfig, allocate_kv_caches, apply_rotary, build_model
+from compiled_attn.models.llama import Llama, LlamaConfig, allocate_kv_caches, apply_rotary
 
 BLOCK_SIZE = 16
+GRID = tuple((b, c) for c in (1024, 4096) for b in (1, 8, 64))
+# Batch 1 and 64 at ctx 1024: each point costs a compile of the peer, and the decode loop's
+# faithful peer is measured at these two as well.
+QUICK_POINTS = ((1, 1024), (64, 1024))
 
 
 def step_seconds(step, iters: int = 20) -> float:
@@ -125,15 +131,14 @@ def measure_point(model: Llama, compiled, backend, batch: int, ctx: int, weight_
 
 
 def run(quick: bool = False, backend_name: str | None = None, block_size: int = BLOCK_SIZE,
-        points: list[tuple[int, int]] | None = None) -> list[dict]:
-    """One row per (batch, ctx) point; `points` replaces the default grid (quick: three points)."""
+        points: Sequence[tuple[int, int]] | None = None) -> list[dict]:
+    """One row per (batch, ctx) point; `points` replaces the default grid (GRID, quick: QUICK_POINTS)."""
     config = LlamaConfig.llama3_8b()
-    dtype = torch.bfloat16
     if points is None:
-        points = [(1, 1024), (64, 1024), (1, 4096)] if quick else [(b, c) for c in (1024, 4096) for b in (1, 8, 64)]
-    probe = config.attention_spec(block_size=block_size, num_blocks=1, dtype=dtype, device="cuda")
+        points = QUICK_POINTS if quick else GRID
+    probe = config.attention_spec(block_size=block_size, num_blocks=1, dtype=torch.bfloat16, device="cuda")
     backend = ca.get_attn_backend(backend_name, probe)
-    model = build_model(config, seed=0, backend=backend.get_name(), dtype=dtype, device="cuda", init_device="cuda")
+    model = shared_model(config, backend.get_name())  # the decode loop and piecewise suites time it too
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
     rows = []

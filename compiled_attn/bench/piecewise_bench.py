@@ -3,7 +3,8 @@ against the compiled model without graphs, each beside the step's summed GPU ker
 
 - 8B shape (`LlamaConfig.llama3_8b()`, bf16, random weights), one runner with `compile=True`
   (decode graphs at the 35 default sizes), `piecewise=True` with the default token buckets plus
-  4096 (so that the prefill step below has a bucket), captured into one pool. Steps:
+  4096 (so that the prefill step below has a bucket), captured into one pool (quick: one decode
+  size, 64, and the two buckets the steps take). Steps:
   *mixed*: 63 decodes at ctx 1024 + one 256-token prompt chunk (its first 256 tokens cached),
   319 tokens in the 320 bucket; *prefill*: 8 prompts x 512 new tokens, 4096 tokens.
   Paths: "compiled" is the runner's compiled model called directly under the step's metadata
@@ -35,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 import compiled_attn as ca
 from compiled_attn.bench import graphs_bench
 from compiled_attn.bench.kernel_table import cuda_kernels
+from compiled_attn.bench.models import shared_model
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, eager_time_us
 from compiled_attn.capabilities import smallest_block_size
@@ -51,6 +53,10 @@ STEPS = (
     ("prefill: 8 x 512 new tokens", [512] * 8, [512] * 8),
 )
 PROFILED_STEPS = 5
+# quick: the buckets the STEPS take (319 and 4096 tokens), and one decode size, not 1: batch 1
+# would compile a static 8B graph of its own, and no timed step replays a decode graph
+QUICK_BUCKETS = tuple(sorted({min(b for b in BENCH_BUCKETS if b >= sum(q)) for _, _, q in STEPS}))
+QUICK_CAPTURE_SIZES = (64,)
 
 
 def step_inputs(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, seq_lens: list[int],
@@ -93,16 +99,17 @@ def _spec(backend: type[ca.AttentionBackend], config: LlamaConfig, num_tokens: i
                                  dtype=torch.bfloat16, device="cuda", max_seq_len_to_capture=max_seq_len_to_capture)
 
 
-def rows_8b(name: str, iters: int) -> list[dict]:
+def rows_8b(name: str, iters: int, quick: bool) -> list[dict]:
     config = LlamaConfig.llama3_8b()
     backend = ca.get_attn_backend(name)
     spec = _spec(backend, config, 64 * 1100 + 8 * 512, max_seq_len_to_capture=2048)
-    model = build_model(config, seed=0, backend=name, dtype=torch.bfloat16, device="cuda", init_device="cuda")
+    model = shared_model(config, name)  # the one e2e and the decode loop timed
     caches = [c.normal_() for c in allocate_kv_caches(config, backend, spec)]
+    capture_sizes, buckets = (QUICK_CAPTURE_SIZES, QUICK_BUCKETS) if quick else (None, BENCH_BUCKETS)
 
     def runner() -> CUDAGraphRunner:
-        return CUDAGraphRunner(model, backend, spec, caches, compile=True, piecewise=True,
-                               piecewise_sizes=BENCH_BUCKETS, progress=False)
+        return CUDAGraphRunner(model, backend, spec, caches, compile=True, capture_sizes=capture_sizes,
+                               piecewise=True, piecewise_sizes=buckets, progress=False)
 
     first = runner()
     stats = first.capture()
@@ -153,7 +160,7 @@ def rows_small_decode(name: str, iters: int) -> list[dict]:
     config, ctx = graphs_bench.CONFIG, graphs_bench.CONTEXT
     backend = ca.get_attn_backend(name)
     spec = _spec(backend, config, ctx, max_seq_len_to_capture=graphs_bench.MAX_SEQ_LEN_TO_CAPTURE)
-    model = build_model(config, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
+    model = build_model(config, seed=0, backend=name, dtype=torch.bfloat16, device="cuda", init_device="cuda")
     caches = [c.normal_() for c in allocate_kv_caches(config, backend, spec)]
     runner = CUDAGraphRunner(model, backend, spec, caches, compile=True, capture_sizes=[1], max_batch_size=1,
                              piecewise=True, piecewise_sizes=[1], progress=False)
@@ -176,8 +183,8 @@ def rows_small_decode(name: str, iters: int) -> list[dict]:
 
 
 def run(quick: bool, backends: tuple[str, ...] | None = None) -> list[dict]:
-    """Rows of the 16-layer decode comparison, then the 8B steps and captures, per backend (quick:
-    the first available of BACKENDS only)."""
+    """Rows of the 8B steps and captures, then the 16-layer decode comparison, per backend (quick:
+    the first available of BACKENDS only, fewer graphs captured: QUICK_CAPTURE_SIZES, QUICK_BUCKETS)."""
     iters = 20 if quick else 50
     rows = []
     for name in backends or BACKENDS:
@@ -186,10 +193,10 @@ def run(quick: bool, backends: tuple[str, ...] | None = None) -> list[dict]:
         except (ca.BackendUnavailableError, NotImplementedError) as e:
             log.info("piecewise_bench: skipping %s: %s", name, e)
             continue
-        rows += rows_small_decode(name, iters)
+        rows += rows_8b(name, iters, quick)  # first: the 8B model the bench's earlier suites built is still there
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-        rows += rows_8b(name, iters)
+        rows += rows_small_decode(name, iters)
         torch._dynamo.reset()
         torch.cuda.empty_cache()
         if quick:
