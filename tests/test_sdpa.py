@@ -185,8 +185,11 @@ def test_layers_of_one_forward_share_key_slots_per_window():
                                           sliding_window=window)
             name, _record = impl.register(1.0, 1.0, T.DECODER)
             outs.append(impl.run(batch.query, batch.key, batch.value, batch.kv_cache, T.DECODER, name))
-        slot_keys = [k for k in context._derived if k[0] == "torch_sdpa_slots"]
-    assert sorted((k[2], k[4]) for k in slot_keys) == [("decode", 0), ("decode", 5), ("prefill", 0), ("prefill", 5)]
+        made = sorted((k[2] if isinstance(k[2], str) else k[2][0], k[4]) for k in context._derived
+                      if k[0] == "torch_sdpa_slots")
+    # per window: the prefills' and decodes' slots, and the decodes' additive mask
+    assert made == [("decode", 0), ("decode", 5), ("decode bias", 0), ("decode bias", 5),
+                    ("prefill", 0), ("prefill", 5)]
     for window, out in zip(windows, outs, strict=True):
         assert rel_err(out, reference_forward(batch, sliding_window=window)) <= 1e-5
     assert not torch.equal(outs[0], outs[1])  # the window changes the output of these lengths

@@ -9,7 +9,8 @@ computes the scores explicitly, in fp32.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,8 @@ from compiled_attn.abstract import AttentionMetadata, AttentionType
 from compiled_attn.forward_context import get_forward_context
 from compiled_attn.ops.common import alibi_bias, checked_step
 from compiled_attn.ops.library import define_attention_op, register_fake
+
+T = TypeVar("T")
 
 
 def valid_keys(kv_len: torch.Tensor, first_q_pos: torch.Tensor, width: int, sliding_window: int) -> torch.Tensor:
@@ -49,6 +52,13 @@ def key_slots(
     return torch.where(valid, slot, newest), valid
 
 
+def additive_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool `valid` [B, Lk] as SDPA's additive mask [B, 1, 1, Lk]: 0 where valid, -inf elsewhere
+    (what SDPA would make of the bool mask itself, in every layer)."""
+    bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
+    return bias[:, None, None]
+
+
 def gather_keys(cache: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """[num_blocks, block_size, H, D] read at `slot` [B, L] -> [B, L, H, D]."""
     flat = cache.view(-1, *cache.shape[2:])
@@ -66,11 +76,14 @@ def attend(
     sliding_window: int,
     logits_soft_cap: float,
     alibi_slopes: torch.Tensor | None,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a padded batch.
 
     q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D], finite everywhere; valid: bool [B, Lk], the keys
     each request may see (`key_slots`); q_pos: int64 [B, Lq] query positions in the key sequence.
+    key_bias: `valid` as an additive mask in q's dtype (`additive_mask`), made once per forward,
+    which the one-query SDPA path (no ALiBi, no soft-cap) takes instead of converting `valid`.
     Returns [B, Lq, Hq, D].
 
     The query heads of one KV head go in as rows of one SDPA head ([B, Hkv, G * Lq, D]), so
@@ -100,7 +113,8 @@ def attend(
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, Lk, D]
     if logits_soft_cap <= 0:
         if rel is None:
-            attn_mask = mask[:, :, 0]  # [B, 1, 1, Lk]: the same keys for every row
+            # [B, 1, 1, Lk]: the same keys for every row
+            attn_mask = mask[:, :, 0] if key_bias is None else key_bias
         else:
             attn_mask = mask.expand(batch, 1, group, lq, lk)
             if alibi_slopes is not None:
@@ -168,18 +182,22 @@ def torch_sdpa_attention(
         q_pos = (md.seq_lens_tensor[p:, None] - 1).to(torch.int64)
         slot, valid = slots_once(md, "decode", cross, window, query.is_cuda, lambda: key_slots(
             tables[p:], kv_lens[p:], q_pos[:, 0], md.block_size, window))
+        bias = None
+        if opts["alibi_slopes"] is None and not opts["logits_soft_cap"]:
+            bias = slots_once(md, ("decode bias", query.dtype), cross, window, query.is_cuda,
+                              lambda: additive_mask(valid, query.dtype))
         q = query[n_pre:, None]  # [num_decodes, 1, H, D]
         out = attend(q, gather_keys(kv_cache[0], slot), gather_keys(kv_cache[1], slot), valid, q_pos,
-                     not cross, **opts)
+                     not cross, **opts, key_bias=bias)
         output[n_pre:] = out[:, 0]
 
 
-def slots_once(md: AttentionMetadata, part: str, cross: bool, window: int, cuda: bool,
-               make: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`key_slots` of one part of the step (prefills or decodes), made by the first layer that
-    needs them in this forward and shared by the others (layers of another window or attention
-    type make their own). A CUDA graph captured inside the forward context makes its own: its
-    kernels must be in the graph, not read from a tensor computed before the capture.
+def slots_once(md: AttentionMetadata, part: Hashable, cross: bool, window: int, cuda: bool, make: Callable[[], T]) -> T:
+    """What `make` derives from one part of the step (`key_slots` of the prefills or decodes, the
+    decodes' `additive_mask`), made by the first layer that needs it in this forward and shared
+    by the others (layers of another window or attention type make their own). A CUDA graph
+    captured inside the forward context makes its own: its kernels must be in the graph, not
+    read from a tensor computed before the capture.
     """
     capturing = cuda and torch.cuda.is_current_stream_capturing()
     return get_forward_context().derived(("torch_sdpa_slots", id(md), part, cross, window, capturing), make)
