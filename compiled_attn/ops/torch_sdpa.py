@@ -86,9 +86,9 @@ def attend(
     which the one-query SDPA path (no ALiBi, no soft-cap) takes instead of converting `valid`.
     Returns [B, Lq, Hq, D].
 
-    The query heads of one KV head go in as rows of one SDPA head ([B, Hkv, G * Lq, D]), so
-    K/V are read once per KV head by the fused kernels, which take neither `enable_gqa` nor a
-    mask at once everywhere.
+    The query heads of one KV head go in as rows of one SDPA head ([B, Hkv, G * Lq, D]): K/V
+    are never repeated per query head, and any fused SDPA kernel that takes a mask can serve
+    the call (no `enable_gqa` needed).
     """
     batch, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
