@@ -216,3 +216,22 @@ def test_context_is_restored_on_every_exit(exit_by):
             pass
         assert ca.get_forward_context().attn_metadata is outer
     assert no_context()
+
+
+def test_derived_is_made_once_per_context_and_again_in_the_next():
+    md = SDPA.get_builder_cls()(
+        ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_size=8, block_size=BS, num_blocks=NB,
+                         dtype=torch.float32, device="cpu")).build([3], [3], [[0]])
+    made = []
+
+    def make() -> torch.Tensor:
+        made.append(torch.randn(4))
+        return made[-1]
+
+    with ca.set_forward_context(md) as first:
+        a, b = first.derived("k", make), first.derived("k", make)
+        other = first.derived("other", make)
+    with ca.set_forward_context(md) as second:
+        c = second.derived("k", make)
+    assert a is b and len(made) == 3  # "k" once per context, "other" once
+    assert other is made[1] and c is made[2] and not torch.equal(a, c)
