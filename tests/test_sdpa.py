@@ -186,7 +186,7 @@ def test_layers_of_one_forward_share_key_slots_per_window():
             name, _record = impl.register(1.0, 1.0, T.DECODER)
             outs.append(impl.run(batch.query, batch.key, batch.value, batch.kv_cache, T.DECODER, name))
         made = sorted((k[2] if isinstance(k[2], str) else k[2][0], k[4]) for k in context._derived
-                      if k[0] == "torch_sdpa_slots")
+                      if k[0] == "torch_sdpa")
     # per window: the prefills' and decodes' slots, and the decodes' additive mask
     assert made == [("decode", 0), ("decode", 5), ("decode bias", 0), ("decode bias", 5),
                     ("prefill", 0), ("prefill", 5)]

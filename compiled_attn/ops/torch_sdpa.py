@@ -163,7 +163,8 @@ def torch_sdpa_attention(
         q_pos = md.encoder_q_pos if encoder else md.prefill_q_pos
         flat = md.encoder_flat_index if encoder else md.prefill_flat_index
         # Pad rows of `index` repeat a request's first token: key and value are finite everywhere.
-        valid = valid_keys(lens, q_pos[:, 0], index.shape[1], window)
+        valid = once_per_forward(md, kind.value, False, window, query.is_cuda,
+                                 lambda: valid_keys(lens, q_pos[:, 0], index.shape[1], window))
         out = attend(query[index], key[index], value[index], valid, q_pos, False, **opts)
         output.copy_(out.flatten(0, 1)[flat])
         return
@@ -172,7 +173,7 @@ def torch_sdpa_attention(
     kv_lens = md.encoder_seq_lens_tensor if cross else md.seq_lens_tensor
     p, n_pre = md.num_prefills, md.num_prefill_tokens
     if p:
-        slot, valid = slots_once(md, "prefill", cross, window, query.is_cuda, lambda: key_slots(
+        slot, valid = once_per_forward(md, "prefill", cross, window, query.is_cuda, lambda: key_slots(
             tables[:p], kv_lens[:p], md.prefill_q_pos[:, 0], md.block_size, window))
         q = query[md.prefill_token_index]
         out = attend(q, gather_keys(kv_cache[0], slot), gather_keys(kv_cache[1], slot), valid,
@@ -180,11 +181,11 @@ def torch_sdpa_attention(
         output[:n_pre] = out.flatten(0, 1)[md.prefill_flat_index]
     if md.num_decodes:
         q_pos = (md.seq_lens_tensor[p:, None] - 1).to(torch.int64)
-        slot, valid = slots_once(md, "decode", cross, window, query.is_cuda, lambda: key_slots(
+        slot, valid = once_per_forward(md, "decode", cross, window, query.is_cuda, lambda: key_slots(
             tables[p:], kv_lens[p:], q_pos[:, 0], md.block_size, window))
         bias = None
         if opts["alibi_slopes"] is None and not opts["logits_soft_cap"]:
-            bias = slots_once(md, ("decode bias", query.dtype), cross, window, query.is_cuda,
+            bias = once_per_forward(md, ("decode bias", query.dtype), cross, window, query.is_cuda,
                               lambda: additive_mask(valid, query.dtype))
         q = query[n_pre:, None]  # [num_decodes, 1, H, D]
         out = attend(q, gather_keys(kv_cache[0], slot), gather_keys(kv_cache[1], slot), valid, q_pos,
@@ -192,15 +193,16 @@ def torch_sdpa_attention(
         output[n_pre:] = out[:, 0]
 
 
-def slots_once(md: AttentionMetadata, part: Hashable, cross: bool, window: int, cuda: bool, make: Callable[[], T]) -> T:
+def once_per_forward(md: AttentionMetadata, part: Hashable, cross: bool, window: int, cuda: bool,
+                     make: Callable[[], T]) -> T:
     """What `make` derives from one part of the step (`key_slots` of the prefills or decodes, the
-    decodes' `additive_mask`), made by the first layer that needs it in this forward and shared
-    by the others (layers of another window or attention type make their own). A CUDA graph
-    captured inside the forward context makes its own: its kernels must be in the graph, not
-    read from a tensor computed before the capture.
+    decodes' `additive_mask`, the encoder tokens' `valid_keys`), made by the first layer that
+    needs it in this forward and shared by the others (layers of another window or attention
+    type make their own). A CUDA graph captured inside the forward context makes its own: its
+    kernels must be in the graph, not read from a tensor computed before the capture.
     """
     capturing = cuda and torch.cuda.is_current_stream_capturing()
-    return get_forward_context().derived(("torch_sdpa_slots", id(md), part, cross, window, capturing), make)
+    return get_forward_context().derived(("torch_sdpa", id(md), part, cross, window, capturing), make)
 
 
 @register_fake("torch_sdpa_attention")
