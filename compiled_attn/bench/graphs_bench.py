@@ -2,7 +2,7 @@
 
 Latency: the reference model with 16 layers, hidden 1024 (16 query / 4 KV heads, head 64),
 vocab 32000, bf16, every request at `CONTEXT` tokens, batch 1 / 8 / 64, for each backend
-available here. "eager" and "compiled" call the model under `set_forward_context`;
+available here (quick: the first one). "eager" and "compiled" call the model under `set_forward_context`;
 "compiled+graph" is `CUDAGraphRunner.run` (metadata copy into the static buffers, replay and
 the logits clone: what a server pays per step); "reduce-overhead" (first backend only) is
 `torch.compile(mode="reduce-overhead")`, PyTorch's CUDA graphs between our ops (which it keeps
@@ -146,6 +146,8 @@ def run(quick: bool) -> list[dict]:
     sizes = QUICK_CAPTURE_SIZES if quick else DEFAULT_CAPTURE_SIZES
     rows = []
     for backend in BACKEND_CLASSES().values():
+        if quick and rows:  # each backend's rows cost two 16-layer compiles; the GPU tests check them all
+            break
         # reduce-overhead for the first backend that runs only: one more compile per backend
         rows += _latency_rows(backend, iters, with_reduce_overhead=not rows)
         torch._dynamo.reset()  # drop the compiled graphs (they hold the model)
