@@ -173,8 +173,11 @@ class VocabParallelEmbedding(nn.Embedding):
         return full[self.start : self.stop]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # F.embedding with the weight alone: nn.Embedding.forward passes its float norm_type,
+        # which torch.compile(dynamic=True) first traces as a symbolic float and then, finding
+        # it cannot stay one, re-traces the whole model to specialize it (twice the trace time).
         if self.tp.group_name is None:
-            return super().forward(input_ids)
+            return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.start) & (input_ids < self.stop)
         local_ids = torch.where(mine, input_ids - self.start, 0)  # row 0 stands in; masked below
         x = F.embedding(local_ids, self.weight).masked_fill(~mine[:, None], 0)
