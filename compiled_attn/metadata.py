@@ -27,6 +27,7 @@ from compiled_attn.validation import (
     check_device_available,
     check_total,
     check_written_blocks,
+    int_array,
     int_list,
     needed_table,
     rolled_blocks,
@@ -91,6 +92,9 @@ class CommonMetadata(AttentionMetadata):
         self._builder: CommonMetadataBuilder | None = None
         # the checked block ids each request reads, flat in request order (for page layouts)
         self._needed_block_ids: np.ndarray | None = None
+        # the int32 host arrays the device fields were copied from, by field name: backends' own
+        # host work reads them rather than converting the python lists again
+        self._host: dict[str, np.ndarray] = {}
 
     @property
     def num_seqs(self) -> int:
@@ -144,13 +148,15 @@ def split_prefills(seq_lens: list[int] | np.ndarray, query_lens: list[int] | np.
     if len(seq_lens) != len(query_lens):
         raise ValueError(f"len(seq_lens)={len(seq_lens)} != len(query_lens)={len(query_lens)}")
     s, q = np.asarray(seq_lens, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
+    decode = (q == 1) & (s > 1)
+    if decode.all():  # a decode step (the common one): valid lengths, nothing out of order
+        return 0
     bad = (q < 1) | (s < q)
     if bad.any():
         i = int(np.argmax(bad))
         if q[i] < 1:
             raise ValueError(f"request {i}: query_len={q[i]} < 1")
         raise ValueError(f"request {i}: seq_len={s[i]} < query_len={q[i]}")
-    decode = (q == 1) & (s > 1)
     num_prefills = int(np.argmax(decode)) if decode.any() else len(seq_lens)
     late = ~decode[num_prefills:]
     if late.any():
@@ -169,9 +175,12 @@ def slots_for(tables: np.ndarray, starts: np.ndarray, ends: np.ndarray, block_si
     positions' blocks."""
     starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
     counts = ends - starts
-    request = np.repeat(np.arange(counts.size), counts)
-    offset = np.arange(request.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    pos = starts[request] + offset
+    if counts.size and bool((counts == 1).all()):  # decodes: one position per request, nothing to repeat
+        request, pos = np.arange(counts.size), starts
+    else:
+        request = np.repeat(np.arange(counts.size), counts)
+        offset = np.arange(request.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        pos = starts[request] + offset
     return tables[request, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
 
@@ -190,7 +199,7 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(a).to(device, non_blocking=True)
 
 
-def prefix_sums(lens: list[int]) -> np.ndarray:
+def prefix_sums(lens: list[int] | np.ndarray) -> np.ndarray:
     out = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(lens, out=out[1:])
     return out
@@ -251,8 +260,8 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         list of per-request lists, or one 2-D int array [num_seqs, >= blocks needed] (entries past
         a request's need are ignored): the array form does no per-element Python work."""
         spec = self.spec
-        seq_lens, query_lens = int_list(seq_lens, "seq_lens"), int_list(query_lens, "query_lens")
-        seq_a, query_a = np.asarray(seq_lens, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
+        seq_a, query_a = int_array(seq_lens, "seq_lens"), int_array(query_lens, "query_lens")
+        seq_lens, query_lens = seq_a.tolist(), query_a.tolist()
         num_prefills = split_prefills(seq_a, query_a)
         check_total(query_lens, "query_lens")
         starts = seq_a - query_a
@@ -280,7 +289,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         int32_parts = {
             "seq_lens_tensor": seq_a.astype(np.int32),
             "context_lens_tensor": starts.astype(np.int32),
-            "query_start_loc": prefix_sums(query_lens),
+            "query_start_loc": prefix_sums(query_a),
         }
         int64_parts = {"slot_mapping": slot_mapping}
         tables = {"block_tables": table}  # ids checked: int32 holds them
@@ -304,8 +313,8 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
             seq_lens=seq_lens,
             query_lens=query_lens,
             block_tables_list=_host_tables(block_tables, len(seq_lens)) if uses_cache else [[] for _ in seq_lens],
-            max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
+            max_query_len=int(query_a.max(initial=0)),
+            max_seq_len=int(seq_a.max(initial=0)),
             backend_name=self.backend_name,
             block_size=spec.block_size,
             num_blocks=spec.num_blocks,
@@ -319,6 +328,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         )
         md._builder = self
         md._needed_block_ids = ids
+        md._host = int32_parts
         return md
 
     def _scratch(self) -> np.ndarray:
@@ -377,8 +387,11 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         # One host->device copy per dtype for the common fields instead of one per field (~10 us each).
         out: dict[str, torch.Tensor] = {}
         for parts, dtype in ((int32_parts, np.int32), (int64_parts, np.int64)):
-            flat = np.concatenate([a.reshape(-1) for a in parts.values()]).astype(dtype, copy=False)
-            dev = to_device(flat, self.device)
+            if not parts:
+                continue
+            arrays = [a.reshape(-1) for a in parts.values()]
+            flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+            dev = to_device(flat.astype(dtype, copy=False), self.device)
             offset = 0
             for name, a in parts.items():
                 out[name] = dev[offset : offset + a.size]

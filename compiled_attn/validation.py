@@ -249,6 +249,19 @@ def int_list(values: object, what: str) -> list[int]:
     return list(out)
 
 
+def int_array(values: object, what: str) -> np.ndarray:
+    """`int_list`'s checks, returning int64 numpy (may be `values` itself): an int array or CPU
+    tensor is checked as an array (no per-element Python), anything else through `int_list`."""
+    if isinstance(values, torch.Tensor) and not values.is_cuda and not (
+            values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool):
+        values = values.numpy()
+    if not (isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in INT_DTYPE_KINDS):
+        return np.array(int_list(values, what), dtype=np.int64)
+    if values.size and (values.max() > INT32_MAX or values.min() < -INT32_MAX):
+        int_list(values, what)  # raises, naming the value
+    return values.astype(np.int64, copy=False)
+
+
 def check_total(lens: list[int], what: str) -> None:
     """Prefix sums of `lens` are int32 on the device."""
     if sum(lens) > INT32_MAX:
@@ -323,17 +336,22 @@ def check_block_ids(ids: np.ndarray, row_ends: np.ndarray, num_blocks: int, what
     page faults each step)."""
     if not ids.size:
         return False
-    if int(ids.min()) < 0 or int(ids.max()) >= num_blocks:
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= num_blocks:
         k = int(np.argmax((ids < 0) | (ids >= num_blocks)))
         raise ValueError(f"{what}[{_row_of(k, row_ends)}] names block {ids[k]}, outside the cache's "
                          f"0..{num_blocks - 1}")
+    ids = ids.astype(np.intp, copy=False)  # in range: one conversion, not one inside each scatter
     # O(n) first: mark each named block in a bitmap; fewer marks than entries means a block is
-    # named twice. Byte-wide marks scatter 4-6x faster than the entries' int64 indices did
-    # (256 requests x 257 blocks: 0.2-0.4 ms against 1.4 ms on a 2-core machine). Only then the sort.
+    # named twice. Byte-wide marks scatter 4-6x faster than the entries' int64 indices did. The
+    # scatter is the cost (~1.5 ns an entry, 256 requests x 257 blocks: ~0.1 ms on a 2-core
+    # machine), so the marks are counted and cleared over bytes lo..hi at memory speed (~50x
+    # cheaper per byte) rather than scattered back. Only then the sort.
     seen = np.zeros(num_blocks, dtype=bool) if scratch is None else scratch
     seen[ids] = True
-    distinct = int(np.count_nonzero(seen[:num_blocks]))
-    seen[ids] = False
+    marked = seen[lo : hi + 1]
+    distinct = int(np.count_nonzero(marked))
+    marked.fill(False)
     if distinct == ids.size:
         return False
     uniq, counts = np.unique(ids, return_counts=True)
@@ -357,7 +375,8 @@ def needed_table(block_tables: object, lens: np.ndarray, block_size: int, what: 
                  rolled: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every request's needed blocks (the first ceil(len / block_size) of its table) as
     (padded int32 [num_seqs, max(1, max need)] with block 0 past each need, the needed ids
-    int64 flat in request order, row_ends int64 [num_seqs]: cumulative ids per request).
+    flat in request order, row_ends int64 [num_seqs]: cumulative ids per request). The ids are
+    int64 from lists and keep an array's int dtype (`live_entries`); `check_block_ids` takes both.
 
     `block_tables`: a list of per-request lists (or arrays), or one 2-D integer array / CPU
     tensor [num_seqs, >= max need] (no per-element Python work: what a server keeps). Entries
@@ -385,16 +404,19 @@ def rolled_blocks(starts: np.ndarray, sliding_window: int, block_size: int) -> n
 
 def live_entries(table: np.ndarray, need: np.ndarray,
                  rolled: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(table as int32 with block 0 outside each row's live entries, the live ids int64 flat in
-    row order) of an int table [num_seqs, width] whose row i reads entries rolled[i]..need[i]-1
-    (rolled None: from 0)."""
+    """(table as int32 with block 0 outside each row's live entries, the live ids flat in row
+    order, in the table's dtype) of an int table [num_seqs, width] whose row i reads entries
+    rolled[i]..need[i]-1 (rolled None: from 0)."""
     if rolled is None and need.size and bool((need == table.shape[1]).all()):  # every row full: no mask
-        return table.astype(np.int32), table.reshape(-1).astype(np.int64, copy=False)
+        padded = table.astype(np.int32)
+        # ids in the table's own dtype, so that a wider one is range-checked before it is narrowed;
+        # an int32 table's are the copy's (no second copy, and never a view of the caller's array)
+        return padded, padded.reshape(-1) if table.dtype == np.int32 else table.reshape(-1)
     cols = np.arange(table.shape[1])[None, :]
     live = cols < need[:, None]
     if rolled is not None:
         live &= cols >= rolled[:, None]
-    return np.where(live, table, 0).astype(np.int32, copy=False), table[live].astype(np.int64, copy=False)
+    return np.where(live, table, 0).astype(np.int32, copy=False), table[live]
 
 
 def _table_array(tables: np.ndarray | torch.Tensor, need: np.ndarray, what: str) -> np.ndarray:

@@ -212,3 +212,50 @@ def test_bad_array_tables_raise_before_anything_is_built(tables, match):
     table = np.array([[3, 4, 5, 17], [6, 7, 8, 19]], dtype=np.int32)
     with pytest.raises(ValueError, match=match):
         builder().build(seq, query, tables(table))
+
+
+@pytest.mark.parametrize("backend_name", ["TORCH_SDPA", "FLASHINFER", "XFORMERS"])
+def test_decode_step_of_full_tables_builds_what_lists_build(backend_name):
+    # every entry of every row is read: the builder's no-mask paths (one slot per decode, the
+    # table copied whole, FlashInfer's page list read off the device table)
+    bs = 64 if backend_name == "XFORMERS" else BS
+    spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=bs, num_blocks=NB,
+                            dtype=torch.bfloat16, device="cpu")
+    b = ca.registry.BACKEND_CLASSES()[backend_name].get_builder_cls()(spec)
+    seq = np.array([3 * bs, 2 * bs + 1, 3 * bs - 1])  # three blocks each
+    table = np.random.default_rng(3).permutation(NB)[:9].reshape(3, 3).astype(np.int32)
+    want = b.build(seq.tolist(), [1, 1, 1], table.tolist())
+    last = seq - 1  # each decode writes its last position
+    assert want.slot_mapping.tolist() == (table[np.arange(3), last // bs] * bs + last % bs).tolist()
+    as_tensors = (torch.from_numpy(seq), torch.ones(3, dtype=torch.int64), torch.from_numpy(table).long())
+    for lens, query, tables in ((seq, np.ones(3, int), table), as_tensors):
+        got = b.build(lens, query, tables)
+        _same_metadata(got, want)
+        if backend_name == "FLASHINFER":
+            assert got.paged_kv_indices.tolist() == table.reshape(-1).tolist()
+    got = b.build(seq, np.ones(3, int), table)
+    table[:] = 0  # the metadata holds copies: the caller may reuse its table at once
+    _same_metadata(got, want)
+    if backend_name == "FLASHINFER":
+        assert torch.equal(got.paged_kv_indices, want.paged_kv_indices)
+
+
+def test_a_refused_step_leaves_the_duplicate_check_exact():
+    # the check marks blocks in a bitmap the builder keeps: a mark left behind by a refused step
+    # (block 3 here) would make the next step's marks as many as its entries, hiding its duplicate
+    b = builder()
+    for table, block in (([[3, 3, 4]], 3), ([[2, 4, 4]], 4)):
+        with pytest.raises(ValueError, match=f"names block {block} twice"):
+            b.build(np.array([9]), np.array([1]), np.array(table))
+    for bad in ([[3, 4, NB]], [[-1, 4, 5]]):  # refused before any mark
+        with pytest.raises(ValueError, match="outside the cache"):
+            b.build(np.array([9]), np.array([1]), np.array(bad))
+    assert b.build(np.array([9]), np.array([1]), np.array([[3, 4, 5]])).block_tables.tolist() == [[3, 4, 5]]
+
+
+@pytest.mark.parametrize("lens", [np.array([9, 2**40]), torch.tensor([9, 2**40])], ids=["numpy", "tensor"])
+def test_array_lengths_past_int32_raise_like_lists(lens):
+    with pytest.raises(ValueError, match=r"seq_lens must hold ints within int32 .* got 1099511627776"):
+        builder().build(lens, [1, 1], [[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(ValueError, match=r"seq_lens must hold ints within int32 .* got 1099511627776"):
+        builder().build(lens.tolist(), [1, 1], [[1, 2, 3], [4, 5, 6]])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -171,23 +172,22 @@ class FlashInferMetadata(CommonMetadata):
 
 
 def paged_kv_layout(
-    seq_lens: list[int], needed_ids: np.ndarray, block_size: int, rolled: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """FlashInfer's page CSR for requests of `seq_lens` tokens: (indptr, indices, last_page_len).
+    seq_lens: np.ndarray, block_size: int, rolled: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """FlashInfer's page CSR for requests of `seq_lens` tokens, less the pages: (indptr,
+    last_page_len). The indices are each request's first ceil(seq_len / block_size) blocks less
+    its first rolled[i] (rolling tables), flat in request order (what the builder checked).
 
-    needed_ids: each request's first ceil(seq_len / block_size) blocks less its first rolled[i]
-    (rolling tables), flat in request order (what the builder checked). indptr int32 [n + 1];
-    indices int32 [indptr[-1]]; last_page_len int32 [n] in 1..block_size. A rolled request's
-    pages start at its first block in the window: FlashInfer aligns the queries with the end of
-    the keys, so causality and window_left hold over the shorter key run (and it reads less).
+    indptr int32 [n + 1]; last_page_len int32 [n] in 1..block_size. A rolled request's pages
+    start at its first block in the window: FlashInfer aligns the queries with the end of the
+    keys, so causality and window_left hold over the shorter key run (and it reads less).
     """
-    seq = np.asarray(seq_lens, dtype=np.int64)
+    seq = seq_lens.astype(np.int64)
     pages = -(-seq // block_size)
     last = seq - (pages - 1) * block_size
     if rolled is not None:
         pages = pages - rolled
-    indptr = prefix_sums(pages)
-    return indptr, needed_ids.astype(np.int32), last.astype(np.int32)
+    return prefix_sums(pages), last.astype(np.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,12 +325,19 @@ class StepPlan(_PlanChecks):
     def __init__(self, pool: _WrapperPool, md: FlashInferMetadata, turn: int) -> None:
         self.spec = pool.spec
         self._pool = pool
-        self._md = md
+        # weak: the metadata owns its plan, and a reference back would make each step's metadata
+        # (~1 MB of host arrays at 256 requests x 4K tokens) cyclic garbage that only the
+        # collector frees, so later builds fault in fresh pages (~30 a step)
+        self._md_ref = weakref.ref(md)
         self._turn = turn
         if self.spec.attn_type == AttentionType.ENCODER_ONLY:
             self._kinds = ("ragged",) if md.num_tokens else ()
         else:
             self._kinds = tuple(k for k, n in (("prefill", md.num_prefills), ("decode", md.num_decodes)) if n)
+
+    @property
+    def _md(self) -> FlashInferMetadata:
+        return self._md_ref()  # alive: a plan runs through its metadata's step_plan
 
     def ensure_planned(self) -> None:
         for kind in self._kinds:
@@ -401,16 +408,23 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
         cross_block_tables: list[list[int]] | None = None,
     ) -> FlashInferMetadata:
         md = super().build(seq_lens, query_lens, block_tables, encoder_seq_lens, cross_block_tables)
-        md.qo_indptr = torch.from_numpy(prefix_sums(md.query_lens))
+        md.qo_indptr = torch.from_numpy(md._host["query_start_loc"])
         if self.spec.attn_type == AttentionType.DECODER:
-            indptr, indices, last = paged_kv_layout(md.seq_lens, md._needed_block_ids, self.spec.block_size,
-                                                  md.rolled_blocks)
+            indptr, last = paged_kv_layout(md._host["seq_lens_tensor"], self.spec.block_size, md.rolled_blocks)
             md.paged_kv_indptr = torch.from_numpy(indptr)
-            md.paged_kv_indices = to_device(indices, self.device)
+            md.paged_kv_indices = self._page_list(md, int(indptr[-1]))
             md.paged_kv_last_page_len = torch.from_numpy(last)
         md.step_plan = StepPlan(self._pool, md, self._turn)
         self._turn += 1
         return md
+
+    def _page_list(self, md: FlashInferMetadata, num_pages: int) -> torch.Tensor:
+        """The pages of every request in order, on the device. When every table entry is live
+        (full tables: what a decode batch of one length has) that is the device table read row by
+        row, so no second copy of it is made."""
+        if num_pages == md.block_tables.numel():
+            return md.block_tables.view(-1)
+        return to_device(md._needed_block_ids.astype(np.int32), self.device)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -174,7 +174,7 @@ def decode_bias(
             q_seqinfo=q_info, k_seqinfo=k_info, block_tables=block_tables, page_size=block_size
         )
     k_info = ab._PaddedSeqLenInfo(
-        seqstart=q_start, max_seqlen=pad, min_seqlen=0, seqstart_py=[i * pad for i in range(n + 1)],
+        seqstart=q_start, max_seqlen=pad, min_seqlen=0, seqstart_py=list(range(0, (n + 1) * pad, pad)),
         seqlen=seq_lens, seqlen_py=[pad] * n, padding=pad,
     )  # seqstart is never read for paged keys (pages are found through block_tables)
     cls = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask if causal else ab.PagedBlockDiagonalPaddedKeysMask
@@ -210,10 +210,11 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
         uses_cache = spec.attn_type not in CACHELESS_TYPES
         pre_seq, pre_q = md.seq_lens[:p], md.query_lens[:p]
         md.prefill_fresh = all(s == q for s, q in zip(pre_seq, pre_q, strict=True))
-        int32_parts: dict[str, np.ndarray] = {
-            "decode_q_start": np.arange(md.num_decodes + 1, dtype=np.int32),
-            "prefill_k_start": prefix_sums(pre_seq),
-        }
+        int32_parts: dict[str, np.ndarray] = {}
+        if p:  # without prefills every query is a decode's one token: query_start_loc is 0..n already
+            int32_parts["decode_q_start"] = np.arange(md.num_decodes + 1, dtype=np.int32)
+        if not md.prefill_fresh:
+            int32_parts["prefill_k_start"] = prefix_sums(pre_seq)
         int64_parts: dict[str, np.ndarray] = {}
         if uses_cache and not md.prefill_fresh:
             int64_parts["prefill_kv_slots"] = slots_for(md.block_tables_host[:p], [0] * p, pre_seq, bs)
@@ -227,10 +228,9 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
             if md.cross_block_tables_host is not None:
                 enc = md.encoder_seq_lens
                 int64_parts["alibi_cross_slots"] = slots_for(md.cross_block_tables_host, [0] * len(enc), enc, bs)
-        tensors = self._to_device(int32_parts, int64_parts or {"none": np.zeros(0, np.int64)}, {})
-        md._decode_q_start = tensors.pop("decode_q_start")
-        md._prefill_k_start = tensors.pop("prefill_k_start")
-        tensors.pop("none", None)
+        tensors = self._to_device(int32_parts, int64_parts, {})
+        md._decode_q_start = tensors.pop("decode_q_start", md.query_start_loc)
+        md._prefill_k_start = tensors.pop("prefill_k_start", None)
         for name, t in tensors.items():
             setattr(md, name, t)
 
