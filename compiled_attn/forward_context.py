@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from compiled_attn.abstract import AttentionImpl, AttentionMetadata, AttentionType
 from compiled_attn.groups import GroupedMetadata
+from compiled_attn.validation import CheckedKind, StepFacts
 
 T = TypeVar("T")
 
@@ -35,6 +36,8 @@ class ForwardContext:
     attn_metadata: AttentionMetadata  # one builder's, or a GroupedMetadata of one per layer group
     # What ops derive from the metadata once per forward and share across layers (`derived`)
     _derived: dict[Hashable, Any] = field(default_factory=dict, repr=False)
+    # What the ops' checks read of each group's metadata, once per forward (`step_facts`)
+    _steps: dict[str | None, StepFacts] = field(default_factory=dict, repr=False)
 
     def derived(self, key: Hashable, make: Callable[[], T]) -> T:
         """`make()` the first time `key` is asked for in this context, the same object after: for
@@ -49,6 +52,14 @@ class ForwardContext:
         every layer, grouped or not, when the step has a single group)."""
         md = self.attn_metadata
         return md.for_group(group) if isinstance(md, GroupedMetadata) else md
+
+    def step_facts(self, group: str | None) -> StepFacts:
+        """`metadata_for(group)` with what every op checks of it (`validation.StepFacts`), read by
+        the first op of the forward that asks and kept for the others."""
+        step = self._steps.get(group)
+        if step is None:
+            step = self._steps[group] = StepFacts(self.metadata_for(group))
+        return step
 
 
 _forward_context: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
@@ -100,7 +111,7 @@ def get_forward_context() -> ForwardContext:
 class LayerCall:
     """What an op needs to know about the layer calling it, besides tensors and metadata.
 
-    `checked_kinds`: the kinds of call whose static checks this layer passed
+    `checked_kinds`: the kinds of call whose static checks this layer passed, latest first
     (`validation.check_layer_call`), so that its ops check only the per-step rest.
     `group`: the layer group whose metadata the ops read from a grouped forward context.
     """
@@ -110,23 +121,26 @@ class LayerCall:
     v_scale: float
     attn_type: AttentionType
     group: str | None = None
-    checked_kinds: dict[tuple, object] = field(default_factory=dict, repr=False)
+    checked_kinds: list[CheckedKind] = field(default_factory=list, repr=False)
 
 
-_layers: weakref.WeakValueDictionary[str, LayerCall] = weakref.WeakValueDictionary()
+# name -> the layer, weakly (a WeakValueDictionary's lookup costs 3x a dict's and a call, per op)
+_layers: dict[str, weakref.ref[LayerCall]] = {}
 _layer_ids = itertools.count()
 
 
 def register_layer(call: LayerCall) -> str:
-    """Register `call` under a new unique name; the caller keeps `call` alive (weakly held here)."""
+    """Register `call` under a new unique name; the caller keeps `call` alive (weakly held here:
+    the name goes when the record dies)."""
     name = f"{type(call.impl).__name__}.{call.attn_type.value}.{next(_layer_ids)}"
-    _layers[name] = call
+    _layers[name] = weakref.ref(call, lambda _, name=name: _layers.pop(name, None))
     return name
 
 
 def get_layer(name: str) -> LayerCall:
     """The registered layer `name`; RuntimeError if it was garbage-collected or never made."""
-    call = _layers.get(name)
+    ref = _layers.get(name)
+    call = None if ref is None else ref()
     if call is None:
         raise RuntimeError(
             f"no attention layer named {name!r} is alive: ops take the name of a live "

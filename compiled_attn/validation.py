@@ -16,12 +16,12 @@ runner's graph path                         buffers are refilled (a replay check
 copy_blocks / swap_blocks                   `check_block_cache`, `check_block_pairs`
 ==========================================  ====================================================
 
-Inside the ops, what depends only on the layer and the `call_kind` (metadata class, backend and
-spec; each tensor's dtype, device and trailing shape; the cache's shape) is checked the first time
-a layer meets that kind and remembered per layer (`check_layer_call`); every call checks what
-changes per step (rows against the step's tokens, what the attention type needs of the
-metadata). No check reads device memory (shapes, dtypes, devices and host values only), so none
-syncs the device.
+Inside the ops, what depends only on the layer and the kind of call (`CheckedKind`: the
+metadata's class, backend, spec and cache geometry; the dtype and device; the cache) is checked
+the first time a layer meets that kind and remembered per layer (`check_layer_call`); what the
+metadata asks of a step's tensors is read once per forward (`StepFacts`); every call compares
+only identities and each tensor's shape, dtype and device against them. No check reads device
+memory (shapes, dtypes, devices and host values only), so none syncs the device.
 
 Errors: ValueError for invalid input (whatever its Python type: a float, string, tensor or None
 where an int belongs is a ValueError too, never a TypeError from deep inside), NotImplementedError
@@ -34,8 +34,9 @@ import itertools
 import math
 import numbers
 import operator
+import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -595,7 +596,7 @@ def check_step(
     """Everything about one layer call that needs the metadata, checked before the op writes or
     reads anything: which builder made `md`, the layer against its spec, each tensor's trailing
     shape, dtype and device, the cache's shape and layout, what the backend planned from the
-    spec (`impl.check_matches_metadata`) — all fixed by the layer and the `call_kind` — then the
+    spec (`impl.check_matches_metadata`) — all fixed by the layer and the kind of call — then the
     rows against the step's tokens (`check_step_rows`). query: [num_tokens, num_heads,
     head_size], key/value: [num_tokens, num_kv_heads, head_size] or None (the ops' views). Host
     values only: runs inside the ops, where the metadata is, at run time (`check_layer_call`)."""
@@ -632,28 +633,34 @@ def check_step(
     check_step_rows(attn_type, md, query, key, value)
 
 
-def check_step_rows(attn_type: AttentionType, md: AttentionMetadata, query: torch.Tensor, key: torch.Tensor | None,
-                    value: torch.Tensor | None) -> None:
-    """The part of `check_step` that changes every step: what this attention type needs of the
-    step's metadata, and the query / key / value rows against its tokens."""
+def step_rows(attn_type: AttentionType, md: AttentionMetadata) -> tuple[int, int]:
+    """(query rows, key / value rows) a layer of `attn_type` must bring to the step `md`;
+    ValueError when the metadata lacks what this attention type needs of it."""
     num_tokens = md.num_prefill_tokens + md.num_decode_tokens
-    expect = kv_rows = num_tokens
     if attn_type == AttentionType.ENCODER:
         if md.encoder_seq_lens is None:
             raise ValueError("ENCODER attention needs metadata built with encoder_seq_lens")
-        expect = kv_rows = md.num_encoder_tokens
-    elif attn_type == AttentionType.ENCODER_ONLY:
+        return md.num_encoder_tokens, md.num_encoder_tokens
+    if attn_type == AttentionType.ENCODER_ONLY:
         if md.num_decode_tokens or sum(md.seq_lens) != num_tokens:
             raise ValueError("ENCODER_ONLY batches are fresh prompts (seq_len == query_len, no decodes)")
     elif attn_type == AttentionType.ENCODER_DECODER:
         if md.cross_block_tables is None:
             raise ValueError("ENCODER_DECODER attention needs metadata built with cross_block_tables")
-        kv_rows = md.cross_slot_mapping.shape[0]  # the prefills' encoder tokens
-        if key is None and md.num_prefills:
-            raise ValueError(
-                f"ENCODER_DECODER attention on a step with {md.num_prefills} prefills needs their encoder "
-                "key/value (written at the cross slots now); key/value may be None on decode-only steps"
-            )
+        return num_tokens, md.cross_slot_mapping.shape[0]  # the prefills' encoder tokens
+    return num_tokens, num_tokens
+
+
+def check_step_rows(attn_type: AttentionType, md: AttentionMetadata, query: torch.Tensor, key: torch.Tensor | None,
+                    value: torch.Tensor | None) -> None:
+    """The part of `check_step` that changes every step: what this attention type needs of the
+    step's metadata, and the query / key / value rows against its tokens."""
+    expect, kv_rows = step_rows(attn_type, md)
+    if attn_type == AttentionType.ENCODER_DECODER and key is None and md.num_prefills:
+        raise ValueError(
+            f"ENCODER_DECODER attention on a step with {md.num_prefills} prefills needs their encoder "
+            "key/value (written at the cross slots now); key/value may be None on decode-only steps"
+        )
     if query.shape[0] != expect:
         raise ValueError(
             f"{attn_type.name} attention got {query.shape[0]} query tokens but the metadata describes "
@@ -675,60 +682,144 @@ def check_output(query: torch.Tensor, output: object) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The step, lean: static checks once per layer and kind of call, rows every call
+# The step, lean: static checks once per layer and kind of call, identities and rows every call
 
-# Kinds of call a layer remembers as checked. A layer meets two per metadata kind (its cache
-# write, its attention op); one meeting more (a new spec every step) starts over: bounded.
+# Kinds of call a layer remembers as checked. Its cache write and attention op share one per
+# metadata kind; a layer meeting more (a new spec every step) starts over: bounded.
 CALL_KINDS_KEPT = 8
+# Metadata kinds interned at once (`metadata_kind`); more (a new spec every step) start over.
+METADATA_KINDS_KEPT = 64
 
 
-def call_kind(md: AttentionMetadata, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-              kv_cache: torch.Tensor | None, output: torch.Tensor | None) -> tuple:
-    """Everything `check_step` (but its rows) and `check_output` read besides the layer, as a key:
-    the metadata's class, backend, spec (by identity: specs are frozen), cache geometry and
-    device; each tensor's dtype, device and trailing shape, the cache's whole shape and layout.
-    What it leaves out changes per step and is checked every call (`check_step_rows`, the
-    output's rows). AttributeError / TypeError for arguments that are not metadata or tensors."""
-    return (
-        type(md), md.backend_name, id(md.spec), md.num_blocks, md.block_size, md.slot_mapping.device,
-        query.dtype, query.device, query.shape[1:],
-        None if key is None else (key.dtype, key.device, key.shape[1:]),
-        None if value is None else (value.dtype, value.device, value.shape[1:]),
-        None if kv_cache is None else (kv_cache.dtype, kv_cache.device, kv_cache.shape, kv_cache.is_contiguous()),
-        None if output is None else (output.dtype, output.device),
-    )
+class MetadataKind(NamedTuple):
+    """What `check_step` reads of a step's metadata besides its rows: its class, backend, spec (by
+    identity: specs are frozen), cache geometry and device. Interned, so that a layer recognises
+    a kind it passed by identity; holding the spec keeps its id from being reused meanwhile."""
+
+    key: tuple
+    spec: object
 
 
-def check_layer_call(call: Any, md: AttentionMetadata, query: torch.Tensor, key: torch.Tensor | None,
+_metadata_kinds: dict[tuple, MetadataKind] = {}
+
+
+def metadata_kind(md: object) -> MetadataKind | None:
+    """`md`'s interned `MetadataKind`, or None for an object that is not a builder's metadata
+    (every call over it is checked in full, which names what is wrong)."""
+    try:
+        key = (type(md), md.backend_name, id(md.spec), md.num_blocks, md.block_size, md.slot_mapping.device)
+    except (AttributeError, TypeError):
+        return None
+    kind = _metadata_kinds.get(key)
+    if kind is None:
+        if len(_metadata_kinds) >= METADATA_KINDS_KEPT:
+            _metadata_kinds.clear()
+        kind = _metadata_kinds[key] = MetadataKind(key, md.spec)
+    return kind
+
+
+class StepFacts:
+    """What every op's checks read of one forward's metadata, read once per forward and layer
+    group (`ForwardContext.step_facts`) instead of once per op call: the metadata, its
+    `metadata_kind` and, per attention type, the shapes the step's tensors must have."""
+
+    __slots__ = ("md", "kind", "_shapes")
+
+    def __init__(self, md: AttentionMetadata) -> None:
+        self.md, self.kind = md, metadata_kind(md)
+        self._shapes: dict[AttentionType, tuple | None] = {}
+
+    def shapes(self, attn_type: AttentionType) -> tuple[tuple, tuple, bool] | None:
+        """(query shape, key / value shape, whether key / value may not be None) of a layer of
+        `attn_type` and of the spec's heads on this step, or None where the metadata lacks what
+        the type needs (the full check says what)."""
+        if attn_type not in self._shapes:
+            try:
+                rows, kv_rows = step_rows(attn_type, self.md)
+                spec = self.md.spec
+                self._shapes[attn_type] = ((rows, spec.num_heads, spec.head_size),
+                                           (kv_rows, spec.num_kv_heads, spec.head_size),
+                                           attn_type == AttentionType.ENCODER_DECODER and self.md.num_prefills > 0)
+            except (ValueError, AttributeError, TypeError):
+                self._shapes[attn_type] = None
+        return self._shapes[attn_type]
+
+
+class CheckedKind:
+    """A kind of call a layer passed `check_step` with: the metadata kind, the query's dtype and
+    device (every input's, then) and the cache (held weakly: a layer must not keep a dropped
+    cache alive), recognised by identity or, for a fresh view of it, by its shape, dtype,
+    device and layout."""
+
+    __slots__ = ("metadata", "dtype", "device", "cache", "cache_facts")
+
+    def __init__(self, metadata: MetadataKind, query: torch.Tensor, kv_cache: torch.Tensor | None) -> None:
+        self.metadata, self.dtype, self.device = metadata, query.dtype, query.device
+        self.cache = None if kv_cache is None else weakref.ref(kv_cache)
+        self.cache_facts = None if kv_cache is None else _cache_facts(kv_cache)
+
+    def matches(self, metadata: MetadataKind, dtype: torch.dtype, device: torch.device,
+                kv_cache: torch.Tensor | None) -> bool:
+        if self.metadata is not metadata or self.dtype is not dtype or self.device != device:
+            return False
+        if kv_cache is None or self.cache is None:
+            return kv_cache is self.cache
+        return self.cache() is kv_cache or _cache_facts(kv_cache) == self.cache_facts
+
+
+def _cache_facts(kv_cache: torch.Tensor) -> tuple:
+    return kv_cache.shape, kv_cache.dtype, kv_cache.device, kv_cache.is_contiguous()
+
+
+def check_layer_call(call: Any, step: StepFacts, query: torch.Tensor, key: torch.Tensor | None,
                      value: torch.Tensor | None, kv_cache: torch.Tensor | None,
                      output: torch.Tensor | None = None) -> None:
     """`check_step` (and `check_output` for an attention op's `output`) of the layer `call` (a
-    `forward_context.LayerCall`), as every op runs it.
+    `forward_context.LayerCall`) on the step `step`, as every op runs it.
 
-    The first call of a `call_kind` runs every check; once it passed, the layer remembers the
-    kind (`call.checked_kinds`), and later calls of that kind check only what changes per step:
-    `check_step_rows` and the output's rows. A call that raised is not remembered (it raises
-    every time); anything the key covers that differs (a spec, dtype, device, cache shape or
-    layout, backend) is a new kind, checked in full. The layer's own options are fixed at
-    construction (`check_impl_args`), so they are not part of the key."""
-    checked, attn_type = call.checked_kinds, call.attn_type
-    try:
-        kind = call_kind(md, query, key, value, kv_cache, output)
-        seen = kind in checked
-    except (AttributeError, TypeError):  # not metadata / tensors: the full check names them
-        kind, seen = None, False
-    if seen:
-        check_step_rows(attn_type, md, query, key, value)
-        if output is not None and output.shape != query.shape:
-            check_output(query, output)
+    The first call of a kind (`CheckedKind`: what depends only on the layer, the metadata's kind,
+    the dtype and the cache) runs every check; once it passed, the layer remembers the kind
+    (`call.checked_kinds`; its cache write and attention op share it), and later calls of that
+    kind compare only what changes per step: the metadata's kind by identity, the query's dtype
+    and device, the cache, and each tensor's shape, dtype and device against the step's rows
+    (`StepFacts.shapes`). Any difference, valid or not, runs the full check, so a refused call
+    raises every time, with the full check's error. The layer's own options are fixed at
+    construction (`check_impl_args`), so they are not part of the kind."""
+    if _passed_before(call, step, query, key, value, kv_cache, output):
         return
-    check_step(call.impl, attn_type, md, query, key, value, kv_cache)
+    check_step(call.impl, call.attn_type, step.md, query, key, value, kv_cache)
     if output is not None:
         check_output(query, output)
-    if kind is not None:
+    if step.kind is not None:
+        checked = call.checked_kinds
         if len(checked) >= CALL_KINDS_KEPT:
             checked.clear()
-        checked[kind] = md.spec  # held, so that the spec's id in `kind` is not reused while remembered
+        checked.insert(0, CheckedKind(step.kind, query, kv_cache))
+
+
+def _passed_before(call: Any, step: StepFacts, query: torch.Tensor, key: torch.Tensor | None,
+                   value: torch.Tensor | None, kv_cache: torch.Tensor | None, output: torch.Tensor | None) -> bool:
+    """Whether this call is of a kind the layer passed and its tensors fit the step (False for
+    anything else, arguments that are not tensors included: the full check then decides)."""
+    shapes = step.shapes(call.attn_type)
+    if shapes is None or not isinstance(query, torch.Tensor):
+        return False
+    q_shape, kv_shape, kv_needed = shapes
+    dtype, device = query.dtype, query.device
+    if query.shape != q_shape:
+        return False
+    for kind in call.checked_kinds:
+        if kind.matches(step.kind, dtype, device, kv_cache):
+            break
+    else:
+        return False
+    if key is None or value is None:
+        if key is not value or kv_needed:
+            return False
+    elif not (key.shape == kv_shape and value.shape == kv_shape and key.dtype is dtype and value.dtype is dtype
+              and key.device == device and value.device == device):
+        return False
+    return output is None or (output.shape == q_shape and output.dtype is dtype and output.device == device)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The ops' step checks are lean (issue 14, item 3): what depends only on the layer and the kind of
-call (metadata class, backend and spec; each tensor's dtype, device and trailing shape; the cache's
-shape and layout) is checked the first time a layer meets that kind and remembered by the layer;
-every call still checks what changes per step (rows against the metadata's tokens).
+call (metadata class, backend and spec; the dtype and device; the cache's shape and layout) is
+checked the first time a layer meets that kind and remembered by the layer (its cache write and
+attention op share it); what the metadata asks of the step is read once per forward; every call
+still compares each tensor's shape, dtype and device with the step's.
 
 The errors themselves are pinned in tests/test_errors.py, tests/test_misuse.py and
 tests/test_validation.py, the mutation fuzzer in tests/test_fuzz.py; these tests pin the caching.
@@ -10,6 +11,8 @@ tests/test_validation.py, the mutation fuzzer in tests/test_fuzz.py; these tests
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -74,15 +77,15 @@ def test_a_repeat_step_skips_the_static_checks(batch, static_checks, compiled):
         rows = sum(batch.query_lens[:n])
         with ca.set_forward_context(md):
             fn(batch.query[:rows], batch.key[:rows], batch.value[:rows], batch.kv_cache)
-        assert len(static_checks) == 2  # the first step's cache write and attention, no more
-    assert len(layer._call.checked_kinds) == 2
+        assert len(static_checks) == 1  # the first step's cache write; its attention op shares the kind
+    assert len(layer._call.checked_kinds) == 1
 
 
 def test_eager_forward_remembers_per_layer_name(batch, static_checks):
     impl = sdpa_impl()
     for _ in range(3):
         impl.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.build(SDPA))
-    assert len(static_checks) == 2
+    assert len(static_checks) == 1
 
 
 def test_a_repeat_step_still_checks_its_rows(batch):
@@ -153,7 +156,7 @@ def test_a_change_of_kind_is_checked_in_full(batch, static_checks, change):
             torch.ops.compiled_attn.torch_sdpa_attention(q2, k2, v2, cache, output, name)
     assert str(warm.value) == str(cold.value)
     assert len(static_checks) > before + 1  # the cold reference, then the op's own full check
-    assert len(call.checked_kinds) == 2  # nothing remembered for the refused kind
+    assert len(call.checked_kinds) == 1  # nothing remembered for the refused kind
 
 
 def test_an_equal_spec_of_its_own_is_a_new_kind(batch, static_checks):
@@ -162,7 +165,7 @@ def test_an_equal_spec_of_its_own_is_a_new_kind(batch, static_checks):
     both_ops(name, batch.build(SDPA), q, k, v, batch.kv_cache)
     twin = SDPA.get_builder_cls()(make_spec())  # equal fields, another object
     both_ops(name, twin.build(batch.seq_lens, batch.query_lens, batch.block_tables), q, k, v, batch.kv_cache)
-    assert len(static_checks) == 4 and len(call.checked_kinds) == 4
+    assert len(static_checks) == 2 and len(call.checked_kinds) == 2
 
 
 def test_options_unlike_a_new_spec_are_refused_after_a_warm_step():
@@ -192,6 +195,62 @@ def test_a_refused_call_raises_every_time(batch):
     assert not call.checked_kinds
 
 
+def test_a_warm_layer_refuses_a_wrong_dtype_on_the_very_step_it_passed(batch):
+    """The forward's metadata facts are read once (`StepFacts`), the layer's kind is remembered:
+    neither hides a dtype that changes within one forward."""
+    name, call = sdpa_impl().register(1.0, 1.0, T.DECODER)
+    q, k, v = op_args(batch)
+    md = batch.build(SDPA)
+    with ca.set_forward_context(md):
+        torch.ops.compiled_attn.kv_cache_update(q, k, v, batch.kv_cache, name)
+        torch.ops.compiled_attn.torch_sdpa_attention(q, k, v, batch.kv_cache, torch.empty_like(q), name)
+        for args, match in (((q.double(), k.double(), v.double()), "kv_cache dtype"),
+                            ((q, k, v.double()), "value dtype")):
+            with Untouched(batch.kv_cache), pytest.raises(ValueError, match=match):
+                torch.ops.compiled_attn.kv_cache_update(*args, batch.kv_cache, name)
+    with ca.set_forward_context(dataclasses.replace(md, backend_name="XFORMERS")), \
+            pytest.raises(ValueError, match="got metadata built for XFORMERS"):
+        torch.ops.compiled_attn.kv_cache_update(q, k, v, batch.kv_cache, name)
+    assert len(call.checked_kinds) == 1
+
+
+def test_a_fresh_view_of_the_cache_is_the_kind_it_passed(batch, static_checks):
+    """A cache is recognised by identity, else by shape, dtype, device and layout: a model that
+    hands each step a new view of the same cache is not checked in full every step."""
+    name, call = sdpa_impl().register(1.0, 1.0, T.DECODER)
+    q, k, v = op_args(batch)
+    for _ in range(3):
+        both_ops(name, batch.build(SDPA), q, k, v, batch.kv_cache[:])
+    assert len(static_checks) == 1 and len(call.checked_kinds) == 1
+
+
+def test_a_layer_does_not_keep_a_dropped_cache_alive(batch):
+    name, _keep = sdpa_impl().register(1.0, 1.0, T.DECODER)
+    q, k, v = op_args(batch)
+    cache = batch.kv_cache.clone()
+    both_ops(name, batch.build(SDPA), q, k, v, cache)
+    dropped = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert dropped() is None
+
+
+def test_the_metadata_is_read_once_per_forward_for_all_layers(batch, monkeypatch):
+    layers = [sdpa_impl().register(1.0, 1.0, T.DECODER) for _ in range(4)]
+    q, k, v = op_args(batch)
+    for name, _ in layers:  # warm: each layer's full check reads the rows itself
+        both_ops(name, batch.build(SDPA), q, k, v, batch.kv_cache)
+    rows = []
+    real = validation.step_rows
+    monkeypatch.setattr(validation, "step_rows", lambda *a: rows.append(a) or real(*a))
+    for step in range(1, 3):
+        with ca.set_forward_context(batch.build(SDPA)):
+            for name, _ in layers:
+                torch.ops.compiled_attn.kv_cache_update(q, k, v, batch.kv_cache, name)
+                torch.ops.compiled_attn.torch_sdpa_attention(q, k, v, batch.kv_cache, torch.empty_like(q), name)
+        assert len(rows) == step  # once per forward, for its 8 op calls
+
+
 # -------------------------------------------------------------------------------------------
 # Bounded
 
@@ -205,9 +264,9 @@ def test_remembered_kinds_stay_bounded(batch):
         assert len(call.checked_kinds) <= CALL_KINDS_KEPT
     builder = SDPA.get_builder_cls()(batch.spec)
     call.checked_kinds.clear()
-    for _ in range(50):  # many steps of one kind: one entry per op
+    for _ in range(50):  # many steps of one kind: one entry for both ops
         both_ops(name, builder.build(batch.seq_lens, batch.query_lens, batch.block_tables), q, k, v, batch.kv_cache)
-    assert len(call.checked_kinds) == 2
+    assert len(call.checked_kinds) == 1
 
 
 def test_kinds_hold_their_spec_so_its_id_is_not_reused(batch):
@@ -216,4 +275,4 @@ def test_kinds_hold_their_spec_so_its_id_is_not_reused(batch):
     spec = make_spec()
     both_ops(name, SDPA.get_builder_cls()(spec).build(batch.seq_lens, batch.query_lens, batch.block_tables),
              q, k, v, batch.kv_cache)
-    assert all(held is spec for held in call.checked_kinds.values())
+    assert len(call.checked_kinds) == 1 and call.checked_kinds[0].metadata.spec is spec

@@ -22,9 +22,9 @@ def checked_step(
     then only what changes per step; attention ops also pass their `output`) before the op
     writes or reads anything. RuntimeError for a dead layer name or no forward context."""
     call = get_layer(layer_name)
-    md = get_forward_context().metadata_for(call.group)
-    check_layer_call(call, md, query, key, value, kv_cache, output)
-    return call, md
+    step = get_forward_context().step_facts(call.group)
+    check_layer_call(call, step, query, key, value, kv_cache, output)
+    return call, step.md
 
 
 def alibi_bias(slopes: torch.Tensor, rel: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
