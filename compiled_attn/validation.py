@@ -764,7 +764,10 @@ class CheckedKind:
             return False
         if kv_cache is None or self.cache is None:
             return kv_cache is self.cache
-        return self.cache() is kv_cache or _cache_facts(kv_cache) == self.cache_facts
+        # the shape too for the same tensor: a cache resized in place must be checked again
+        if self.cache() is kv_cache and kv_cache.shape == self.cache_facts[0]:
+            return True
+        return _cache_facts(kv_cache) == self.cache_facts
 
 
 def _cache_facts(kv_cache: torch.Tensor) -> tuple:

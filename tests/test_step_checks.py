@@ -224,6 +224,20 @@ def test_a_fresh_view_of_the_cache_is_the_kind_it_passed(batch, static_checks):
     assert len(static_checks) == 1 and len(call.checked_kinds) == 1
 
 
+def test_a_cache_resized_in_place_is_checked_again(batch):
+    """The very tensor the layer passed with, shrunk in place by one block: refused before any
+    write, as a new tensor of that shape would be."""
+    name, call = sdpa_impl().register(1.0, 1.0, T.DECODER)
+    q, k, v = op_args(batch)
+    cache = batch.kv_cache.clone()
+    both_ops(name, batch.build(SDPA), q, k, v, cache)
+    cache.set_(cache.untyped_storage(), 0, (cache.shape[0], cache.shape[1] - 1, *cache.shape[2:]))
+    with Untouched(cache), ca.set_forward_context(batch.build(SDPA)), \
+            pytest.raises(ValueError, match="kv_cache has shape"):
+        torch.ops.compiled_attn.kv_cache_update(q, k, v, cache, name)
+    assert len(call.checked_kinds) == 1
+
+
 def test_a_layer_does_not_keep_a_dropped_cache_alive(batch):
     name, _keep = sdpa_impl().register(1.0, 1.0, T.DECODER)
     q, k, v = op_args(batch)
