@@ -81,7 +81,10 @@ class StaticInputs:
         self._device_bytes.copy_(self._host_bytes)
         self.live_rows = 0  # rows from here on hold pads in every ROW_PADS / TABLES mirror
         self._uploaded = torch.cuda.Event() if cuda else None
-        self._copies: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # (device, mirror) byte ranges per graph; on CPU numpy's copy: torch copies more than
+        # 32K elements with its thread pool, which costs milliseconds on a busy host
+        self._copies: dict[tuple[int, int], list[tuple[Any, Any]]] = {}
+        self._copy = _copy_to_device if cuda else np.copyto
 
     def wait_uploaded(self) -> None:
         """The GPU has read the mirror's last upload (at once when it has: it runs before the
@@ -92,12 +95,17 @@ class StaticInputs:
     def upload(self, key: tuple[int, int], bufs: dict[str, torch.Tensor]) -> None:
         """The mirror's bytes under `bufs` (the views one graph reads, `key` naming them) to the device."""
         if key not in self._copies:
-            self._copies[key] = [(self._device_bytes[lo:hi], self._host_bytes[lo:hi])
-                                 for lo, hi in merged_ranges([_byte_range(t) for t in bufs.values()])]
+            pairs = [(self._device_bytes[lo:hi], self._host_bytes[lo:hi])
+                     for lo, hi in merged_ranges([_byte_range(t) for t in bufs.values()])]
+            self._copies[key] = pairs if self._uploaded is not None else [(d.numpy(), h.numpy()) for d, h in pairs]
         for dst, src in self._copies[key]:
-            dst.copy_(src, non_blocking=True)
+            self._copy(dst, src)
         if self._uploaded is not None:
             self._uploaded.record()
+
+
+def _copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src, non_blocking=True)
 
 
 def _byte_range(view: torch.Tensor) -> tuple[int, int]:
