@@ -9,7 +9,8 @@ A backend's State subclasses `GraphState`, sets `backend_cls` and overrides only
 
 - `allocate_extra` / `add_graph_fields`: its own static inputs and the metadata fields over them;
 - `ROW_PADS` / `TABLES`: which of those inputs are per-request rows / block tables (copied and
-  padded here), `copy_extra` for inputs of another layout (FlashInfer's page list);
+  padded here), `host_rows` for the live values of the rows, `copy_extra` for inputs of another
+  layout (FlashInfer's page list);
 - `make_for_batch` / `plan`: an object per captured batch size (FlashInfer's graph wrapper) and
   the host planning before each replay;
 - `MIN_TABLE_WIDTH_TOKENS`: graphs of narrower block tables too, for a kernel whose work grows
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionState
@@ -34,6 +36,98 @@ from compiled_attn.registry import backends_with
 from compiled_attn.validation import as_int, check_graph_step
 
 SCRATCH_BLOCK = 0  # pad rows read one token of this block: any block is valid to read, and they write nothing
+# Ranges of the static buffers a graph reads are copied as one when the bytes between them (rows
+# of larger batch sizes) are at most this many: ~1 us of PCIe time, less than a copy call's ~5 us
+# of host time.
+MERGE_GAP_BYTES = 64 << 10
+
+
+class StaticInputs:
+    """Every static buffer of a State as a view of one device byte buffer, with a host mirror
+    of the same layout (pinned on CUDA).
+
+    A step writes its rows and pads into the mirror with numpy, then `upload` moves the ranges
+    a graph reads with one host-to-device copy per range (one for most layouts): a copy and a
+    fill per field instead cost ~5-10 us of host time each on a GPU. Before the mirror is
+    written again, `wait_uploaded` waits for the GPU to have read the last upload: an async copy
+    from pinned memory reads it when it runs, not when it is queued.
+    """
+
+    def __init__(self, parts: dict[str, torch.Tensor], pads: dict[str, int]) -> None:
+        """parts: each buffer with its initial values; pads: what a pad row holds, for the
+        buffers of per-request rows (their every row starts as a pad)."""
+        device = next(iter(parts.values())).device
+        # widest elements first, so that every view starts aligned to its element size; then the
+        # per-request rows before the tables, so that the rows a graph reads sit close together
+        order = sorted(parts, key=lambda name: (-parts[name].element_size(), parts[name].numel()))
+        offsets, total = {}, 0
+        for name in order:
+            offsets[name] = total
+            total += parts[name].numel() * parts[name].element_size()
+        cuda = device.type == "cuda"
+        self._device_bytes = torch.empty(total, dtype=torch.uint8, device=device)
+        self._host_bytes = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+        self.views: dict[str, torch.Tensor] = {}  # device, keyed by the metadata field that views them
+        self.host: dict[str, np.ndarray] = {}  # the mirror's views, same keys
+        for name in parts:
+            part, start = parts[name], offsets[name]
+            span = slice(start, start + part.numel() * part.element_size())
+            self.views[name] = self._device_bytes[span].view(part.dtype).view(part.shape)
+            host = self._host_bytes[span].view(part.dtype).view(part.shape)
+            host.copy_(part)
+            self.host[name] = host.numpy()
+            if name in pads:
+                self.host[name][:] = pads[name]
+        self._device_bytes.copy_(self._host_bytes)
+        self.live_rows = 0  # rows from here on hold pads in every ROW_PADS / TABLES mirror
+        self._uploaded = torch.cuda.Event() if cuda else None
+        # (device, mirror) byte ranges per graph; on CPU numpy's copy: torch copies more than
+        # 32K elements with its thread pool, which costs milliseconds on a busy host
+        self._copies: dict[tuple[int, int], list[tuple[Any, Any]]] = {}
+        self._copy = _copy_to_device if cuda else np.copyto
+
+    def wait_uploaded(self) -> None:
+        """The GPU has read the mirror's last upload (at once when it has: it runs before the
+        replay that the host prepared before this step)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+
+    def upload(self, key: tuple[int, int], bufs: dict[str, torch.Tensor]) -> None:
+        """The mirror's bytes under `bufs` (the views one graph reads, `key` naming them) to the device."""
+        if key not in self._copies:
+            pairs = [(self._device_bytes[lo:hi], self._host_bytes[lo:hi])
+                     for lo, hi in merged_ranges([_byte_range(t) for t in bufs.values()])]
+            self._copies[key] = pairs if self._uploaded is not None else [(d.numpy(), h.numpy()) for d, h in pairs]
+        for dst, src in self._copies[key]:
+            self._copy(dst, src)
+        if self._uploaded is not None:
+            self._uploaded.record()
+
+
+def _copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src, non_blocking=True)
+
+
+def _byte_range(view: torch.Tensor) -> tuple[int, int]:
+    """Bytes [start, end) of a (possibly strided) view of a byte buffer."""
+    size = view.element_size()
+    last = sum((n - 1) * stride for n, stride in zip(view.shape, view.stride(), strict=True))
+    return view.storage_offset() * size, (view.storage_offset() + last + 1) * size
+
+
+def merged_ranges(ranges: list[tuple[int, int]], gap: int = MERGE_GAP_BYTES) -> list[tuple[int, int]]:
+    """Byte ranges, sorted, those at most `gap` bytes apart merged into one.
+
+    >>> merged_ranges([(100, 200), (0, 40), (50, 80)], gap=10)
+    [(0, 80), (100, 200)]
+    """
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo - out[-1][1] <= gap:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
 
 
 class GraphState(AttentionState):
@@ -87,12 +181,17 @@ class GraphState(AttentionState):
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
         self.max_blocks_per_seq = -(-spec.max_seq_len_to_capture // spec.block_size)
-        self._buffers: dict[str, torch.Tensor] | None = None  # full size, shared by every clone
+        self._inputs: StaticInputs | None = None  # full size, shared by every clone
         # batch size -> what make_for_batch made for it; a clone holds its own size only
         self._slots: dict[int, Any] = {}
         self._made: set[tuple[int, int]] = set()  # (batch size, table width) of each metadata made
         self._capturing = False
         self._prepared: tuple[CommonMetadata, int] | None = None  # the step begin_forward may plan
+
+    @property
+    def _buffers(self) -> dict[str, torch.Tensor] | None:
+        """The static buffers, full size, keyed by the metadata field that views them."""
+        return None if self._inputs is None else self._inputs.views
 
     # -- capture ---------------------------------------------------------------------------
 
@@ -107,7 +206,7 @@ class GraphState(AttentionState):
         max_batch_size = as_int("max_batch_size", max_batch_size)
         self._forbid_stream_capture("graph_capture")
         if self._buffers is None or self._buffers["slot_mapping"].shape[0] < max_batch_size:
-            self._buffers = self._allocate(max_batch_size)
+            self._inputs = self._allocate(max_batch_size)
             self._slots, self._made = {}, set()  # made over the old buffers (clones keep theirs)
         self._capturing = True
         try:
@@ -129,16 +228,16 @@ class GraphState(AttentionState):
         if self.spec.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{self.backend_cls.get_name()}: call {what} before capturing a graph, not inside")
 
-    def _allocate(self, max_batch_size: int) -> dict[str, torch.Tensor]:
+    def _allocate(self, max_batch_size: int) -> StaticInputs:
         dev, n, i32 = self.spec.device, max_batch_size, torch.int32
-        return {
+        return StaticInputs({
             "slot_mapping": torch.full((n,), -1, dtype=torch.int64, device=dev),
             "seq_lens_tensor": torch.ones(n, dtype=i32, device=dev),
             "context_lens_tensor": torch.zeros(n, dtype=i32, device=dev),
             "query_start_loc": torch.arange(n + 1, dtype=i32, device=dev),
             "block_tables": torch.full((n, self.max_blocks_per_seq), SCRATCH_BLOCK, dtype=i32, device=dev),
             **self.allocate_extra(max_batch_size),
-        }
+        }, self._row_pads())
 
     def graph_table_widths(self) -> tuple[int, ...]:
         """The block-table widths (blocks) of the graphs captured per batch size, largest first:
@@ -209,7 +308,7 @@ class GraphState(AttentionState):
             args = f"{batch_size}" if table_width is None else f"{batch_size}, table_width={width}"
             raise RuntimeError(f"graph_clone({args}) before graph_capture_get_metadata_for_batch({args})")
         clone = type(self)(self.spec)
-        clone._buffers = self._buffers
+        clone._inputs = self._inputs
         clone._slots = {batch_size: self._slots[batch_size]}
         clone._made = {(batch_size, width)}
         return clone
@@ -222,10 +321,14 @@ class GraphState(AttentionState):
         """Copy a decode-only step of n <= bs requests into the buffers of the graph of size bs;
         rows n.. become pads.
 
-        Device-to-device copies on the current stream (ordered before the replay), no sync.
+        The step's rows come from md's host fields (the lists and tables its device tensors were
+        built from), written with its pads into a host mirror of the buffers and copied to them
+        in one host-to-device copy on the current stream (ordered before the replay). No sync,
+        unless the GPU has not yet read the previous step's copy.
         ValueError for a step the graph cannot serve (prefills, n > bs, a sequence longer than
         spec.max_seq_len_to_capture, metadata of another backend, cache size or device, or without
-        an input the graph reads); RuntimeError for buffers of a size this state did not capture.
+        an input the graph reads); RuntimeError for buffers of a size this state did not capture,
+        or of another state.
         """
         md, bufs = attn_metadata, input_buffers
         batch_size = bufs["slot_mapping"].shape[0]
@@ -235,6 +338,9 @@ class GraphState(AttentionState):
 
     def _check_step(self, md: CommonMetadata, bufs: dict[str, torch.Tensor], batch_size: int) -> None:
         name = self.backend_cls.get_name()
+        if self._buffers is None or bufs["slot_mapping"].data_ptr() != self._buffers["slot_mapping"].data_ptr():
+            raise RuntimeError("these buffers are not this state's: prepare a graph's buffers through the clone of "
+                               "the state whose get_graph_input_buffers gave them")
         if not isinstance(md, self.backend_cls.get_metadata_cls()):
             raise ValueError(f"{name} graphs replay metadata from {name}'s builder, got {type(md).__name__}")
         check_graph_step(md, self.spec, name, batch_size, bufs["slot_mapping"].device)
@@ -257,26 +363,33 @@ class GraphState(AttentionState):
                                  "makes the table as wide as the step's longest sequence needs)")
 
     def _write_step(self, bufs: dict[str, torch.Tensor], md: CommonMetadata | None) -> None:
-        """md's rows into the buffers of one batch size, pads after them (only pads when md is None)."""
-        n = 0 if md is None else md.num_seqs
-        pads = n < bufs["slot_mapping"].shape[0]  # a full batch skips the empty fills' host calls
-        for field, pad in self.ROW_PADS.items():
-            if field in bufs:
-                if md is not None:
-                    bufs[field][:n].copy_(getattr(md, field)[:n], non_blocking=True)
-                if pads:
-                    bufs[field][n:].fill_(pad)
-        for field in self.TABLES:
-            if field in bufs:
-                if md is not None:
-                    src = getattr(md, field)
+        """md's rows into the buffers of one batch size, pads after them (only pads when md is
+        None): written into the host mirror, then copied (`StaticInputs`)."""
+        inputs, n = self._inputs, 0 if md is None else md.num_seqs
+        host = inputs.host
+        inputs.wait_uploaded()
+        if md is not None:
+            for field, rows in self.host_rows(md).items():
+                host[field][:n] = rows
+            for field in self.TABLES:
+                if field in host:
+                    table = getattr(md, f"{field}_host")
                     # Columns past a live row's width (to the graph's table_width) keep ids of
                     # earlier steps (or SCRATCH_BLOCK): valid blocks, and keys beyond seq_len never
                     # reach an output. Columns past table_width are not this graph's to read.
-                    bufs[field][:n, : src.shape[1]].copy_(src, non_blocking=True)
-                if pads:
-                    bufs[field][n:].fill_(SCRATCH_BLOCK)
-        self.copy_extra(bufs, md)
+                    host[field][:n, : table.shape[1]] = table
+        if n < inputs.live_rows:  # rows of an earlier, larger step become pads; others hold pads already
+            for field, pad in self._row_pads().items():
+                if field in host:
+                    host[field][n : inputs.live_rows] = pad
+        inputs.live_rows = n
+        batch_size = bufs["slot_mapping"].shape[0]
+        self.copy_extra(host, md, batch_size)
+        inputs.upload((batch_size, bufs["block_tables"].shape[1]), bufs)
+
+    def _row_pads(self) -> dict[str, int]:
+        """What a pad row holds in each ROW_PADS and TABLES buffer (those a state allocates)."""
+        return {**self.ROW_PADS, **dict.fromkeys(self.TABLES, SCRATCH_BLOCK)}
 
     def begin_forward(self, attn_metadata: CommonMetadata) -> None:
         """Host-side planning for the replay of the step just prepared (outside any graph)."""
@@ -299,12 +412,36 @@ class GraphState(AttentionState):
     def add_graph_fields(self, md: CommonMetadata, batch_size: int) -> None:
         """Set the backend's own fields of the all-pad metadata of `batch_size` rows."""
 
-    def copy_extra(self, bufs: dict[str, torch.Tensor], md: CommonMetadata | None) -> None:
-        """Copy and pad inputs that are neither ROW_PADS rows nor TABLES (only pads when md is None)."""
+    def host_rows(self, md: CommonMetadata) -> dict[str, np.ndarray]:
+        """The live rows of each ROW_PADS buffer this state allocated, from md's host fields (a
+        decode-only step: every query_len is 1)."""
+        seq_lens = np.asarray(md.seq_lens, dtype=np.int64)
+        positions = seq_lens - 1  # of each decode's one new token: its context length
+        return {
+            "slot_mapping": decode_slots(md.block_tables_host, positions, self.spec.block_size),
+            "seq_lens_tensor": seq_lens,
+            "context_lens_tensor": positions,
+        }
+
+    def copy_extra(self, host: dict[str, np.ndarray], md: CommonMetadata | None, batch_size: int) -> None:
+        """Write md's rows and the pads of `batch_size` rows into the host mirrors of inputs that
+        are neither ROW_PADS rows nor TABLES (only pads when md is None)."""
 
     def plan(self, md: CommonMetadata | None, batch_size: int) -> None:
         """Host planning for the graph of `batch_size` over the prepared buffers (all pads when md
         is None, at capture)."""
+
+
+def decode_slots(block_tables: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slot of each decode's one new token at `positions` (seq_len - 1), int64
+    [num_seqs]: the builder's slot_mapping for a decode-only step, from the host table it made.
+
+    >>> decode_slots(np.array([[4, 7], [2, 0]]), np.array([5, 0]), block_size=4)
+    array([29,  8])
+    """
+    blocks = positions // block_size
+    return block_tables[np.arange(len(positions)), blocks].astype(np.int64) * block_size + (
+        positions - blocks * block_size)
 
 
 def table_widths(max_blocks: int, block_size: int, min_tokens: int | None) -> tuple[int, ...]:

@@ -24,8 +24,8 @@ from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.registry import BACKEND_CLASSES
 
 T = ca.AttentionType
-HOOKS = {"allocate_extra", "make_for_batch", "add_graph_fields", "copy_extra", "plan", "ROW_PADS", "TABLES",
-         "MIN_TABLE_WIDTH_TOKENS"}
+HOOKS = {"allocate_extra", "make_for_batch", "add_graph_fields", "host_rows", "copy_extra", "plan", "ROW_PADS",
+         "TABLES", "MIN_TABLE_WIDTH_TOKENS"}
 
 
 def spec_for(**kw) -> ca.AttentionSpec:
@@ -121,6 +121,18 @@ def test_prepare_with_buffers_of_another_size_raises_and_writes_nothing():
     with pytest.raises(RuntimeError, match="batch size 4, which this state did not capture"):
         clone_2.prepare_graph_input_buffers(bufs[4], md)
     assert all(torch.equal(bufs[4][k], before[k]) for k in before)
+
+
+def test_prepare_with_buffers_of_another_state_raises():
+    bufs, clones = [], []
+    for state in (sdpa_state(), sdpa_state()):
+        with state.graph_capture(2):
+            bufs.append(state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(2)))
+            clones.append(state.graph_clone(2))
+    md = BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(clones[0].spec).build([70], [1], [[5, 6]])
+    with pytest.raises(RuntimeError, match="not this state's"):
+        clones[1].prepare_graph_input_buffers(bufs[0], md)
+    clones[1].prepare_graph_input_buffers(bufs[1], md)
 
 
 def test_begin_forward_before_prepare_raises(contract_backend, fake_flashinfer):
@@ -255,12 +267,11 @@ COMMON_AFTER_SECOND = {
     "query_start_loc": [0, 1, 2, 3, 4],
     "block_tables": [[5, 6, 0], [7, 0, 0], [0, 0, 0], [0, 0, 0]],
 }
-# the backend's own graph inputs after SECOND: the leading entries a replay reads, or None where
-# FlashInfer's plan() writes the buffer (the recording stand-in does not)
+# the backend's own graph inputs after SECOND: the leading entries a replay reads
 OWN_AFTER_SECOND = {
     "sdpa": ("TORCH_SDPA", {}, {}),
     "flashinfer": ("FLASHINFER", {}, {"paged_kv_indices": [5, 6, 7, SCRATCH_BLOCK, SCRATCH_BLOCK],
-                                      "paged_kv_indptr": None, "paged_kv_last_page_len": None}),
+                                      "paged_kv_indptr": [0, 2, 3, 4, 5], "paged_kv_last_page_len": [7, 4, 1, 1]}),
     "xformers_window": ("XFORMERS", {"sliding_window": 50}, {"decode_window_starts": [71 - 50, 0, 0, 0, 0]}),
     "xformers_cross": ("XFORMERS", {"attn_type": T.ENCODER_DECODER}, {
         "encoder_seq_lens_tensor": [100, 30, 1, 1],
@@ -300,8 +311,7 @@ def test_runner_step_copies_live_rows_and_pads_the_rest(case, fake_flashinfer):
     got = seen[-1]
     assert set(got) == set(COMMON_AFTER_SECOND) | set(own)
     for field, want in {**COMMON_AFTER_SECOND, **own}.items():
-        if want is not None:
-            assert got[field][: len(want)].tolist() == want, field
+        assert got[field][: len(want)].tolist() == want, field
 
 
 @pytest.mark.parametrize("case", list(OWN_AFTER_SECOND))

@@ -393,6 +393,22 @@ def test_padded_static_decode_matches_eager(tiny_model, batch):
     assert runner.counts == {"graph": 7, "piecewise": 0, "eager_prefill": 1, "eager_oversize": 0, "eager_overlong": 0}
 
 
+def test_pad_tokens_are_zeros_after_a_smaller_step_follows_a_larger_one():
+    spec = cpu_spec()
+    seen = []
+
+    def model(input_ids, positions, kv_caches):
+        seen.append((input_ids.tolist(), positions.tolist()))
+        return torch.zeros(input_ids.shape[0], 1)
+
+    runner = static_runner(model, spec, random_caches(spec, 0), capture_sizes=[8], max_batch_size=8)
+    for n in (6, 6, 2, 5):
+        seq_lens = [10 + i for i in range(n)]
+        tokens = torch.arange(1, n + 1)
+        runner.run(decode_md(spec, seq_lens), tokens, torch.tensor(seq_lens) - 1)
+        assert seen[-1] == ([*range(1, n + 1)] + [0] * (8 - n), [s - 1 for s in seq_lens] + [0] * (8 - n)), n
+
+
 def test_fallbacks_run_eagerly_and_match(tiny_model):
     spec = cpu_spec()
     runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2, 4], max_batch_size=4)

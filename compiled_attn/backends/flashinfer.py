@@ -451,15 +451,18 @@ class FlashInferState(GraphState):
     """GraphState plus FlashInfer's page CSR buffers and one `use_cuda_graph=True` decode wrapper
     per captured batch size (`make_for_batch`), planned by `begin_forward` before each replay.
 
-        paged_kv_indptr:        int32 [max_batch_size + 1], written by the wrapper's plan()
-        paged_kv_last_page_len: int32 [max_batch_size], written by the wrapper's plan()
+        paged_kv_indptr:        int32 [max_batch_size + 1]
+        paged_kv_last_page_len: int32 [max_batch_size]
         paged_kv_indices:       int32 [max_batch_size * W], the live pages, then one per pad row
 
-    A pad row is one page of SCRATCH_BLOCK holding one token: valid for FlashInfer (every
+    written, like the common buffers, by each step's copy from the host mirror (a wrapper that
+    plans copies the same CSR again); the graph of batch size bs reads the first bs * W pages at
+    most. A pad row is one page of SCRATCH_BLOCK holding one token: valid for FlashInfer (every
     length >= 1). Planning waits on the wrapper's event (`_Slot.plan`): the pinned-buffer fence.
     """
 
     backend_cls = FlashInferBackend
+    ROW_PADS = {**GraphState.ROW_PADS, "paged_kv_last_page_len": 1}
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
@@ -483,7 +486,7 @@ class FlashInferState(GraphState):
         wrapper = _flashinfer().BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=decode_uses_tensor_cores(self.spec),
             paged_kv_indptr_buffer=b["paged_kv_indptr"][: batch_size + 1],
-            paged_kv_indices_buffer=b["paged_kv_indices"],
+            paged_kv_indices_buffer=b["paged_kv_indices"][: batch_size * self.max_blocks_per_seq],
             paged_kv_last_page_len_buffer=b["paged_kv_last_page_len"][:batch_size],
         )
         return _Slot(wrapper, self.spec.device)
@@ -492,21 +495,27 @@ class FlashInferState(GraphState):
         b, n = self._buffers, batch_size
         md.qo_indptr = torch.arange(n + 1, dtype=torch.int32)
         md.paged_kv_indptr = b["paged_kv_indptr"][: n + 1]
-        md.paged_kv_indices = b["paged_kv_indices"]
+        md.paged_kv_indices = b["paged_kv_indices"][: n * self.max_blocks_per_seq]
         md.paged_kv_last_page_len = b["paged_kv_last_page_len"][:n]
         md.step_plan = GraphStepPlan(self.spec, self._slots[n])
 
-    def copy_extra(self, bufs: dict[str, torch.Tensor], md: FlashInferMetadata | None) -> None:
-        n, nnz = (0, 0) if md is None else (md.num_seqs, md.paged_kv_indices.shape[0])
+    def host_rows(self, md: FlashInferMetadata) -> dict[str, np.ndarray]:
+        return {**super().host_rows(md), "paged_kv_last_page_len": md.paged_kv_last_page_len.numpy()}
+
+    def copy_extra(self, host: dict[str, np.ndarray], md: FlashInferMetadata | None, batch_size: int) -> None:
+        indptr, indices = host["paged_kv_indptr"], host["paged_kv_indices"]
+        n = 0 if md is None else md.num_seqs
         if md is not None:
-            bufs["paged_kv_indices"][:nnz].copy_(md.paged_kv_indices, non_blocking=True)
-        pads = bufs["slot_mapping"].shape[0] - n
-        if pads:  # the pad rows' one page each
-            bufs["paged_kv_indices"][nnz : nnz + pads].fill_(SCRATCH_BLOCK)
+            indptr[: n + 1] = md.paged_kv_indptr.numpy()
+            # the host ids of md.paged_kv_indices (`paged_kv_layout`), checked by the builder
+            indices[: indptr[n]] = md._needed_block_ids
+        nnz, pads = int(indptr[n]), batch_size - n
+        # the pad rows' one page each
+        np.add(np.arange(1, pads + 1, dtype=np.int32), nnz, out=indptr[n + 1 : batch_size + 1])
+        indices[nnz : nnz + pads] = SCRATCH_BLOCK
 
     def plan(self, md: FlashInferMetadata | None, batch_size: int) -> None:
         spec = self.spec
-        indptr, indices, last = self._padded_plan_inputs(md, batch_size)
         # split-kv by the graph's size, not the live rows: capture and every replay plan one grid
         split = decode_split_options(spec, batch_size)
         slot = self._slots[batch_size]
@@ -515,29 +524,22 @@ class FlashInferState(GraphState):
         fa2 = getattr(slot.wrapper, "_backend", "fa2") == "fa2"
         if split.get("disable_split_kv") and fa2 and slot.owner is not None:
             # Without split-kv FlashInfer's fa2 schedule is one tile per (request, KV head): it
-            # depends on the batch size alone, so the plan made at capture stands, and a step only
-            # refills the page CSR the kernel reads: what plan() would copy, without its host
-            # scheduling, its pinned copy of the same schedule and the wait on that copy's fence.
-            # (FA3's plan sorts requests by length: it is re-planned every step.)
-            bufs = self._buffers
-            bufs["paged_kv_indptr"][: batch_size + 1].copy_(indptr, non_blocking=True)
-            bufs["paged_kv_last_page_len"][:batch_size].copy_(last, non_blocking=True)
+            # depends on the batch size alone, so the plan made at capture stands, and the page
+            # CSR the kernel reads is the one the step's upload wrote: what plan() would copy,
+            # without its host scheduling, its pinned copy of the same schedule and the wait on
+            # that copy's fence. (FA3's plan sorts requests by length: it is re-planned every step.)
             return
+        # Copies of the host mirror: plan() queues its own copies of them to the device, which
+        # the next step's writes into the mirror would race (StaticInputs fences its upload only).
+        host = self._inputs.host
+        indptr = host["paged_kv_indptr"][: batch_size + 1].copy()
+        last = host["paged_kv_last_page_len"][:batch_size].copy()
+        indices = self._buffers["paged_kv_indices"][: indptr[-1]]  # what the upload wrote
         slot.plan(self, lambda w: w.plan(
-            indptr, indices, last, spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size,
+            torch.from_numpy(indptr), indices, torch.from_numpy(last), spec.num_heads, spec.num_kv_heads,
+            spec.head_size, spec.block_size,
             **plan_options(spec), **split,
         ))
-
-    def _padded_plan_inputs(self, md: FlashInferMetadata | None, bs: int) -> tuple[torch.Tensor, ...]:
-        """Host indptr / last-page lengths of `md`'s rows plus one-page pad rows, and the pages."""
-        n = 0 if md is None else md.num_seqs
-        live = np.zeros(1, dtype=np.int32) if md is None else md.paged_kv_indptr.numpy()
-        indptr = np.concatenate([live, live[-1] + np.arange(1, bs - n + 1, dtype=np.int32)])
-        last = np.ones(bs, dtype=np.int32)
-        if md is not None:
-            last[:n] = md.paged_kv_last_page_len.numpy()
-        indices = self._buffers["paged_kv_indices"][: int(indptr[-1])]  # already filled by copy_extra
-        return torch.from_numpy(indptr), indices, torch.from_numpy(last)
 
 
 # ---------------------------------------------------------------------------------------------

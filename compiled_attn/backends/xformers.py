@@ -181,6 +181,11 @@ def decode_bias(
     return cls(q_seqinfo=q_info, k_seqinfo=k_info, block_tables=block_tables, page_size=block_size)
 
 
+def window_starts(seq_lens: np.ndarray, sliding_window: int) -> np.ndarray:
+    """The first key each decode of `seq_lens` tokens sees through a window of `sliding_window`."""
+    return np.maximum(seq_lens - sliding_window, 0)
+
+
 class XFormersMetadataBuilder(CommonMetadataBuilder):
     """Common builder + the gathers and bias objects of one step (all host work happens here)."""
 
@@ -219,7 +224,7 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
         if uses_cache and not md.prefill_fresh:
             int64_parts["prefill_kv_slots"] = slots_for(md.block_tables_host[:p], [0] * p, pre_seq, bs)
         if spec.sliding_window and md.num_decodes:
-            starts = np.maximum(np.asarray(md.seq_lens[p:], dtype=np.int64) - spec.sliding_window, 0)
+            starts = window_starts(np.asarray(md.seq_lens[p:], dtype=np.int64), spec.sliding_window)
             int32_parts["decode_window_starts"] = np.append(starts, 0).astype(np.int32)
         if spec.alibi_slopes is not None:
             if uses_cache:
@@ -313,6 +318,14 @@ class XFormersState(GraphState):
             out["encoder_seq_lens_tensor"] = torch.ones(n, dtype=i32, device=dev)
             out["cross_block_tables"] = torch.full((n, self.max_blocks_per_seq), SCRATCH_BLOCK, dtype=i32, device=dev)
         return out
+
+    def host_rows(self, md: XFormersMetadata) -> dict[str, np.ndarray]:
+        rows = super().host_rows(md)
+        if "decode_window_starts" in self._buffers:
+            rows["decode_window_starts"] = window_starts(rows["seq_lens_tensor"], self.spec.sliding_window)
+        if "encoder_seq_lens_tensor" in self._buffers:
+            rows["encoder_seq_lens_tensor"] = np.asarray(md.encoder_seq_lens, dtype=np.int64)
+        return rows
 
     def add_graph_fields(self, md: XFormersMetadata, batch_size: int) -> None:
         b, n = self._buffers, batch_size

@@ -286,6 +286,7 @@ class PiecewiseGraphs:
         # static model inputs; zeros are a valid token id and position for any model
         self._input_ids = torch.zeros(top, dtype=torch.int64, device=device)
         self._positions = torch.zeros(top, dtype=torch.int64, device=device)
+        self._zeros_from = 0  # rows of both from here on hold zeros (`fill_padded`)
 
     def capture(self, pool: Any = None) -> dict[str, Any]:
         """Compile (at the first warm-up) and capture every bucket, largest first, into `pool`;
@@ -370,7 +371,7 @@ class PiecewiseGraphs:
         bucket = pick_batch_size(self.sizes, n)
         if bucket is None:
             raise ValueError(f"{n} tokens > the largest piecewise bucket {self.sizes[0]}: use run_unpadded")
-        fill_padded(self._input_ids, self._positions, input_ids, positions, bucket)
+        self._zeros_from = fill_padded(self._input_ids, self._positions, input_ids, positions, self._zeros_from)
         with set_forward_context(md), self.control.serving(bucket):
             output = self._bucket_step(bucket)
         # Clone: the last piece's output is pool memory that the next replay (any bucket) rewrites.
