@@ -31,7 +31,7 @@ import torch
 
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionState
 from compiled_attn.capabilities import capability_reason
-from compiled_attn.metadata import CommonMetadata
+from compiled_attn.metadata import CommonMetadata, slots_for
 from compiled_attn.registry import backends_with
 from compiled_attn.validation import as_int, check_graph_step
 
@@ -418,7 +418,7 @@ class GraphState(AttentionState):
         seq_lens = np.asarray(md.seq_lens, dtype=np.int64)
         positions = seq_lens - 1  # of each decode's one new token: its context length
         return {
-            "slot_mapping": decode_slots(md.block_tables_host, positions, self.spec.block_size),
+            "slot_mapping": slots_for(md.block_tables_host, positions, seq_lens, self.spec.block_size),
             "seq_lens_tensor": seq_lens,
             "context_lens_tensor": positions,
         }
@@ -430,18 +430,6 @@ class GraphState(AttentionState):
     def plan(self, md: CommonMetadata | None, batch_size: int) -> None:
         """Host planning for the graph of `batch_size` over the prepared buffers (all pads when md
         is None, at capture)."""
-
-
-def decode_slots(block_tables: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    """The cache slot of each decode's one new token at `positions` (seq_len - 1), int64
-    [num_seqs]: the builder's slot_mapping for a decode-only step, from the host table it made.
-
-    >>> decode_slots(np.array([[4, 7], [2, 0]]), np.array([5, 0]), block_size=4)
-    array([29,  8])
-    """
-    blocks = positions // block_size
-    return block_tables[np.arange(len(positions)), blocks].astype(np.int64) * block_size + (
-        positions - blocks * block_size)
 
 
 def table_widths(max_blocks: int, block_size: int, min_tokens: int | None) -> tuple[int, ...]:
