@@ -2,7 +2,7 @@
 of the gpt-fast peer, reduced to per-layer kernel tables (markdown + JSON under --out).
 
     python scripts/profile_decode.py --point 1x1024 --point 64x1024 [--backend FLASHINFER]
-        [--variant compile|dynamic] [--no-peer] --out DIR
+        [--variant compile|static|dynamic] [--no-peer] --out DIR
 
 Each side runs PROFILED_STEPS steps as in the bench's loop (no synchronize inside) after a
 warm-up; the trace's kernels give the per-layer table and the GPU-busy fraction of the steps.
@@ -52,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--point", action="append", required=True, metavar="BxCTX")
     parser.add_argument("--backend", default="FLASHINFER")
-    parser.add_argument("--variant", action="append", choices=("compile", "dynamic"), default=None)
+    parser.add_argument("--variant", action="append", choices=dl.VARIANTS, default=None)
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
@@ -69,8 +69,7 @@ def main() -> None:
                 sides["peer (gpt-fast)"] = trace(loop)
                 del loop
         for variant in args.variant or ("compile",):
-            step_model = model if variant == "compile" else torch.compile(model, fullgraph=True, dynamic=True)
-            ours = dl.PagedLoop(step_model, backend, batch, ctx, {"compile": variant == "compile"})
+            ours = dl.paged_loop(model, batch, ctx, variant)
             side = f"ours {backend.get_name()} ({variant})"
             sides[side] = {**trace(ours.loop), **ours.host_us()}
             host_profile(ours, os.path.join(args.out, f"host-profile-{batch}x{ctx}-{variant}.txt"))

@@ -280,16 +280,27 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
             "peer compiles ms": [round(t[0], 3) for t in times]}
 
 
-def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile", repeats: int = REPEATS) -> dict:
-    """Ours through the runner; variant "compile": `CUDAGraphRunner(compile=True)`; "dynamic": the
-    README's `torch.compile(model, fullgraph=True, dynamic=True)` handed to the runner; "fp8":
-    compile, with the model's layers and caches in fp8 (e4m3; a row the peer cannot have)."""
+VARIANTS = ("compile", "static", "dynamic")
+
+
+def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> PagedLoop:
+    """Ours through the runner, captured; variant "compile": `CUDAGraphRunner(compile=True)`;
+    "static": the same with `static_sizes=[batch]` (a static-shape compile for the loop's batch, as
+    the peer's); "dynamic": the README's `torch.compile(model, fullgraph=True, dynamic=True)` handed
+    to the runner; "fp8": compile, on a model whose layers and caches are fp8 (e4m3; a row the peer
+    cannot have)."""
     backend = model.layers[0].attn.backend
-    kw = {"compile": variant != "dynamic"}
+    kw = {"compile": variant != "dynamic", "static_sizes": [batch] if variant == "static" else []}
     step_model = model if variant != "dynamic" else torch.compile(model, fullgraph=True, dynamic=True)
     kv_cache_dtype = model.layers[0].attn.impl.kv_cache_dtype
-    ours = PagedLoop(step_model, backend, batch, ctx, kw, kv_cache_dtype=kv_cache_dtype)
-    row = {**_row(model, batch, ctx, f"ours {backend.get_name()} ({variant})", *loop_times(ours.loop, repeats)),
+    return PagedLoop(step_model, backend, batch, ctx, kw, kv_cache_dtype=kv_cache_dtype)
+
+
+def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile", repeats: int = REPEATS) -> dict:
+    """The row of `paged_loop(model, batch, ctx, variant)`: loop times and host work per step."""
+    ours = paged_loop(model, batch, ctx, variant)
+    row = {**_row(model, batch, ctx, f"ours {ours.runner.backend.get_name()} ({variant})",
+                  *loop_times(ours.loop, repeats)),
            **ours.host_us()}
     del ours
     torch.cuda.empty_cache()
@@ -367,7 +378,7 @@ def main() -> None:
     parser.add_argument("--backend", action="append", default=None)
     parser.add_argument("--point", action="append", metavar="BxCTX", help="e.g. 64x1024 (repeatable)")
     parser.add_argument("--peer-compiles", type=int, default=None)
-    parser.add_argument("--variant", action="append", choices=("compile", "dynamic"), default=None)
+    parser.add_argument("--variant", action="append", choices=VARIANTS, default=None)
     args = parser.parse_args()
     points = tuple(tuple(int(n) for n in p.split("x")) for p in args.point) if args.point else None
     print_table(run(args.quick, tuple(args.backend or BACKENDS), points, args.peer_compiles,
