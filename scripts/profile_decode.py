@@ -2,7 +2,7 @@
 of the gpt-fast peer, reduced to per-layer kernel tables (markdown + JSON under --out).
 
     python scripts/profile_decode.py --point 1x1024 --point 64x1024 [--backend FLASHINFER]
-        [--variant compile|static|dynamic] [--no-peer] --out DIR
+        [--variant compile|dynamic] [--no-peer] --out DIR
 
 Each side runs PROFILED_STEPS steps as in the bench's loop (no synchronize inside) after a
 warm-up; the trace's kernels give the per-layer table and the GPU-busy fraction of the steps.

@@ -495,47 +495,6 @@ def test_runner_compiles_batch_one_apart_and_samples_in_the_step(tiny_model):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
 
 
-def test_static_sizes_compile_a_graph_of_their_own(tiny_model):
-    """static_sizes=[4]: batch 4 gets a static-shape compile of its own (gpt-fast's per-size
-    compile) beside the dynamic compile's batch-1 graph and shared graph, and every step still
-    gives eager's tokens (batch 3 pads into the static graph, batch 1 takes the dynamic one's)."""
-    spec = cpu_spec()
-    torch._dynamo.reset()
-    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2, 4], max_batch_size=4,
-                           compile=True, static_sizes=[4], postprocess=lambda logits: logits.argmax(-1))
-    assert runner.static_sizes == {4}
-    ref, eng = Engine(spec, direct(tiny_model, random_caches(spec, 1))), Engine(spec, runner.run)
-    step = prompts(3, seed=13, vocab=TINY.vocab_size)
-    for i in range(5):  # a prefill, decodes of 3 (the static graph), then of 1
-        want = ref.step(step).argmax(-1)
-        assert torch.equal(eng.step(step), want), f"step {i}"
-        step = {name: [tok] for name, tok in zip(step, want.tolist(), strict=True)}
-        if i == 2:
-            step = dict(list(step.items())[:1])
-    assert runner.counts["graph"] == 4 and runner.counts["eager_prefill"] == 1
-    # batch 4 static; batch 1; the prefill and batch 2 shared
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 3
-
-
-@pytest.mark.parametrize(
-    ("kw", "match"),
-    [
-        ({"static_sizes": [4]}, "needs compile=True"),
-        ({"static_sizes": [3], "compile": True}, r"static_sizes \[3\] are not captured"),
-        ({"static_sizes": 4, "compile": True}, "must be a list"),
-        ({"static_sizes": list(range(1, 8)), "capture_sizes": list(range(1, 8)), "max_batch_size": 8,
-          "compile": True}, "recompile limit"),
-    ],
-)
-def test_bad_static_sizes_raise_before_compiling(tiny_model, kw, match):
-    spec = cpu_spec()
-    kw = {"capture_sizes": [1, 2, 4], "max_batch_size": 4, **kw}
-    with pytest.raises(ValueError, match=match):
-        CUDAGraphRunner(tiny_model, ca.get_attn_backend(SDPA), spec, random_caches(spec, 0), use_cuda_graphs=False,
-                        progress=False, **kw)
-
-
 # -------------------------------------------------------------------------------------------
 # Runner over TORCH_SDPA's table widths (CPU)
 
@@ -890,18 +849,17 @@ def test_compiled_model_under_graphs_matches_eager():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("name", "static_sizes"), [("FLASHINFER", []), ("TORCH_SDPA", []), ("FLASHINFER", [4])])
-def test_runner_compile_serves_greedy_tokens_like_eager(name, static_sizes):
+@pytest.mark.parametrize("name", ["FLASHINFER", "TORCH_SDPA"])
+def test_runner_compile_serves_greedy_tokens_like_eager(name):
     """CUDAGraphRunner(compile=True, postprocess=argmax) with real graphs: the static batch-1
-    graph (tuned matrix-vector reductions) and the shared graph, or batch 4's own static-shape
-    compile (static_sizes), give eager's logits' argmax."""
+    graph (tuned matrix-vector reductions) and the shared graph give eager's logits' argmax."""
     spec = gpu_spec(name)
     backend = gpu_backend(name, spec)
     model = build_model(GPU_CONFIG, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
     torch._dynamo.reset()
     runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),
                              capture_sizes=[1, 2, 4], max_batch_size=4, progress=False, compile=True,
-                             static_sizes=static_sizes, postprocess=lambda logits: logits.argmax(-1))
+                             postprocess=lambda logits: logits.argmax(-1))
     runner.capture()
     ref = Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec)), backend_name=name)
     eng = Engine(spec, runner.run, backend_name=name)

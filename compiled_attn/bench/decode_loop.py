@@ -280,17 +280,16 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
             "peer compiles ms": [round(t[0], 3) for t in times]}
 
 
-VARIANTS = ("compile", "static", "dynamic")
+VARIANTS = ("compile", "dynamic")
 
 
 def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> PagedLoop:
     """Ours through the runner, captured; variant "compile": `CUDAGraphRunner(compile=True)`;
-    "static": the same with `static_sizes=[batch]` (a static-shape compile for the loop's batch, as
-    the peer's); "dynamic": the README's `torch.compile(model, fullgraph=True, dynamic=True)` handed
+    "dynamic": the README's `torch.compile(model, fullgraph=True, dynamic=True)` handed
     to the runner; "fp8": compile, on a model whose layers and caches are fp8 (e4m3; a row the peer
     cannot have)."""
     backend = model.layers[0].attn.backend
-    kw = {"compile": variant != "dynamic", "static_sizes": [batch] if variant == "static" else []}
+    kw = {"compile": variant != "dynamic"}
     step_model = model if variant != "dynamic" else torch.compile(model, fullgraph=True, dynamic=True)
     kv_cache_dtype = model.layers[0].attn.impl.kv_cache_dtype
     return PagedLoop(step_model, backend, batch, ctx, kw, kv_cache_dtype=kv_cache_dtype)

@@ -52,37 +52,6 @@ def capture_sizes_for(max_batch_size: int, sizes: Iterable[int] | None = None) -
     return kept
 
 
-def static_sizes_for(sizes: Iterable[int], capture_sizes: list[int], compile: bool) -> frozenset[int]:
-    """The capture sizes to compile with static shapes (`CUDAGraphRunner(static_sizes=...)`),
-    checked: each one captured, `compile=True`, and room in Dynamo's recompile limit for them
-    beside the dynamic compile's two graphs (batch 1 and the rest). Past that limit Dynamo would
-    run the model uncompiled, silently; this says so before any compile.
-
-    >>> sorted(static_sizes_for([64, 1], [64, 8, 1], compile=True))
-    [1, 64]
-    """
-    if not isinstance(sizes, list | tuple | range | set | frozenset):
-        raise ValueError(f"static_sizes must be a list of ints, got {type(sizes).__name__}")
-    static = frozenset(sizes)
-    if not static:
-        return static
-    if not compile:
-        raise ValueError("static_sizes needs compile=True: the runner compiles them itself (the eager model "
-                         "and the runner's compile)")
-    missing = sorted(s for s in static if s not in capture_sizes)
-    if missing:
-        raise ValueError(f"static_sizes {missing} are not captured (capture sizes {sorted(capture_sizes)}): "
-                         "add them to capture_sizes or drop them")
-    limit = torch._dynamo.config.recompile_limit
-    if len(static) + 2 > limit:
-        raise ValueError(
-            f"{len(static)} static sizes and the dynamic compile's 2 graphs exceed Dynamo's recompile limit "
-            f"({limit}), past which the model would run uncompiled: pass fewer static_sizes or raise "
-            "torch._dynamo.config.recompile_limit"
-        )
-    return static
-
-
 def piecewise_sizes_for(sizes: Iterable[int] | None = None) -> list[int]:
     """The token buckets of the piecewise graphs, largest first: `sizes` (default
     DEFAULT_PIECEWISE_SIZES), checked as capture sizes are.

@@ -39,7 +39,6 @@ from compiled_attn.graphs.buckets import (
     pick_batch_size,
     pick_table_width,
     piecewise_sizes_for,
-    static_sizes_for,
 )
 from compiled_attn.graphs.piecewise import PiecewiseGraphs
 from compiled_attn.validation import as_int, check_cache_list
@@ -121,12 +120,6 @@ class CUDAGraphRunner:
             specs only (an op's token rows are cut to the step's, which cross attention's
             encoder K/V are not). With `compile=True` the pieces get COMPILE_OPTIONS too.
         piecewise_sizes: token buckets, default `DEFAULT_PIECEWISE_SIZES` (1 .. 512).
-        static_sizes: capture sizes whose decode graphs get a compile of their own with static
-            shapes (`dynamic=False`, needs `compile=True`), as gpt-fast compiles per batch size:
-            Inductor then sizes and tunes every kernel for that token count instead of sharing
-            one dynamic graph with the other sizes. Each costs one more full compile at capture;
-            Dynamo keeps at most `torch._dynamo.config.recompile_limit` graphs of the model,
-            two of which the dynamic compile may hold.
         piece_compiler: "inductor" (default) or "eager" (the FX pieces as traced: fast to build,
             to test the splitting and padding).
 
@@ -158,7 +151,6 @@ class CUDAGraphRunner:
         piecewise: bool = False,
         piecewise_sizes: Sequence[int] | None = None,
         piece_compiler: str = "inductor",
-        static_sizes: Sequence[int] = (),
     ) -> None:
         if not isinstance(spec, AttentionSpec):
             raise ValueError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
@@ -174,8 +166,6 @@ class CUDAGraphRunner:
                                       "these steps with piecewise=False")
         if piecewise_sizes is not None and not piecewise:
             raise ValueError("piecewise_sizes without piecewise=True: pass piecewise=True to capture them")
-        self.sizes = capture_sizes_for(max_batch_size, capture_sizes)  # largest first
-        self.static_sizes = static_sizes_for(static_sizes, self.sizes, compile)
         step = model if postprocess is None else WithPostprocess(model, postprocess)
         self.piecewise: PiecewiseGraphs | None = None
         if piecewise:
@@ -187,15 +177,12 @@ class CUDAGraphRunner:
                 options=COMPILE_OPTIONS if compile else None, warmup_steps=warmup_steps,
             )
         self.model = torch.compile(step, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS) if compile else step
-        # one specialized compile per static size, as the peer's static-shape compile: Inductor
-        # tunes and sizes its kernels (the RMSNorm reductions among them) for that token count
-        self._static_model = (torch.compile(step, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
-                              if self.static_sizes else None)
         self._unbacked_tokens = not compile
         self.backend = backend
         self.spec = spec
         self.kv_caches = kv_caches
         self.state = backend.get_state_cls()(spec) if state is None else state
+        self.sizes = capture_sizes_for(max_batch_size, capture_sizes)  # largest first
         # block-table widths per size, largest (the full table) first
         self.widths = capture_widths_for(self.state.graph_table_widths(),
                                          -(-spec.max_seq_len_to_capture // spec.block_size))
@@ -310,8 +297,6 @@ class CUDAGraphRunner:
     def _static_step(self, bs: int) -> torch.Tensor:
         """The model on the first `bs` rows of the static inputs (under the caller's context)."""
         ids, pos = self._input_ids[:bs], self._positions[:bs]
-        if bs in self.static_sizes:
-            return self._static_model(ids, pos, self.kv_caches)
         self._mark_tokens(ids, pos)
         return self.model(ids, pos, self.kv_caches)
 
