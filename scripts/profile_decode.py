@@ -52,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--point", action="append", required=True, metavar="BxCTX")
     parser.add_argument("--backend", default="FLASHINFER")
-    parser.add_argument("--variant", action="append", choices=dl.VARIANTS, default=None)
+    parser.add_argument("--variant", action="append", choices=("compile", "dynamic"), default=None)
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()

@@ -280,7 +280,7 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
             "peer compiles ms": [round(t[0], 3) for t in times]}
 
 
-VARIANTS = ("compile", "dynamic")
+VARIANTS = ("compile", "dynamic", "fp8")
 
 
 def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> PagedLoop:
@@ -315,9 +315,12 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
         points: tuple[tuple[int, int], ...] | None = None, peer_compiles: int | None = None,
         variants: tuple[str, ...] = ("compile",), on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
     """Rows per (batch, ctx): the peer (with the first available backend's model), then ours per
-    backend (quick: the first available backend only, fewer timed loops, one peer compile).
-    Points whose KV caches do not fit the card are reported as skipped. `on_row` sees each row
-    as it is measured (a run cut short keeps what it printed)."""
+    backend and variant (quick: the first available backend only, fewer timed loops, one peer
+    compile); the full grid (no `points`, not quick) ends with the fp8 rows at FP8_POINTS (the
+    "fp8" variant measures them at given points). Points whose KV caches do not fit the card are
+    reported as skipped. `on_row` sees each row as it is measured (a run cut short keeps what it
+    printed)."""
+    fp8_at_end = points is None and not quick
     points = points or (QUICK_POINTS if quick else GRID)
     peer_compiles = peer_compiles or (1 if quick else 2)
     repeats = QUICK_REPEATS if quick else REPEATS
@@ -341,14 +344,16 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
             if with_peer:
                 add(measure_peer(model, batch, ctx, peer_compiles, repeats))
                 peer_ms[batch, ctx] = rows[-1]["ms/step"]
-            for variant in variants:
-                add(with_ratio(measure_ours(model, batch, ctx, variant, repeats), peer_ms))
+            for variant in variants:  # "fp8": the model with e4m3 layers and caches, against the bf16 peer
+                ours = build_8b(name, kv_cache_dtype="fp8") if variant == "fp8" else model
+                add(with_ratio(measure_ours(ours, batch, ctx, variant, repeats), peer_ms))
+                del ours
         del model
         torch.cuda.empty_cache()
         with_peer = False
         if quick:  # each backend costs two coordinate-descent-tuned 8B compiles
             break
-    for name in () if quick else backends:
+    for name in backends if fp8_at_end else ():
         if "fp8" in BACKEND_CLASSES()[name.upper()].supported_kv_cache_dtypes:
             for row in fp8_rows(name, peer_ms):
                 add(row)
