@@ -61,12 +61,14 @@ PEER_INDUCTOR = {"coordinate_descent_tuning": True, "triton.unique_kernel_names"
 class StaticKVCache(nn.Module):
     """gpt-fast's KVCache: [B, n_kv, max_len, d] buffers written at `input_pos` by indexing."""
 
-    def __init__(self, batch: int, num_kv_heads: int, max_len: int, head_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, batch: int, num_kv_heads: int, max_len: int, head_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
         shape = (batch, num_kv_heads, max_len, head_size)
-        # random, not zeros: the cached prefix is read by every step (as a prefill would leave it)
-        self.register_buffer("k_cache", torch.randn(shape, dtype=dtype))
-        self.register_buffer("v_cache", torch.randn(shape, dtype=dtype))
+        # random, not zeros: the cached prefix is read by every step (as a prefill would leave it);
+        # drawn on the device (B=64 at ctx 4096 is 35 GB, minutes of host randn)
+        self.register_buffer("k_cache", torch.randn(shape, dtype=dtype, device=device))
+        self.register_buffer("v_cache", torch.randn(shape, dtype=dtype, device=device))
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # input_pos [1]; k, v [B, n_kv, 1, d]
@@ -84,8 +86,8 @@ class GptFastDecoder(nn.Module):
         self.model = model
         dtype, device = model.embed.weight.dtype, model.embed.weight.device
         self.kv = nn.ModuleList(
-            StaticKVCache(batch, c.num_kv_heads, max_len, c.head_size, dtype) for _ in range(c.num_layers)
-        ).to(device)
+            StaticKVCache(batch, c.num_kv_heads, max_len, c.head_size, dtype, device) for _ in range(c.num_layers)
+        )
         self.register_buffer("causal_mask", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool, device=device)))
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
