@@ -11,6 +11,8 @@ nominal HBM bandwidth that reading the K/V cache once would take in that time. A
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -27,13 +29,9 @@ SWEEP_PAGES, SWEEP_POINTS = (16, 32, 64, 128), ((8, 1024), (64, 1024))
 # FlashInfer's decode kernels and plan options measured against each other at the decode
 # loop's points (`variants` table): the data behind the backend's choice per batch size.
 VARIANT_POINTS = tuple((b, c) for c in (1024, 4096) for b in (1, 8, 64, 256))
-VARIANTS = {
-    "tensor-core": dict(tensor_cores=True),
-    "tensor-core, no split-kv": dict(tensor_cores=True, disable_split_kv=True),
-    "cuda-core": dict(tensor_cores=False),
-    # sm90's FA3 kernels behind the same wrapper (a JIT build of a minute or more at first use)
-    "tensor-core, fa3": dict(tensor_cores=True, backend="fa3"),
-}
+# ... and with e4m3 caches, where the fp8 decode loop runs (bf16 queries)
+FP8_VARIANT_POINTS = ((64, 4096),)
+XQA_WORKSPACE_BYTES = 64 << 20  # its semaphores (8 MB, zeroed before first use) and scratch
 # Not measured: backend="cudnn" fetches prebuilt cubins over the network at first use (the
 # device machine has none; it retried for minutes).
 
@@ -97,31 +95,61 @@ def _sdpa(batch: int, ctx: int, q: torch.Tensor) -> Callable[[], object]:
     return lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
 
 
+def _xqa(spec: ca.AttentionSpec, md, q, kv_cache, out) -> Callable[[], object]:
+    """FlashInfer's XQA decode (TensorRT-LLM's kernels: sm90's fp8 one computes Q.K in fp8) over
+    the same pages, as a [batch, pages] table: every request of a case holds ctx / block_size."""
+    from flashinfer.decode import xqa_batch_decode_with_kv_cache
+
+    batch = q.shape[0]
+    table = md.paged_kv_indices.view(batch, -1)
+    seq_lens = md.seq_lens_tensor.view(torch.uint32)  # lengths are positive: the same bits
+    workspace = torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+    cache, max_len = (kv_cache[0], kv_cache[1]), table.shape[1] * spec.block_size
+    return lambda: xqa_batch_decode_with_kv_cache(q, cache, workspace, table, seq_lens, max_len,
+                                                  bmm1_scale=spec.softmax_scale, out=out)
+
+
+VARIANTS: dict[str, Callable[..., Callable[[], object]]] = {
+    "tensor-core": functools.partial(_direct, tensor_cores=True),
+    "tensor-core, no split-kv": functools.partial(_direct, tensor_cores=True, disable_split_kv=True),
+    "cuda-core": functools.partial(_direct, tensor_cores=False),
+    # sm90's FA3 kernels behind the same wrapper (a JIT build of a minute or more at first use)
+    "tensor-core, fa3": functools.partial(_direct, tensor_cores=True, backend="fa3"),
+    # its sources are not in the device's trimmed FlashInfer: scripts/gpu_check.sh adds them
+    "xqa": _xqa,
+}
+FP8_VARIANTS = ("tensor-core, no split-kv", "xqa")
+
+
 def variant_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
-    """Each of VARIANTS at each of VARIANT_POINTS (page 16), plus SDPA over a contiguous cache;
-    a variant this FlashInfer build or machine lacks gets a row saying why. `on_row` sees each
-    row as it is measured (a run cut short keeps what it printed)."""
+    """Each of VARIANTS at each of VARIANT_POINTS (page 16), plus SDPA over a contiguous cache,
+    then FP8_VARIANTS with e4m3 caches at FP8_VARIANT_POINTS; a variant this FlashInfer build or
+    machine lacks gets a row saying why. `on_row` sees each row as it is measured (a run cut
+    short keeps what it printed)."""
     peak, rows = nominal_bandwidth(), []
-    for batch, ctx in VARIANT_POINTS:
-        spec, md, kv_cache, q, out = _decode_case(batch, ctx, BLOCK_SIZE)
-        cache_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * spec.dtype.itemsize
-        for name, kw in VARIANTS.items():
-            kw = dict(kw)
+    cases = [(batch, ctx, "auto", tuple(VARIANTS)) for batch, ctx in VARIANT_POINTS]
+    cases += [(batch, ctx, "fp8", FP8_VARIANTS) for batch, ctx in FP8_VARIANT_POINTS]
+    for batch, ctx, kv_cache_dtype, names in cases:
+        spec, md, kv_cache, q, out = _decode_case(batch, ctx, BLOCK_SIZE, kv_cache_dtype)
+        cache_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * kv_cache.element_size()
+        suffix = "" if kv_cache_dtype == "auto" else f", {kv_cache_dtype} cache"
+        for name in names:
             try:
-                fn = _direct(spec, md, q, kv_cache, out, kw.pop("tensor_cores"), **kw)
-                rows.append(_row("decode_variants", name, batch, ctx, BLOCK_SIZE, graph_time_us(fn, replays=replays),
-                                 cache_bytes, peak))
+                fn = VARIANTS[name](spec, md, q, kv_cache, out)
+                rows.append(_row("decode_variants", name + suffix, batch, ctx, BLOCK_SIZE,
+                                 graph_time_us(fn, replays=replays), cache_bytes, peak))
             except Exception as e:  # a backend this machine lacks (cuDNN frontend, ...) is a result too
-                rows.append({"suite": "decode_variants", "card": card_name(), "impl": name, "batch": batch,
+                rows.append({"suite": "decode_variants", "card": card_name(), "impl": name + suffix, "batch": batch,
                              "ctx": ctx, "page": BLOCK_SIZE, "error": f"{type(e).__name__}: {str(e)[:120]}"})
             fn = None
             on_row(rows[-1])
         del kv_cache
         torch.cuda.empty_cache()
-        rows.append(_row("decode_variants", "torch sdpa", batch, ctx, None,
-                         graph_time_us(_sdpa(batch, ctx, q), replays=replays), cache_bytes, peak))
-        on_row(rows[-1])
-        torch.cuda.empty_cache()
+        if kv_cache_dtype == "auto":
+            rows.append(_row("decode_variants", "torch sdpa", batch, ctx, None,
+                             graph_time_us(_sdpa(batch, ctx, q), replays=replays), cache_bytes, peak))
+            on_row(rows[-1])
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -162,17 +190,18 @@ def _point_rows(batch: int, ctx: int, block_size: int, replays: int, with_peers:
     return rows
 
 
-def _decode_case(batch: int, ctx: int, block_size: int):
+def _decode_case(batch: int, ctx: int, block_size: int, kv_cache_dtype: str = "auto"):
     """A decode step of `batch` requests at `ctx` tokens over shuffled blocks: spec, metadata,
-    a random cache, the query and an output buffer."""
-    spec = _spec(batch, ctx, block_size)
+    a random cache (drawn in the spec's dtype, stored in its cache dtype), the query and an
+    output buffer."""
+    spec = dataclasses.replace(_spec(batch, ctx, block_size), kv_cache_dtype=kv_cache_dtype)
     blocks = ctx // block_size
     tables = torch.randperm(spec.num_blocks - 1)[: batch * blocks].add_(1).view(batch, blocks).tolist()
     md = FlashInferBackend.get_builder_cls()(spec).build([ctx] * batch, [1] * batch, tables)
     kv_cache = torch.randn(
         FlashInferBackend.get_kv_cache_shape(spec.num_blocks, block_size, NUM_KV_HEADS, HEAD_SIZE),
         dtype=spec.dtype, device="cuda",
-    )
+    ).to(spec.cache_dtype)
     q = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=spec.dtype, device="cuda")
     return spec, md, kv_cache, q, torch.empty_like(q)
 
