@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 import compiled_attn as ca
+from compiled_attn.bench.compiles import all_from_cache, compile_counts, compiles_line, counts_since
 from compiled_attn.bench.decode_loop import GptFastDecoder
 from compiled_attn.bench.kernel_table import Kernel, per_layer_table
 from compiled_attn.bench.piecewise_bench import QUICK_BUCKETS, STEPS, step_inputs
@@ -122,3 +123,34 @@ def test_piecewise_bench_steps_are_the_issues_mixed_and_prefill_steps():
 def test_seconds_line_says_where_the_run_went():
     seconds = {"compiled_attn.bench.ceilings": 0.6, "compiled_attn.bench.decode_loop": 95.3}
     assert seconds_line(seconds) == "suite seconds: ceilings 0.6, decode_loop 95.3; total 95.9"
+
+
+def test_compile_counts_tell_a_compile_from_a_cache_load():
+    """A suite's compile counts: one graph per Dynamo trace; Inductor's first compile of it
+    misses the FX-graph cache, the same compile after `torch._dynamo.reset()` (a second runner's)
+    comes from it. That is how `--quick` tells that piecewise_bench's first capture was already
+    the warm-cache one."""
+    from torch._inductor.utils import fresh_cache
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) * 2
+
+    counts = []
+    with fresh_cache():
+        for _ in range(2):
+            torch._dynamo.reset()
+            before = compile_counts()
+            torch.compile(step)(torch.randn(8))
+            counts.append(counts_since(before))
+    cold, warm = counts
+    assert cold["graphs"] == warm["graphs"] == 1 and cold["compile s"] > 0
+    assert (cold["fx cache miss"], warm["fx cache hit"]) == (1, 1)
+    assert not all_from_cache(cold) and all_from_cache(warm)
+    assert not all_from_cache({**warm, "fx cache hit": 0})  # nothing handed to Inductor: no cache load either
+
+
+def test_compiles_line_names_the_suites_that_compiled():
+    idle = {"graphs": 0, "compile s": 0.0, "fx cache hit": 0, "fx cache miss": 0, "fx cache bypass": 0}
+    e2e = {**idle, "graphs": 1, "compile s": 61.2, "fx cache hit": 1}
+    assert compiles_line({"compiled_attn.bench.ceilings": idle, "compiled_attn.bench.e2e": e2e}) == (
+        "suite compiles: e2e 1 graphs 61 s (fx cache 1 hit, 0 miss, 0 bypass)")

@@ -24,6 +24,7 @@ from compiled_attn.bench import (
     overhead,
     piecewise_bench,
 )
+from compiled_attn.bench.compiles import compile_counts, compiles_line, counts_since
 from compiled_attn.bench.plots import write_plots
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, nominal_bandwidth
@@ -66,13 +67,15 @@ def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list
               if (cuda or not needs_cuda) and (wanted is None or b is None or b in wanted)
               and (suites is None or suite_name(s) in suites)]
     seconds: dict[str, float] = {}  # wall time per suite, by its results' key
-    results: dict[str, object] = {"card": card_name(), "nominal_bw": nominal_bandwidth() or 0, "suite seconds": seconds}
+    compiles: dict[str, dict[str, float]] = {}  # what each suite compiled (bench/compiles.py), by the same key
+    results: dict[str, object] = {"card": card_name(), "nominal_bw": nominal_bandwidth() or 0, "suite seconds": seconds,
+                                  "suite compiles": compiles}
     failed = 0
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "bench-results.json" if suites is None else f"bench-results-{'-'.join(suites)}.json")
     for suite in tqdm(chosen, desc="bench suites"):
         module = suite.__name__  # the results' key
-        start = time.perf_counter()
+        start, compiled_before = time.perf_counter(), compile_counts()
         rows: list[dict] | str
         try:
             rows = suite.run(quick)
@@ -82,12 +85,14 @@ def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list
             failed += 1
         results[module] = rows
         seconds[module] = round(time.perf_counter() - start, 1)
+        compiles[module] = counts_since(compiled_before)
         if isinstance(rows, list):
             print(f"\n== {module} ({card_name()}, {seconds[module]:.0f} s)")
             print_table(rows)
         with open(path, "w") as f:  # after every suite: a run cut off by a timeout keeps what it measured
             json.dump(results, f, indent=1, default=str)
     print(seconds_line(seconds))  # where the run's time went, in one line under the tables
+    print(compiles_line(compiles))  # and how much of it compiling (traces) and whether the caches hit
     try:
         for path in write_plots(results, out):
             print(f"plot: {path}")
