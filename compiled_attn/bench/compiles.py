@@ -32,12 +32,6 @@ def counts_since(before: dict[str, float]) -> dict[str, float]:
     return {name: round(n - before[name], 1) for name, n in compile_counts().items()}
 
 
-def all_from_cache(counts: dict[str, float]) -> bool:
-    """Whether Inductor compiled nothing in `counts` (a `counts_since`): every graph it was handed
-    came from its FX-graph cache."""
-    return counts["fx cache hit"] > 0 and counts["fx cache miss"] == counts["fx cache bypass"] == 0
-
-
 def compiles_line(compiles: dict[str, dict[str, float]]) -> str:
     """`suite compiles: e2e 1 graphs 61 s (fx cache 1 hit, 0 miss, 0 bypass), ...` for the suites
     that compiled, from their `counts_since`."""
