@@ -45,8 +45,9 @@ def noop_custom(x: torch.Tensor) -> None:
 
 def run(quick: bool = False) -> list[dict]:
     """Rows: op, us per call (median), its overhead over the raw kernel (`write_kv_cache`, an
-    attention op's Python kernel with its step checks skipped) and, for our ops, the time of
-    those lookups and checks alone on a repeat step (`checks us`)."""
+    attention op's Python kernel with its step checks skipped; both timed with a synchronize
+    after each call, which the difference cancels) and, for our ops, the host time of those
+    lookups and checks alone on a repeat step (`checks us`: no GPU work, so no synchronize)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     iters = 200 if quick else 1000
     x = torch.empty(8, device=device)
@@ -124,5 +125,6 @@ def backend_rows(backend_name: str, backend: type[ca.AttentionBackend], device: 
                 raw_us = eager_time_us(raw_fn, iters=iters)
             op_us = eager_time_us(op_fn, iters=iters)
             rows.append({"card": card_name(), "what": f"{backend_name}: {what}", "us/call": op_us,
-                         "overhead us": op_us - raw_us, "checks us": eager_time_us(checks_fn, iters=iters)})
+                         "overhead us": op_us - raw_us,
+                         "checks us": eager_time_us(checks_fn, iters=iters, host_only=True)})
     return rows

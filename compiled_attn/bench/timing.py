@@ -49,9 +49,10 @@ def graph_time_us(fn: Callable[[], object], *, replays: int = 50, graph_iters: i
     return statistics.median(times)
 
 
-def eager_time_us(fn: Callable[[], object], *, iters: int = 50) -> float:
-    """Median wall time of one eager `fn()` in microseconds (synchronizing on CUDA)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+def eager_time_us(fn: Callable[[], object], *, iters: int = 50, host_only: bool = False) -> float:
+    """Median wall time of one eager `fn()` in microseconds, synchronizing on CUDA after each
+    call unless `host_only` (`fn` queues no GPU work: the synchronize alone costs microseconds)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and not host_only else (lambda: None)
     for _ in range(3):
         fn()
     sync()
