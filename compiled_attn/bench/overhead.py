@@ -22,7 +22,7 @@ from compiled_attn.bench.timing import card_name, eager_time_us
 from compiled_attn.capabilities import smallest_block_size
 from compiled_attn.ops.cache import write_kv_cache
 from compiled_attn.ops.common import checked_step
-from compiled_attn.ops.library import python_kernel
+from compiled_attn.ops.library import ATTENTION_SIGNATURE, python_kernel
 from compiled_attn.registry import BACKEND_CLASSES
 
 _lib = torch.library.Library("compiled_attn_bench", "FRAGMENT")
@@ -36,6 +36,11 @@ def _noop_impl(x: torch.Tensor) -> None:
 for _key in ("CPU", "CUDA"):
     _lib.impl("noop_lib", _noop_impl, _key)
 _lib.impl("noop_lib", _noop_impl, "Meta")
+
+
+# the attention ops' schema and registration (one CompositeExplicitAutograd kernel), doing nothing
+_lib.define("noop_attention" + ATTENTION_SIGNATURE)
+_lib.impl("noop_attention", lambda query, key, value, kv_cache, output, layer_name: None, "CompositeExplicitAutograd")
 
 
 @torch.library.custom_op("compiled_attn_bench::noop_custom", mutates_args=("x",))
@@ -53,8 +58,11 @@ def run(quick: bool = False) -> list[dict]:
     x = torch.empty(8, device=device)
     rows = []
     direct = eager_time_us(lambda: _noop_impl(x), iters=iters)
+    q, kv, cache = torch.empty(8, 32, 128, device=device), torch.empty(8, 8, 128, device=device), x.view(1, 8)
     for name, fn in (("custom_op", lambda: torch.ops.compiled_attn_bench.noop_custom(x)),
-                     ("Library.define", lambda: torch.ops.compiled_attn_bench.noop_lib(x))):
+                     ("Library.define", lambda: torch.ops.compiled_attn_bench.noop_lib(x)),
+                     ("Library.define, the attention ops' six arguments",
+                      lambda: torch.ops.compiled_attn_bench.noop_attention(q, kv, kv, cache, q, "layer"))):
         t = eager_time_us(fn, iters=iters)
         rows.append({"card": card_name(), "what": f"no-op via {name}", "us/call": t, "overhead us": t - direct})
 
