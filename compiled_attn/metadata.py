@@ -29,6 +29,7 @@ from compiled_attn.validation import (
     check_written_blocks,
     int_array,
     int_list,
+    live_entries,
     needed_table,
     rolled_blocks,
 )
@@ -90,7 +91,7 @@ class CommonMetadata(AttentionMetadata):
     def __post_init__(self) -> None:
         self._views: dict[str, AttentionMetadata | None] = {}
         self._builder: CommonMetadataBuilder | None = None
-        # the checked block ids each request reads, flat in request order (for page layouts)
+        # `needed_block_ids()`: set by the builder (checked), else read on first use
         self._needed_block_ids: np.ndarray | None = None
         # the int32 host arrays the device fields were copied from, by field name: backends' own
         # host work reads them rather than converting the python lists again
@@ -99,6 +100,16 @@ class CommonMetadata(AttentionMetadata):
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def needed_block_ids(self) -> np.ndarray:
+        """The block ids the requests read, flat in request order: each one's first
+        ceil(seq_len / block_size) entries of `block_tables_host`, less its rolled ones. The
+        builder's checked array; for metadata made otherwise (`dataclasses.replace`), read from
+        `block_tables_host` once (graph States check that table before they use these)."""
+        if self._needed_block_ids is None:
+            need = -(-np.asarray(self.seq_lens, dtype=np.int64) // self.block_size)
+            self._needed_block_ids = live_entries(self.block_tables_host, need, self.rolled_blocks)[1]
+        return self._needed_block_ids
 
     @property
     def num_decodes(self) -> int:

@@ -424,7 +424,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
         row, so no second copy of it is made."""
         if num_pages == md.block_tables.numel():
             return md.block_tables.view(-1)
-        return to_device(md._needed_block_ids.astype(np.int32), self.device)
+        return to_device(md.needed_block_ids().astype(np.int32), self.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,8 +507,9 @@ class FlashInferState(GraphState):
         n = 0 if md is None else md.num_seqs
         if md is not None:
             indptr[: n + 1] = md.paged_kv_indptr.numpy()
-            # the host ids of md.paged_kv_indices (`paged_kv_layout`), checked by the builder
-            indices[: indptr[n]] = md._needed_block_ids
+            # the host ids of md.paged_kv_indices (`paged_kv_layout`), checked by the builder or,
+            # for metadata made otherwise, by `check_graph_step` on the host table they come from
+            indices[: indptr[n]] = md.needed_block_ids()
         nnz, pads = int(indptr[n]), batch_size - n
         # the pad rows' one page each
         np.add(np.arange(1, pads + 1, dtype=np.int32), nnz, out=indptr[n + 1 : batch_size + 1])
