@@ -31,7 +31,7 @@ import torch
 
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionState
 from compiled_attn.capabilities import capability_reason
-from compiled_attn.metadata import CommonMetadata, slots_for
+from compiled_attn.metadata import CommonMetadata
 from compiled_attn.registry import backends_with
 from compiled_attn.validation import as_int, check_graph_step
 
@@ -413,15 +413,10 @@ class GraphState(AttentionState):
         """Set the backend's own fields of the all-pad metadata of `batch_size` rows."""
 
     def host_rows(self, md: CommonMetadata) -> dict[str, np.ndarray]:
-        """The live rows of each ROW_PADS buffer this state allocated, from md's host fields (a
-        decode-only step: every query_len is 1)."""
-        seq_lens = np.asarray(md.seq_lens, dtype=np.int64)
-        positions = seq_lens - 1  # of each decode's one new token: its context length
-        return {
-            "slot_mapping": slots_for(md.block_tables_host, positions, seq_lens, self.spec.block_size),
-            "seq_lens_tensor": seq_lens,
-            "context_lens_tensor": positions,
-        }
+        """The live rows of each ROW_PADS buffer this state allocated, from md's host arrays (a
+        decode-only step: one slot per request)."""
+        host = md.host_arrays()
+        return {name: host[name] for name in ("slot_mapping", "seq_lens_tensor", "context_lens_tensor")}
 
     def copy_extra(self, host: dict[str, np.ndarray], md: CommonMetadata | None, batch_size: int) -> None:
         """Write md's rows and the pads of `batch_size` rows into the host mirrors of inputs that

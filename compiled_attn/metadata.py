@@ -93,13 +93,29 @@ class CommonMetadata(AttentionMetadata):
         self._builder: CommonMetadataBuilder | None = None
         # `needed_block_ids()`: set by the builder (checked), else read on first use
         self._needed_block_ids: np.ndarray | None = None
-        # the int32 host arrays the device fields were copied from, by field name: backends' own
-        # host work reads them rather than converting the python lists again
+        # the host arrays the device fields were copied from, by field name (`host_arrays()`):
+        # backends' own host work and graph refills read them rather than deriving them again
         self._host: dict[str, np.ndarray] = {}
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def host_arrays(self) -> dict[str, np.ndarray]:
+        """The host arrays the device fields were copied from, by field name (seq_lens_tensor,
+        context_lens_tensor, query_start_loc, slot_mapping, ...): the builder's; for metadata
+        made otherwise (`dataclasses.replace`), the decoder fields derived once from seq_lens,
+        query_lens and `block_tables_host` (the host table graph States check)."""
+        if not self._host:
+            seq = np.asarray(self.seq_lens, dtype=np.int64)
+            starts = seq - np.asarray(self.query_lens, dtype=np.int64)
+            self._host = {
+                "seq_lens_tensor": seq.astype(np.int32),
+                "context_lens_tensor": starts.astype(np.int32),
+                "query_start_loc": prefix_sums(self.query_lens),
+                "slot_mapping": slots_for(self.block_tables_host, starts, seq, self.block_size),
+            }
+        return self._host
 
     def needed_block_ids(self) -> np.ndarray:
         """The block ids the requests read, flat in request order: each one's first
@@ -339,7 +355,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         )
         md._builder = self
         md._needed_block_ids = ids
-        md._host = int32_parts
+        md._host = {**int32_parts, **int64_parts}
         return md
 
     def _scratch(self) -> np.ndarray:
