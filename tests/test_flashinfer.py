@@ -225,6 +225,24 @@ def test_prepare_pads_rows_beyond_the_live_batch(fake_flashinfer):
     assert indices.tolist() == [5, 6, 7, fib.SCRATCH_BLOCK, fib.SCRATCH_BLOCK]
 
 
+def test_graph_step_of_metadata_made_by_replace_refills_the_same_pages(fake_flashinfer):
+    """Metadata from `dataclasses.replace` keeps the host tables (checked again before the refill)
+    but not the builder's flat page ids: the State reads them from the host table instead, and
+    the buffers get what the builder's own metadata gives them."""
+    spec = spec_of(max_seq_len_to_capture=64)
+    _, graphs = capture_state(spec, [4])
+    _, bufs, graph_state = graphs[4]
+    md = FlashInferBackend.get_builder_cls()(spec).build([17, 3, 33], [1, 1, 1], [[5, 6], [7], [9, 2, 4]])
+    filled = []
+    for step in (md, dataclasses.replace(md)):
+        graph_state.prepare_graph_input_buffers(bufs, step)
+        graph_state.begin_forward(step)
+        filled.append({name: buf.clone() for name, buf in bufs.items()})
+    assert filled[1]["paged_kv_indices"][:7].tolist() == [5, 6, 7, 9, 2, 4, fib.SCRATCH_BLOCK]
+    for name, want in filled[0].items():
+        assert torch.equal(filled[1][name], want), name
+
+
 def test_begin_forward_before_prepare_raises(fake_flashinfer):
     spec = spec_of(max_seq_len_to_capture=64)
     _, graphs = capture_state(spec, [2])
@@ -641,20 +659,3 @@ if __name__ == "__main__":
         for name in pool.map(prewarm, FEATURE_CASES):
             print("compiled", name)
 
-
-def test_graph_step_of_metadata_made_by_replace_refills_the_same_pages(fake_flashinfer):
-    """Metadata from `dataclasses.replace` keeps the host tables (checked again before the refill)
-    but not the builder's flat page ids: the State reads them from the host table instead, and
-    the buffers get what the builder's own metadata gives them."""
-    spec = spec_of(max_seq_len_to_capture=64)
-    _, graphs = capture_state(spec, [4])
-    _, bufs, graph_state = graphs[4]
-    md = FlashInferBackend.get_builder_cls()(spec).build([17, 3, 33], [1, 1, 1], [[5, 6], [7], [9, 2, 4]])
-    filled = []
-    for step in (md, dataclasses.replace(md)):
-        graph_state.prepare_graph_input_buffers(bufs, step)
-        graph_state.begin_forward(step)
-        filled.append({name: buf.clone() for name, buf in bufs.items()})
-    assert filled[1]["paged_kv_indices"][:7].tolist() == [5, 6, 7, 9, 2, 4, fib.SCRATCH_BLOCK]
-    for name, want in filled[0].items():
-        assert torch.equal(filled[1][name], want), name

@@ -408,9 +408,10 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
         cross_block_tables: list[list[int]] | None = None,
     ) -> FlashInferMetadata:
         md = super().build(seq_lens, query_lens, block_tables, encoder_seq_lens, cross_block_tables)
-        md.qo_indptr = torch.from_numpy(md._host["query_start_loc"])
+        host = md.host_arrays()
+        md.qo_indptr = torch.from_numpy(host["query_start_loc"])
         if self.spec.attn_type == AttentionType.DECODER:
-            indptr, last = paged_kv_layout(md._host["seq_lens_tensor"], self.spec.block_size, md.rolled_blocks)
+            indptr, last = paged_kv_layout(host["seq_lens_tensor"], self.spec.block_size, md.rolled_blocks)
             md.paged_kv_indptr = torch.from_numpy(indptr)
             md.paged_kv_indices = self._page_list(md, int(indptr[-1]))
             md.paged_kv_last_page_len = torch.from_numpy(last)
