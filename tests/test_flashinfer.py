@@ -243,6 +243,115 @@ def test_graph_step_of_metadata_made_by_replace_refills_the_same_pages(fake_flas
         assert torch.equal(filled[1][name], want), name
 
 
+@pytest.mark.parametrize("over, reason", [
+    ({}, None),
+    (dict(head_size=64), "head size"),
+    (dict(dtype=torch.float16), None),
+    (dict(kv_cache_dtype="fp8_e4m3"), "cache"),
+    (dict(sliding_window=64), "window"),
+    (dict(logits_soft_cap=30.0), "soft-cap"),
+    (dict(alibi_slopes=alibi_slopes(8)), "ALiBi"),
+])
+def test_cudnn_serves_graphed_decode_only_where_it_was_measured(over, reason):
+    spec = spec_of(**{"head_size": 128, **over})
+    got = fib.cudnn_decode_reason(spec, (9, 0), has_frontend=True)
+    assert got is None if reason is None else reason in got
+    assert "sm100" in fib.cudnn_decode_reason(spec, (10, 0), has_frontend=True)
+    assert "CUDA" in fib.cudnn_decode_reason(spec, None, has_frontend=True)
+    if reason is None:
+        assert "pip install nvidia-cudnn-frontend" in fib.cudnn_decode_reason(spec, (9, 0), has_frontend=False)
+
+
+def test_graph_decode_kernel_choice_is_checked(monkeypatch):
+    spec = spec_of(head_size=128)  # a CPU spec: cuDNN cannot serve it
+    assert fib.graph_decode_kernel(spec) == "flashinfer"
+    assert fib.graph_decode_kernel(spec, "flashinfer") == "flashinfer"
+    with pytest.raises(NotImplementedError, match=f"{fib.GRAPH_DECODE_ENV}=cudnn: .*CUDA devices"):
+        fib.graph_decode_kernel(spec, "cudnn")
+    monkeypatch.setenv(fib.GRAPH_DECODE_ENV, "cudnn-fa")
+    with pytest.raises(ValueError, match="auto, flashinfer or cudnn"):
+        FlashInferBackend.get_state_cls()(spec)
+
+
+class DenseCudnnDecode:
+    """cuDNN's prepared paged decode (`prepare_cudnn_batch_decode`), computed by
+    `reference_attention` from the lengths and block table bound to it and the [pages, kv_heads,
+    block_size, head_size] cache views it is given."""
+
+    builds = 0
+    graph = types.SimpleNamespace(get_workspace_size=lambda: 512)
+
+    def __init__(self, q, k, v, scale, *, max_sequence_kv, actual_seq_lens_kv, block_tables, out, **layout):
+        DenseCudnnDecode.builds += 1
+        self.scale, self.max_kv, self.bound = scale, max_sequence_kv, (actual_seq_lens_kv, block_tables)
+        assert layout == dict(return_lse=False, q_len_per_req=1, window_left=-1, lse=None, sinks=None)
+
+    def matches(self, q, k, v, scale, **layout) -> bool:
+        return True
+
+    def run(self, q, k, v, out, lse, workspace, *, actual_seq_lens_kv, block_tables) -> None:
+        assert (actual_seq_lens_kv, block_tables) == self.bound
+        block = k.shape[2]
+        for i, n in enumerate(actual_seq_lens_kv.view(-1).tolist()):
+            pages = block_tables[i, : -(-n // block)].long()
+            keys, values = (c[pages].transpose(1, 2).flatten(0, 1)[:n] for c in (k, v))
+            out[i] = reference_attention(q[i : i + 1], keys, values, torch.tensor([n - 1]), causal=True,
+                                         scale=self.scale)[0].to(out.dtype)
+
+
+def test_cudnn_graph_decode_reads_the_states_lengths_and_tables(fake_flashinfer, monkeypatch):
+    """Where cuDNN serves graphed decode, a step needs no plan: the prepared graph reads the seq_lens
+    and block-table buffers the step's upload wrote (pads: one token of SCRATCH_BLOCK). The op's
+    output for the live rows matches the float64 reference over the cache; the graph is built once."""
+    monkeypatch.setattr(fib, "graph_decode_kernel", lambda spec: "cudnn")
+    monkeypatch.setattr(fib, "_prepare_cudnn_decode", lambda: DenseCudnnDecode)
+    monkeypatch.setattr(DenseCudnnDecode, "builds", 0)
+    spec = spec_of(max_seq_len_to_capture=64)
+    _, graphs = capture_state(spec, [4])
+    md_bs, bufs, graph_state = graphs[4]
+    assert graph_state.decode_kernel == "cudnn" and isinstance(graph_state._slots[4].wrapper, fib.CudnnGraphDecode)
+    name, _keep = layer_of(spec)
+    builder = FlashInferBackend.get_builder_cls()(spec)
+    for seq_lens, tables in (([17, 3], [[5, 6], [7]]), ([33, 9, 16], [[9, 2, 4], [1], [3]])):
+        args = op_args(spec, 4, "cpu", name)
+        md = builder.build(seq_lens, [1] * len(seq_lens), tables)
+        graph_state.prepare_graph_input_buffers(bufs, md)
+        graph_state.begin_forward(md)
+        with ca.set_forward_context(md_bs):
+            torch.ops.compiled_attn.flashinfer_attention(**args)
+        n = len(seq_lens)
+        assert bufs["seq_lens_tensor"].tolist() == seq_lens + [1] * (4 - n)
+        assert bufs["block_tables"][n:, 0].tolist() == [fib.SCRATCH_BLOCK] * (4 - n)
+        k_cache, v_cache = args["kv_cache"]
+        for i, (s, table) in enumerate(zip(seq_lens, tables, strict=True)):
+            keys, values = (c[table].flatten(0, 1)[:s] for c in (k_cache, v_cache))
+            ref = reference_attention(args["query"][i : i + 1], keys, values, torch.tensor([s - 1]), causal=True,
+                                      scale=spec.softmax_scale)
+            assert rel_err(args["output"][i : i + 1], ref) <= BF16_TOL
+    assert DenseCudnnDecode.builds == 1
+
+
+def test_cudnn_graph_decode_is_never_built_inside_a_capture(fake_flashinfer, monkeypatch):
+    monkeypatch.setattr(fib, "_prepare_cudnn_decode", lambda: DenseCudnnDecode)
+    monkeypatch.setattr(fib, "stream_capturing", lambda: True)
+    spec = spec_of(max_seq_len_to_capture=64)
+    lens, tables = torch.ones(2, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32)
+    decode = fib.CudnnGraphDecode(spec, torch.zeros(1024, dtype=torch.uint8), lens, tables)
+    args = op_args(spec, 2, "cpu")
+    with pytest.raises(RuntimeError, match="before capturing"):
+        decode.run(args["query"], tuple(args["kv_cache"]), out=args["output"])
+
+
+def test_cudnn_workspace_need_beyond_the_buffer_names_the_switch(fake_flashinfer, monkeypatch):
+    monkeypatch.setattr(fib, "_prepare_cudnn_decode", lambda: DenseCudnnDecode)
+    spec = spec_of(max_seq_len_to_capture=64)
+    lens, tables = torch.ones(2, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32)
+    decode = fib.CudnnGraphDecode(spec, torch.zeros(256, dtype=torch.uint8), lens, tables)
+    args = op_args(spec, 2, "cpu")
+    with pytest.raises(RuntimeError, match=f"512-byte workspace.*{fib.GRAPH_DECODE_ENV}=flashinfer"):
+        decode.run(args["query"], tuple(args["kv_cache"]), out=args["output"])
+
+
 def test_begin_forward_before_prepare_raises(fake_flashinfer):
     spec = spec_of(max_seq_len_to_capture=64)
     _, graphs = capture_state(spec, [2])
@@ -561,13 +670,20 @@ def capture(state, spec, impl, kv_cache, sizes):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [FEATURE_CASES[1], FEATURE_CASES[0]], ids=["cuda_core", "tensor_core"])
-def test_replayed_decode_equals_eager_for_100_steps(case):
+@pytest.mark.parametrize("case, kernel", [(FEATURE_CASES[1], "flashinfer"), (FEATURE_CASES[0], "flashinfer"),
+                                          (FEATURE_CASES[0], "cudnn")], ids=["cuda_core", "tensor_core", "cudnn"])
+def test_replayed_decode_equals_eager_for_100_steps(case, kernel, monkeypatch):
+    """Graph replays (FlashInfer's graph wrappers, or cuDNN's paged decode where it serves the
+    spec) against the eager step (FlashInfer's wrappers) over the same cache."""
+    if kernel == "cudnn":
+        pytest.importorskip("cudnn", reason="cuDNN decode needs the cudnn-frontend package")
+    monkeypatch.setenv(fib.GRAPH_DECODE_ENV, kernel)
     spec = case_spec(case, num_blocks=1200, max_seq_len_to_capture=1024)
     impl = impl_for(spec)
     shape = FlashInferBackend.get_kv_cache_shape(spec.num_blocks, 16, spec.num_kv_heads, spec.head_size)
     kv_cache = torch.randn(shape, device="cuda", dtype=spec.dtype)
     state = FlashInferBackend.get_state_cls()(spec)
+    assert state.decode_kernel == kernel
     graphs, q, k, v = capture(state, spec, impl, kv_cache, [8, 4])
     builder = FlashInferBackend.get_builder_cls()(spec)
     rng = random.Random(5)
@@ -608,7 +724,8 @@ def test_capturing_builder_metadata_raises_naming_the_state():
 
 
 @pytest.mark.gpu
-def test_workspace_covers_the_largest_decode_plan(record_property):
+def test_workspace_covers_the_largest_decode_plan(record_property, monkeypatch):
+    monkeypatch.setenv(fib.GRAPH_DECODE_ENV, "flashinfer")
     spec = ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, num_blocks=8,
                             dtype=torch.bfloat16, device="cuda", max_seq_len_to_capture=16384)
     state = FlashInferBackend.get_state_cls()(spec)
@@ -622,6 +739,24 @@ def test_workspace_covers_the_largest_decode_plan(record_property):
     need, _ = state._slots[bs].wrapper.workspace_size(
         indptr, indices, last, 32, 8, 128, 16, **fib.plan_options(spec))
     record_property("graph_decode_float_workspace_bytes", need)
+    assert need <= fib.WORKSPACE_BYTES
+
+
+@pytest.mark.gpu
+def test_cudnn_workspace_covers_the_largest_decode_graph(record_property, monkeypatch):
+    pytest.importorskip("cudnn", reason="cuDNN decode needs the cudnn-frontend package")
+    monkeypatch.setenv(fib.GRAPH_DECODE_ENV, "cudnn")
+    spec = ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, num_blocks=8,
+                            dtype=torch.bfloat16, device="cuda", max_seq_len_to_capture=16384)
+    state = FlashInferBackend.get_state_cls()(spec)
+    bs = 256
+    with state.graph_capture(bs):
+        md_bs = state.graph_capture_get_metadata_for_batch(bs)
+    name, _keep = layer_of(spec)
+    with ca.set_forward_context(md_bs):  # all pads: one token of SCRATCH_BLOCK each
+        torch.ops.compiled_attn.flashinfer_attention(**op_args(spec, bs, "cuda", name))
+    need = state._slots[bs].wrapper._prepared.graph.get_workspace_size()
+    record_property("cudnn_decode_workspace_bytes", need)
     assert need <= fib.WORKSPACE_BYTES
 
 

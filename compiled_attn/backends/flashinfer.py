@@ -22,7 +22,9 @@ input tensors reused across steps) cannot happen.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +57,18 @@ MAX_CUDA_CORE_GROUP = 3
 # (B=1, 8), 1-5 % faster at 512 and 2048 (B=64, 256; ctx 1024 and 4096). Pairs in between were not
 # measured and keep split-kv.
 NO_SPLIT_KV_MIN_PAIRS = 512
+# Graphed decode through cuDNN's paged SDPA (FlashInfer's "cudnn" decode backend; needs the
+# cudnn-frontend package) instead of FlashInfer's own kernels. Measured on an H100 in replayed graphs
+# (`decode_flashinfer --variants`, 32 q / 8 kv heads, d 128, bf16, page 16): 8.2 vs 10.5 us at B=1
+# ctx 1024, 13.7 vs 16.3 at B=8, 96.3 vs 98.4 at B=64, 360 vs 365 at B=256, 11.1 vs 12.5 at B=1 ctx
+# 4096; never slower at B in {1, 8, 64, 256} x ctx in {1024, 4096}. Chosen only where measured:
+# sm90, 16-bit queries over a cache of the same dtype, head size 128, no ALiBi / soft-cap (cuDNN's
+# decode graph has neither) and no window (not measured). Eager steps stay on FlashInfer's
+# wrappers: cuDNN builds a graph per shape (milliseconds), which a CUDA graph pays once at capture.
+CUDNN_DECODE_CAPABILITY = (9, 0)
+CUDNN_DECODE_HEAD_SIZES = (128,)
+# "auto" (the rule above), "flashinfer" or "cudnn" (refused, naming why, where cuDNN cannot serve)
+GRAPH_DECODE_ENV = "COMPILED_ATTN_FLASHINFER_GRAPH_DECODE"
 # Prefill through FlashInfer's FA2 kernels on every card: FA3 lacks ALiBi and fp8 KV with 16-bit
 # queries, and each FA3 variant is a separate multi-minute JIT build.
 PREFILL_BACKEND = "fa2"
@@ -219,6 +233,43 @@ def decode_split_options(spec: AttentionSpec, num_decodes: int) -> dict[str, Any
     if decode_uses_tensor_cores(spec) and num_decodes * spec.num_kv_heads >= NO_SPLIT_KV_MIN_PAIRS:
         return {"disable_split_kv": True}
     return {}
+
+
+def cudnn_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None, has_frontend: bool) -> str | None:
+    """Why graphed decode of `spec` cannot run on cuDNN's paged SDPA (CUDNN_DECODE_CAPABILITY's
+    comment), or None. `capability`: the card's (major, minor), None off CUDA."""
+    if capability is None:
+        return "cuDNN decode runs on CUDA devices only"
+    if tuple(capability) != CUDNN_DECODE_CAPABILITY:
+        return f"cuDNN decode was measured on sm90 only, this card is sm{capability[0]}{capability[1]}"
+    if spec.cache_dtype != spec.dtype:
+        return f"cuDNN decode reads a {spec.dtype} cache, not {spec.kv_cache_dtype}"
+    if spec.alibi_slopes is not None or spec.logits_soft_cap is not None:
+        return "cuDNN's decode graph applies neither ALiBi nor a logits soft-cap"
+    if spec.sliding_window is not None:
+        return "cuDNN decode with a sliding window was not measured"
+    if spec.head_size not in CUDNN_DECODE_HEAD_SIZES:
+        return f"cuDNN decode was measured at head size {CUDNN_DECODE_HEAD_SIZES}, not {spec.head_size}"
+    if not has_frontend:
+        return "the cudnn-frontend package is not installed (pip install nvidia-cudnn-frontend)"
+    return None
+
+
+def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
+    """The kernel family of `spec`'s graphed decode: "cudnn" or "flashinfer". `choice` (default:
+    the GRAPH_DECODE_ENV variable, else "auto") picks cuDNN wherever `cudnn_decode_reason` allows
+    ("auto"), never ("flashinfer") or always ("cudnn": NotImplementedError where it cannot)."""
+    choice = choice or os.environ.get(GRAPH_DECODE_ENV) or "auto"
+    if choice not in ("auto", "flashinfer", "cudnn"):
+        raise ValueError(f"{GRAPH_DECODE_ENV}={choice!r}: use auto, flashinfer or cudnn")
+    if choice == "flashinfer":
+        return choice
+    device = torch.device(spec.device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    reason = cudnn_decode_reason(spec, capability, importlib.util.find_spec("cudnn") is not None)
+    if reason is not None and choice == "cudnn":
+        raise NotImplementedError(f"{GRAPH_DECODE_ENV}=cudnn: {reason}")
+    return "flashinfer" if reason else "cudnn"
 
 
 def plan_options(spec: AttentionSpec) -> dict[str, Any]:
@@ -448,6 +499,43 @@ class GraphStepPlan(_PlanChecks):
         return self.slot.wrapper
 
 
+def _prepare_cudnn_decode() -> Callable[..., Any]:
+    from flashinfer.cudnn.decode import prepare_cudnn_batch_decode
+
+    return prepare_cudnn_batch_decode
+
+
+class CudnnGraphDecode:
+    """The decode wrapper of a graph that cuDNN serves (`graph_decode_kernel`): it binds the
+    State's own lengths and block-table buffers, which each step's upload writes, so a replay has
+    nothing to plan. cuDNN's graph is built at the first call (the warm-up before capture) for the
+    layouts it meets, and rebuilt (outside capture only) if they change."""
+
+    def __init__(self, spec: AttentionSpec, workspace: torch.Tensor, seq_lens: torch.Tensor,
+                 block_tables: torch.Tensor) -> None:
+        self.spec = spec
+        self._workspace = workspace
+        self._bound = dict(actual_seq_lens_kv=seq_lens.view(-1, 1, 1, 1), block_tables=block_tables)
+        self._max_kv = block_tables.shape[1] * spec.block_size
+        self._prepared: Any = None
+
+    def run(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], *, out: torch.Tensor) -> None:
+        # NHD pages as [pages, kv_heads, block_size, head_size] views: cuDNN reads any strides
+        k, v = (c.transpose(-3, -2) for c in cache)
+        layout = dict(max_sequence_kv=self._max_kv, return_lse=False, q_len_per_req=1, window_left=-1,
+                      lse=None, sinks=None, out=out, **self._bound)
+        scale, prepared = self.spec.softmax_scale, self._prepared
+        if prepared is None or not prepared.matches(q, k, v, scale, **layout):
+            _forbid_capture("building a cuDNN decode graph (run the graph's step once before capturing it)")
+            prepared = _prepare_cudnn_decode()(q, k, v, scale, **layout)
+            need = prepared.graph.get_workspace_size()
+            if need > self._workspace.numel():
+                raise RuntimeError(f"{NAME}: cuDNN's decode graph needs a {need}-byte workspace, more than "
+                                   f"WORKSPACE_BYTES={self._workspace.numel()}; set {GRAPH_DECODE_ENV}=flashinfer")
+            self._prepared = prepared
+        prepared.run(q, k, v, out, None, self._workspace, **self._bound)
+
+
 class FlashInferState(GraphState):
     """GraphState plus FlashInfer's page CSR buffers and one `use_cuda_graph=True` decode wrapper
     per captured batch size (`make_for_batch`), planned by `begin_forward` before each replay.
@@ -460,6 +548,10 @@ class FlashInferState(GraphState):
     plans copies the same CSR again); the graph of batch size bs reads the first bs * W pages at
     most. A pad row is one page of SCRATCH_BLOCK holding one token: valid for FlashInfer (every
     length >= 1). Planning waits on the wrapper's event (`_Slot.plan`): the pinned-buffer fence.
+
+    Where `decode_kernel` is "cudnn" (`graph_decode_kernel`), each size's wrapper is a
+    `CudnnGraphDecode` over the common seq_lens_tensor / block_tables buffers instead, and nothing
+    is planned per step.
     """
 
     backend_cls = FlashInferBackend
@@ -468,6 +560,7 @@ class FlashInferState(GraphState):
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
         self._workspace: torch.Tensor | None = None  # shared by the graph wrappers of every size
+        self.decode_kernel = graph_decode_kernel(spec)
 
     def allocate_extra(self, max_batch_size: int) -> dict[str, torch.Tensor]:
         dev, i32 = self.spec.device, torch.int32
@@ -484,6 +577,10 @@ class FlashInferState(GraphState):
         if self._workspace is None:  # zero-filled: FlashInfer requires it for first use
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.spec.device)
         b = self._buffers
+        if self.decode_kernel == "cudnn":
+            decode = CudnnGraphDecode(self.spec, self._workspace, b["seq_lens_tensor"][:batch_size],
+                                      b["block_tables"][:batch_size])
+            return _Slot(decode, self.spec.device)
         wrapper = _flashinfer().BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=decode_uses_tensor_cores(self.spec),
             paged_kv_indptr_buffer=b["paged_kv_indptr"][: batch_size + 1],
@@ -517,6 +614,8 @@ class FlashInferState(GraphState):
         indices[nnz : nnz + pads] = SCRATCH_BLOCK
 
     def plan(self, md: FlashInferMetadata | None, batch_size: int) -> None:
+        if self.decode_kernel == "cudnn":
+            return  # cuDNN reads the lengths and tables the step's upload wrote
         spec = self.spec
         # split-kv by the graph's size, not the live rows: capture and every replay plan one grid
         split = decode_split_options(spec, batch_size)

@@ -32,8 +32,6 @@ VARIANT_POINTS = tuple((b, c) for c in (1024, 4096) for b in (1, 8, 64, 256))
 # ... and with e4m3 caches, where the fp8 decode loop runs (bf16 queries)
 FP8_VARIANT_POINTS = ((64, 4096),)
 XQA_WORKSPACE_BYTES = 64 << 20  # its semaphores (8 MB, zeroed before first use) and scratch
-# Not measured: backend="cudnn" fetches prebuilt cubins over the network at first use (the
-# device machine has none; it retried for minutes).
 
 
 def _spec(batch: int, ctx: int, block_size: int) -> ca.AttentionSpec:
@@ -109,6 +107,14 @@ def _xqa(spec: ca.AttentionSpec, md, q, kv_cache, out) -> Callable[[], object]:
                                                   bmm1_scale=spec.softmax_scale, out=out)
 
 
+def _cudnn_own_table(spec: ca.AttentionSpec, md, q, kv_cache, out, widen: int = 1) -> Callable[[], object]:
+    """cuDNN over the [batch, pages] table, its width `widen` times the context (what a graph
+    captured for longer sequences holds: the extra columns are never read)."""
+    table = md.paged_kv_indices.view(q.shape[0], -1)
+    table = torch.cat([table, table.new_zeros(table.shape[0], (widen - 1) * table.shape[1])], dim=1)
+    return _direct(spec, md, q, kv_cache, out, tensor_cores=True, backend="cudnn", block_tables=table)
+
+
 VARIANTS: dict[str, Callable[..., Callable[[], object]]] = {
     "tensor-core": functools.partial(_direct, tensor_cores=True),
     "tensor-core, no split-kv": functools.partial(_direct, tensor_cores=True, disable_split_kv=True),
@@ -117,6 +123,12 @@ VARIANTS: dict[str, Callable[..., Callable[[], object]]] = {
     "tensor-core, fa3": functools.partial(_direct, tensor_cores=True, backend="fa3"),
     # its sources are not in the device's trimmed FlashInfer: scripts/gpu_check.sh adds them
     "xqa": _xqa,
+    # cuDNN's paged SDPA graph (needs the cudnn-frontend package; without it FlashInfer fetches
+    # prebuilt cubins over the network, which the device machine cannot reach): once with the
+    # wrapper's own table (widened to 2048 tokens), once with the [batch, pages] table
+    "cudnn": functools.partial(_direct, tensor_cores=True, backend="cudnn"),
+    "cudnn, [batch, pages] table": _cudnn_own_table,
+    "cudnn, table 8x the context": functools.partial(_cudnn_own_table, widen=8),
 }
 FP8_VARIANTS = ("tensor-core, no split-kv", "xqa")
 

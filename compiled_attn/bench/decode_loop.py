@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
+import unittest.mock
 from collections.abc import Callable
 
 import numpy as np
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import compiled_attn as ca
+from compiled_attn.backends.flashinfer import GRAPH_DECODE_ENV
 from compiled_attn.bench.models import shared_model
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, nominal_bandwidth
@@ -282,19 +285,22 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
             "peer compiles ms": [round(t[0], 3) for t in times]}
 
 
-VARIANTS = ("compile", "dynamic", "fp8")
+VARIANTS = ("compile", "dynamic", "fp8", "flashinfer-decode")
 
 
 def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> PagedLoop:
     """Ours through the runner, captured; variant "compile": `CUDAGraphRunner(compile=True)`;
     "dynamic": the README's `torch.compile(model, fullgraph=True, dynamic=True)` handed
     to the runner; "fp8": compile, on a model whose layers and caches are fp8 (e4m3; a row the peer
-    cannot have)."""
+    cannot have); "flashinfer-decode": compile, with FLASHINFER's graphed decode on FlashInfer's own
+    kernels where it would run cuDNN's (`graph_decode_kernel`)."""
     backend = model.layers[0].attn.backend
     kw = {"compile": variant != "dynamic"}
     step_model = model if variant != "dynamic" else torch.compile(model, fullgraph=True, dynamic=True)
     kv_cache_dtype = model.layers[0].attn.impl.kv_cache_dtype
-    return PagedLoop(step_model, backend, batch, ctx, kw, kv_cache_dtype=kv_cache_dtype)
+    env = {GRAPH_DECODE_ENV: "flashinfer"} if variant == "flashinfer-decode" else {}
+    with unittest.mock.patch.dict(os.environ, env):  # read as the runner's States are made
+        return PagedLoop(step_model, backend, batch, ctx, kw, kv_cache_dtype=kv_cache_dtype)
 
 
 def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile", repeats: int = REPEATS) -> dict:
