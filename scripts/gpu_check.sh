@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/card.txt"
 status=0
 # FlashInfer's XQA sources (the decode variants' "xqa" row), absent from the trimmed package:
-# scripts/pack_xqa_sources.sh makes .whl/fi-xqa-src.tar.xz; setup.sh installed FlashInfer in /tmp/site
+# scripts/pack_extras.sh makes .whl/fi-xqa-src.tar.xz; setup.sh installed FlashInfer in /tmp/site
 if [[ -f .whl/fi-xqa-src.tar.xz ]]; then tar xJf .whl/fi-xqa-src.tar.xz -C /tmp/site; fi
 # INDUCTOR_CACHE=1: Inductor's and Triton's caches (compiled graphs, kernels, coordinate-descent
 # results) live in /tmp/inductor-cache, loaded from the carried .whl/inductor-cache.tar.xz.NN and

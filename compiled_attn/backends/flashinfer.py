@@ -58,10 +58,12 @@ MAX_CUDA_CORE_GROUP = 3
 # measured and keep split-kv.
 NO_SPLIT_KV_MIN_PAIRS = 512
 # Graphed decode through cuDNN's paged SDPA (FlashInfer's "cudnn" decode backend; needs the
-# cudnn-frontend package) instead of FlashInfer's own kernels. Measured on an H100 in replayed graphs
-# (`decode_flashinfer --variants`, 32 q / 8 kv heads, d 128, bf16, page 16): 8.2 vs 10.5 us at B=1
-# ctx 1024, 13.7 vs 16.3 at B=8, 96.3 vs 98.4 at B=64, 360 vs 365 at B=256, 11.1 vs 12.5 at B=1 ctx
-# 4096; never slower at B in {1, 8, 64, 256} x ctx in {1024, 4096}. Chosen only where measured:
+# cudnn-frontend package) instead of FlashInfer's fastest own kernel. Measured on an H100 and an H200
+# in replayed graphs (`decode_flashinfer --variants`, 32 q / 8 kv heads, d 128, bf16, page 16, the
+# table as wide as the context): H100 8.2 vs 10.5 us at B=1 ctx 1024, 13.7 vs 16.3 at B=8, 96.3 vs
+# 98.4 at B=64, 360 vs 365 at B=256, 11.1 vs 12.5 at B=1 ctx 4096; faster at every B in {1, 8, 64,
+# 256} x ctx in {1024, 4096} on both cards but B=64 ctx 4096 (0.1-0.4 % slower). At B=1 a table 8x
+# the context costs cuDNN 2 us (H200: 10.4 us, FlashInfer's 10.3); from B=8 nothing. Chosen only where measured:
 # sm90, 16-bit queries over a cache of the same dtype, head size 128, no ALiBi / soft-cap (cuDNN's
 # decode graph has neither) and no window (not measured). Eager steps stay on FlashInfer's
 # wrappers: cuDNN builds a graph per shape (milliseconds), which a CUDA graph pays once at capture.
