@@ -300,8 +300,8 @@ class DenseCudnnDecode:
 
 
 def test_cudnn_graph_decode_reads_the_states_lengths_and_tables(fake_flashinfer, monkeypatch):
-    """Where cuDNN serves graphed decode, a step needs no plan: the prepared graph reads the seq_lens
-    and block-table buffers the step's upload wrote (pads: one token of SCRATCH_BLOCK). The op's
+    """Where cuDNN serves graphed decode, a step needs no plan and no page CSR: the prepared graph
+    reads the seq_lens and block-table buffers the step's upload wrote (pads: one token of SCRATCH_BLOCK). The op's
     output for the live rows matches the float64 reference over the cache; the graph is built once."""
     monkeypatch.setattr(fib, "graph_decode_kernel", lambda spec: "cudnn")
     monkeypatch.setattr(fib, "_prepare_cudnn_decode", lambda: DenseCudnnDecode)
@@ -310,6 +310,7 @@ def test_cudnn_graph_decode_reads_the_states_lengths_and_tables(fake_flashinfer,
     _, graphs = capture_state(spec, [4])
     md_bs, bufs, graph_state = graphs[4]
     assert graph_state.decode_kernel == "cudnn" and isinstance(graph_state._slots[4].wrapper, fib.CudnnGraphDecode)
+    assert not any(name.startswith("paged_kv") for name in bufs)  # no page CSR to allocate or refill
     name, _keep = layer_of(spec)
     builder = FlashInferBackend.get_builder_cls()(spec)
     for seq_lens, tables in (([17, 3], [[5, 6], [7]]), ([33, 9, 16], [[9, 2, 4], [1], [3]])):

@@ -552,8 +552,8 @@ class FlashInferState(GraphState):
     length >= 1). Planning waits on the wrapper's event (`_Slot.plan`): the pinned-buffer fence.
 
     Where `decode_kernel` is "cudnn" (`graph_decode_kernel`), each size's wrapper is a
-    `CudnnGraphDecode` over the common seq_lens_tensor / block_tables buffers instead, and nothing
-    is planned per step.
+    `CudnnGraphDecode` over the common seq_lens_tensor / block_tables buffers instead: the page
+    CSR is neither allocated nor refilled, and nothing is planned per step.
     """
 
     backend_cls = FlashInferBackend
@@ -565,6 +565,8 @@ class FlashInferState(GraphState):
         self.decode_kernel = graph_decode_kernel(spec)
 
     def allocate_extra(self, max_batch_size: int) -> dict[str, torch.Tensor]:
+        if self.decode_kernel == "cudnn":
+            return {}  # cuDNN reads the common lengths and tables, not FlashInfer's page CSR
         dev, i32 = self.spec.device, torch.int32
         # Pages of a full batch: each request holds up to max_blocks_per_seq table entries. Not
         # capped at spec.num_blocks: requests sharing prefix blocks list them once each.
@@ -594,15 +596,22 @@ class FlashInferState(GraphState):
     def add_graph_fields(self, md: FlashInferMetadata, batch_size: int) -> None:
         b, n = self._buffers, batch_size
         md.qo_indptr = torch.arange(n + 1, dtype=torch.int32)
+        md.step_plan = GraphStepPlan(self.spec, self._slots[n])
+        if self.decode_kernel == "cudnn":
+            return
         md.paged_kv_indptr = b["paged_kv_indptr"][: n + 1]
         md.paged_kv_indices = b["paged_kv_indices"][: n * self.max_blocks_per_seq]
         md.paged_kv_last_page_len = b["paged_kv_last_page_len"][:n]
-        md.step_plan = GraphStepPlan(self.spec, self._slots[n])
 
     def host_rows(self, md: FlashInferMetadata) -> dict[str, np.ndarray]:
-        return {**super().host_rows(md), "paged_kv_last_page_len": md.paged_kv_last_page_len.numpy()}
+        rows = super().host_rows(md)
+        if self.decode_kernel == "cudnn":
+            return rows
+        return {**rows, "paged_kv_last_page_len": md.paged_kv_last_page_len.numpy()}
 
     def copy_extra(self, host: dict[str, np.ndarray], md: FlashInferMetadata | None, batch_size: int) -> None:
+        if self.decode_kernel == "cudnn":
+            return
         indptr, indices = host["paged_kv_indptr"], host["paged_kv_indices"]
         n = 0 if md is None else md.num_seqs
         if md is not None:
