@@ -22,6 +22,7 @@ Which specs a State captures is data on the backend class (`graph_attn_types`,
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -40,6 +41,9 @@ SCRATCH_BLOCK = 0  # pad rows read one token of this block: any block is valid t
 # of larger batch sizes) are at most this many: ~1 us of PCIe time, less than a copy call's ~5 us
 # of host time.
 MERGE_GAP_BYTES = 64 << 10
+# Where each static buffer starts in the byte buffer: cuDNN's frontend (FlashInfer's cuDNN decode
+# reads the lengths and block tables) assumes 16-byte aligned tensors, as vectorized kernels may.
+VIEW_ALIGN = 16
 
 
 class StaticInputs:
@@ -57,13 +61,13 @@ class StaticInputs:
         """parts: each buffer with its initial values; pads: what a pad row holds, for the
         buffers of per-request rows (their every row starts as a pad)."""
         device = next(iter(parts.values())).device
-        # widest elements first, so that every view starts aligned to its element size; then the
-        # per-request rows before the tables, so that the rows a graph reads sit close together
+        # the per-request rows before the tables, so that the rows a graph reads sit close together;
+        # every view starts VIEW_ALIGN-aligned
         order = sorted(parts, key=lambda name: (-parts[name].element_size(), parts[name].numel()))
         offsets, total = {}, 0
         for name in order:
             offsets[name] = total
-            total += parts[name].numel() * parts[name].element_size()
+            total += -(-parts[name].numel() * parts[name].element_size() // VIEW_ALIGN) * VIEW_ALIGN
         cuda = device.type == "cuda"
         self._device_bytes = torch.empty(total, dtype=torch.uint8, device=device)
         self._host_bytes = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
@@ -307,10 +311,12 @@ class GraphState(AttentionState):
         if (batch_size, width) not in self._made:
             args = f"{batch_size}" if table_width is None else f"{batch_size}, table_width={width}"
             raise RuntimeError(f"graph_clone({args}) before graph_capture_get_metadata_for_batch({args})")
-        clone = type(self)(self.spec)
-        clone._inputs = self._inputs
+        # a copy, not a new State: what a backend resolved when the State was made (FlashInfer's
+        # decode kernel) holds for its clones, whatever the environment says by now
+        clone = copy.copy(self)
         clone._slots = {batch_size: self._slots[batch_size]}
         clone._made = {(batch_size, width)}
+        clone._capturing, clone._prepared = False, None
         return clone
 
     # -- each step -------------------------------------------------------------------------

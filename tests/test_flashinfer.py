@@ -281,13 +281,14 @@ class DenseCudnnDecode:
     builds = 0
     graph = types.SimpleNamespace(get_workspace_size=lambda: 512)
 
-    def __init__(self, q, k, v, scale, *, max_sequence_kv, actual_seq_lens_kv, block_tables, out, **layout):
+    def __init__(self, q, k, v, scale, *, max_sequence_kv, actual_seq_lens_kv, block_tables, actual_seq_lens_q,
+                 out, **layout):
         DenseCudnnDecode.builds += 1
-        self.scale, self.max_kv, self.bound = scale, max_sequence_kv, (actual_seq_lens_kv, block_tables)
+        self.scale, self.bound = scale, (actual_seq_lens_kv, block_tables)
         assert layout == dict(return_lse=False, q_len_per_req=1, window_left=-1, lse=None, sinks=None)
-
-    def matches(self, q, k, v, scale, **layout) -> bool:
-        return True
+        assert max_sequence_kv == block_tables.shape[1] * k.shape[2]  # the table's reach, in tokens
+        assert actual_seq_lens_kv.shape == actual_seq_lens_q.shape == (q.shape[0], 1, 1, 1)
+        assert actual_seq_lens_q.dtype == torch.int32 and actual_seq_lens_q.eq(1).all()
 
     def run(self, q, k, v, out, lse, workspace, *, actual_seq_lens_kv, block_tables) -> None:
         assert (actual_seq_lens_kv, block_tables) == self.bound
@@ -329,7 +330,28 @@ def test_cudnn_graph_decode_reads_the_states_lengths_and_tables(fake_flashinfer,
             ref = reference_attention(args["query"][i : i + 1], keys, values, torch.tensor([s - 1]), causal=True,
                                       scale=spec.softmax_scale)
             assert rel_err(args["output"][i : i + 1], ref) <= BF16_TOL
-    assert DenseCudnnDecode.builds == 1
+    assert DenseCudnnDecode.builds == 1  # one layout: built at the first call, kept
+    # a query of another layout (a slice of a fused QKV projection) gets a graph of its own; the
+    # first stays, as a captured graph may still read it
+    args = op_args(spec, 4, "cpu", name)
+    fused = torch.randn(4, spec.num_heads + 2 * spec.num_kv_heads, spec.head_size).to(spec.dtype)
+    args["query"] = fused[:, : spec.num_heads]
+    with ca.set_forward_context(md_bs):
+        torch.ops.compiled_attn.flashinfer_attention(**args)
+    assert DenseCudnnDecode.builds == 2 and len(graph_state._slots[4].wrapper._prepared) == 2
+
+
+def test_graph_clone_keeps_the_states_decode_kernel(fake_flashinfer, monkeypatch):
+    """A clone serves with what its State resolved when it was made, whatever the environment
+    (or the rule) says by the time it is cloned."""
+    monkeypatch.setattr(fib, "graph_decode_kernel", lambda spec: "cudnn")
+    spec = spec_of(max_seq_len_to_capture=64)
+    state = FlashInferBackend.get_state_cls()(spec)
+    with state.graph_capture(4):
+        state.graph_capture_get_metadata_for_batch(4)
+        monkeypatch.setattr(fib, "graph_decode_kernel", lambda spec: "flashinfer")
+        clone = state.graph_clone(4)
+    assert clone.decode_kernel == "cudnn" and clone._slots[4] is state._slots[4]
 
 
 def test_cudnn_graph_decode_is_never_built_inside_a_capture(fake_flashinfer, monkeypatch):
@@ -634,6 +656,14 @@ def test_cache_over_2_31_elements_with_top_block_ids():
 # GPU: CUDA graphs through the State API
 
 
+def skip_unless_cudnn_decode() -> None:
+    """Skip where the graphs' cuDNN decode cannot run: another card than sm90, or no cudnn-frontend."""
+    if torch.cuda.get_device_capability() != fib.CUDNN_DECODE_CAPABILITY:
+        pytest.skip(f"cuDNN decode is chosen on sm90 only, this card is {torch.cuda.get_device_capability()}")
+    if not fib._cudnn_decode_available():
+        pytest.skip("cuDNN decode needs the cudnn-frontend package")
+
+
 def impl_for(spec):
     return FlashInferBackend.get_impl_cls()(
         spec.num_heads, spec.head_size, spec.softmax_scale, num_kv_heads=spec.num_kv_heads,
@@ -677,7 +707,7 @@ def test_replayed_decode_equals_eager_for_100_steps(case, kernel, monkeypatch):
     """Graph replays (FlashInfer's graph wrappers, or cuDNN's paged decode where it serves the
     spec) against the eager step (FlashInfer's wrappers) over the same cache."""
     if kernel == "cudnn":
-        pytest.importorskip("cudnn", reason="cuDNN decode needs the cudnn-frontend package")
+        skip_unless_cudnn_decode()
     monkeypatch.setenv(fib.GRAPH_DECODE_ENV, kernel)
     spec = case_spec(case, num_blocks=1200, max_seq_len_to_capture=1024)
     impl = impl_for(spec)
@@ -745,7 +775,7 @@ def test_workspace_covers_the_largest_decode_plan(record_property, monkeypatch):
 
 @pytest.mark.gpu
 def test_cudnn_workspace_covers_the_largest_decode_graph(record_property, monkeypatch):
-    pytest.importorskip("cudnn", reason="cuDNN decode needs the cudnn-frontend package")
+    skip_unless_cudnn_decode()
     monkeypatch.setenv(fib.GRAPH_DECODE_ENV, "cudnn")
     spec = ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, num_blocks=8,
                             dtype=torch.bfloat16, device="cuda", max_seq_len_to_capture=16384)

@@ -19,7 +19,7 @@ from test_flashinfer import DENSE_FLASHINFER
 
 import compiled_attn as ca
 from compiled_attn.backends import flashinfer as fib
-from compiled_attn.graph_state import SCRATCH_BLOCK, GraphState, table_widths
+from compiled_attn.graph_state import SCRATCH_BLOCK, VIEW_ALIGN, GraphState, StaticInputs, table_widths
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.registry import BACKEND_CLASSES
 
@@ -400,3 +400,18 @@ def replays_against_eager(backend: type[ca.AttentionBackend], monkeypatch,
         torch.testing.assert_close(runner.run(md, ids, pos), want, rtol=1e-5, atol=1e-5)
         assert torch.equal(cache, eager_cache), "a pad row wrote into the cache"
     return runner
+
+
+def test_static_buffers_start_aligned_whatever_their_sizes():
+    """Odd sizes of every element width: each view (and its host mirror) still starts on a
+    VIEW_ALIGN boundary, holds its initial values and its pads."""
+    parts = {"a": torch.arange(3, dtype=torch.int64), "b": torch.arange(5, dtype=torch.int32),
+             "c": torch.arange(7, dtype=torch.int16), "d": torch.arange(6, dtype=torch.int32).view(2, 3),
+             "e": torch.arange(1, dtype=torch.int32)}
+    inputs = StaticInputs(parts, pads={"b": -1})
+    base = inputs.views["a"].untyped_storage().data_ptr()
+    for name, part in parts.items():
+        view = inputs.views[name]
+        assert (view.data_ptr() - base) % VIEW_ALIGN == 0, name
+        assert inputs.host[name].ctypes.data % VIEW_ALIGN == inputs.host["a"].ctypes.data % VIEW_ALIGN, name
+        assert torch.equal(view, torch.full_like(part, -1) if name == "b" else part), name

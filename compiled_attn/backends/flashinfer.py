@@ -22,7 +22,7 @@ input tensors reused across steps) cannot happen.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import functools
 import math
 import os
 import weakref
@@ -63,10 +63,12 @@ NO_SPLIT_KV_MIN_PAIRS = 512
 # table as wide as the context): H100 8.2 vs 10.5 us at B=1 ctx 1024, 13.7 vs 16.3 at B=8, 96.3 vs
 # 98.4 at B=64, 360 vs 365 at B=256, 11.1 vs 12.5 at B=1 ctx 4096; faster at every B in {1, 8, 64,
 # 256} x ctx in {1024, 4096} on both cards but B=64 ctx 4096 (0.1-0.4 % slower). At B=1 a table 8x
-# the context costs cuDNN 2 us (H200: 10.4 us, FlashInfer's 10.3); from B=8 nothing. Chosen only where measured:
+# the context costs cuDNN 2 us (H200: 10.4 us, FlashInfer's 10.3); from B=8 nothing. Chosen for
 # sm90, 16-bit queries over a cache of the same dtype, head size 128, no ALiBi / soft-cap (cuDNN's
-# decode graph has neither) and no window (not measured). Eager steps stay on FlashInfer's
-# wrappers: cuDNN builds a graph per shape (milliseconds), which a CUDA graph pays once at capture.
+# decode graph has neither) and no window: the measured case, widened to fp16, other GQA groups and
+# page sizes (the same kernel, not timed); windows and other head sizes were not measured. Eager
+# steps stay on FlashInfer's wrappers: cuDNN builds a graph per shape (milliseconds), which a CUDA
+# graph pays once at capture.
 CUDNN_DECODE_CAPABILITY = (9, 0)
 CUDNN_DECODE_HEAD_SIZES = (128,)
 # "auto" (the rule above), "flashinfer" or "cudnn" (refused, naming why, where cuDNN cannot serve)
@@ -253,8 +255,20 @@ def cudnn_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None,
     if spec.head_size not in CUDNN_DECODE_HEAD_SIZES:
         return f"cuDNN decode was measured at head size {CUDNN_DECODE_HEAD_SIZES}, not {spec.head_size}"
     if not has_frontend:
-        return "the cudnn-frontend package is not installed (pip install nvidia-cudnn-frontend)"
+        return ("FlashInfer's cuDNN decode is unavailable: the cudnn-frontend package does not import (pip install "
+                "nvidia-cudnn-frontend), or this FlashInfer has no prepare_cudnn_batch_decode")
     return None
+
+
+@functools.cache
+def _cudnn_decode_available() -> bool:
+    """Whether FlashInfer's cuDNN decode graphs can be built here: the entry point exists and the
+    cudnn-frontend package imports (a package that is found but fails to import counts as absent)."""
+    try:
+        from flashinfer.cudnn.decode import CUDNN_AVAILABLE, prepare_cudnn_batch_decode  # noqa: F401
+    except ImportError:
+        return False
+    return bool(CUDNN_AVAILABLE)
 
 
 def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
@@ -268,7 +282,7 @@ def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
         return choice
     device = torch.device(spec.device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    reason = cudnn_decode_reason(spec, capability, importlib.util.find_spec("cudnn") is not None)
+    reason = cudnn_decode_reason(spec, capability, capability is not None and _cudnn_decode_available())
     if reason is not None and choice == "cudnn":
         raise NotImplementedError(f"{GRAPH_DECODE_ENV}=cudnn: {reason}")
     return "flashinfer" if reason else "cudnn"
@@ -510,31 +524,34 @@ def _prepare_cudnn_decode() -> Callable[..., Any]:
 class CudnnGraphDecode:
     """The decode wrapper of a graph that cuDNN serves (`graph_decode_kernel`): it binds the
     State's own lengths and block-table buffers, which each step's upload writes, so a replay has
-    nothing to plan. cuDNN's graph is built at the first call (the warm-up before capture) for the
-    layouts it meets, and rebuilt (outside capture only) if they change."""
+    nothing to plan. cuDNN builds a graph per layout of query, caches and output (one for a model's
+    layers, as a rule) at the first call that meets it: the warm-up before capture. Every graph
+    built stays, with the query lengths it binds, for the CUDA graphs captured over it."""
 
     def __init__(self, spec: AttentionSpec, workspace: torch.Tensor, seq_lens: torch.Tensor,
                  block_tables: torch.Tensor) -> None:
         self.spec = spec
         self._workspace = workspace
         self._bound = dict(actual_seq_lens_kv=seq_lens.view(-1, 1, 1, 1), block_tables=block_tables)
+        self._query_lens = torch.ones_like(self._bound["actual_seq_lens_kv"])  # one token per decode
         self._max_kv = block_tables.shape[1] * spec.block_size
-        self._prepared: Any = None
+        self._prepared: dict[tuple, Any] = {}
 
     def run(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], *, out: torch.Tensor) -> None:
         # NHD pages as [pages, kv_heads, block_size, head_size] views: cuDNN reads any strides
         k, v = (c.transpose(-3, -2) for c in cache)
-        layout = dict(max_sequence_kv=self._max_kv, return_lse=False, q_len_per_req=1, window_left=-1,
-                      lse=None, sinks=None, out=out, **self._bound)
-        scale, prepared = self.spec.softmax_scale, self._prepared
-        if prepared is None or not prepared.matches(q, k, v, scale, **layout):
+        layout = tuple((t.shape, t.stride(), t.dtype) for t in (q, k, v, out))
+        prepared = self._prepared.get(layout)
+        if prepared is None:
             _forbid_capture("building a cuDNN decode graph (run the graph's step once before capturing it)")
-            prepared = _prepare_cudnn_decode()(q, k, v, scale, **layout)
+            prepared = _prepare_cudnn_decode()(
+                q, k, v, self.spec.softmax_scale, max_sequence_kv=self._max_kv, out=out, return_lse=False, lse=None,
+                q_len_per_req=1, window_left=-1, sinks=None, actual_seq_lens_q=self._query_lens, **self._bound)
             need = prepared.graph.get_workspace_size()
             if need > self._workspace.numel():
                 raise RuntimeError(f"{NAME}: cuDNN's decode graph needs a {need}-byte workspace, more than "
                                    f"WORKSPACE_BYTES={self._workspace.numel()}; set {GRAPH_DECODE_ENV}=flashinfer")
-            self._prepared = prepared
+            self._prepared[layout] = prepared
         prepared.run(q, k, v, out, None, self._workspace, **self._bound)
 
 
