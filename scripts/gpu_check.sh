@@ -4,7 +4,8 @@
 # PARTS selects what runs (default: "tests fuzz bench"; "loop" profiles the 8B decode loop against
 # gpt-fast's (B=64 then B=1, ctx 1024, one process each) and times FlashInfer's decode variants (FA3 among
 # them: a JIT build of a minute or more the first time, VARIANTS_TIMEOUT);
-# "fuzz" is the mutation fuzzer's GPU tests,
+# "flex": scripts/flex_paged_probe.py (FlexAttention's decode over the paged cache vs SDPA over a
+# contiguous one); "fuzz" is the mutation fuzzer's GPU tests,
 # FUZZ_EXAMPLES examples per mutation; "hunt" looks for the differential example that faults or
 # mismatches on HUNT_BACKEND); "piecewise": the piecewise-graph GPU tests (tests/test_piecewise.py,
 # every backend; PW_TESTS=0 skips them) and the piecewise bench suite (PW_BENCH_ARGS, default --quick:
@@ -65,6 +66,10 @@ if [[ " $PARTS " == *" loop "* ]]; then
   done
   timeout "${VARIANTS_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_flashinfer --variants 2>&1 | grep -v " - INFO - " \
     | tee "$OUT/decode-variants.log" | tail -40
+fi
+if [[ " $PARTS " == *" flex "* ]]; then  # the gate of a paged TORCH_SDPA decode through FlexAttention
+  timeout "${FLEX_TIMEOUT:-420}" python3 scripts/flex_paged_probe.py --out "$OUT" 2>&1 | tee "$OUT/flex-probe.log" | tail -20
+  status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ " $PARTS " == *" fuzz "* ]]; then
   FUZZ_REPORT="$OUT/fuzz-counts.jsonl" timeout "${FUZZ_TIMEOUT:-400}" python3 -m pytest -m gpu -q -p no:cacheprovider \

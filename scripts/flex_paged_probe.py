@@ -1,0 +1,155 @@
+"""Gate for a TORCH_SDPA decode that reads the paged cache in place: FlexAttention's decode kernel
+(`torch.compile`d `flex_attention`, a block mask over the block tables) against SDPA over a
+contiguous cache, in replayed CUDA graphs. Issue 13's TORCH_SDPA goal (0.85x the gpt-fast loop)
+leaves about 150 us a layer at B=64 ctx 1024 on an H100; the gather-then-SDPA op takes ~360.
+
+    python scripts/flex_paged_probe.py [--out DIR]
+
+Shapes: Llama-3-8B's attention (32 q / 8 kv heads, head 128, bf16); every request at `ctx`
+tokens over shuffled pages. Rows: us per call, the fraction of nominal HBM bandwidth reading
+K/V once takes, and the largest error against a float64 reference on two requests. On CPU
+(no CUDA) it checks the mask against the reference at a small size and times nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from compiled_attn.bench.timing import card_name, graph_time_us, nominal_bandwidth
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 8, 128
+POINTS = ((1, 1024), (8, 1024), (64, 1024), (64, 4096))
+PAGES = (16, 64)
+# flex's decode kernel options tried at B=64 ctx 1024 page 16 besides its defaults
+SWEEP = ({"num_warps": 4, "num_stages": 1}, {"num_warps": 8, "num_stages": 2}, {"SPLIT_KV": 2})
+
+compiled_flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+# one compile per (batch, ctx, page, kernel options): past Dynamo's default limit of 8 flex would
+# fall back to its eager path, which materializes the scores over the whole pool
+torch._dynamo.config.recompile_limit = 64
+
+
+def paged_case(batch: int, ctx: int, page: int, device: str, dtype: torch.dtype, heads=(NUM_HEADS, NUM_KV_HEADS),
+               head_size: int = HEAD_SIZE, lens: list[int] | None = None):
+    """A cache [2, blocks, page, kv_heads, d] (one spare block per request), shuffled block tables
+    [batch, ctx / page], the lengths, and the query [batch, heads, d]."""
+    hq, hkv = heads
+    width = -(-ctx // page)
+    blocks = batch * width + batch
+    cache = torch.randn(2, blocks, page, hkv, head_size, device=device, dtype=dtype)
+    tables = torch.randperm(blocks, device=device)[: batch * width].view(batch, width).to(torch.int32)
+    seq_lens = torch.tensor(lens or [ctx] * batch, dtype=torch.int32, device=device)
+    q = torch.randn(batch, hq, head_size, device=device, dtype=dtype)
+    return cache, tables, seq_lens, q
+
+
+def block_mask(tables: torch.Tensor, seq_lens: torch.Tensor, page: int, num_blocks: int) -> BlockMask:
+    """Each request's pages as the KV blocks it reads, the last one cut at its length. flex's
+    block mask spans the whole pool in the KV dimension: the table is zero-padded to it."""
+    batch, width = tables.shape
+    used = (seq_lens + page - 1) // page
+    last_page = tables.gather(1, (used - 1).long().view(batch, 1)).view(batch)
+    end = seq_lens - (used - 1) * page
+    indices = F.pad(tables, (0, num_blocks - width))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx // page != last_page[b]) | (kv_idx % page < end[b])
+
+    return BlockMask.from_kv_blocks(used.view(batch, 1, 1), indices.view(batch, 1, 1, num_blocks),
+                                    BLOCK_SIZE=(1, page), mask_mod=mask_mod, seq_lengths=(1, num_blocks * page),
+                                    compute_q_blocks=False)
+
+
+def flex_decode(cache, tables, seq_lens, q, kernel_options: dict | None = None) -> Callable[[], torch.Tensor]:
+    """flex over the pool as one sequence [1, kv_heads, blocks * page, d] (a view of the cache)."""
+    blocks, page, hkv, d = cache.shape[1:]
+    k, v = (cache[i].view(1, blocks * page, hkv, d).transpose(1, 2) for i in (0, 1))
+    mask = block_mask(tables, seq_lens, page, blocks)
+    q4 = q.unsqueeze(2)
+    return lambda: compiled_flex(q4, k, v, block_mask=mask, enable_gqa=True, kernel_options=kernel_options)
+
+
+def max_error(out: torch.Tensor, cache, tables, seq_lens, q, rows=(0, -1)) -> float:
+    """Largest |out - float64 reference| over `rows` (out: [batch, heads, 1, d])."""
+    page, group = cache.shape[2], q.shape[1] // cache.shape[3]
+    worst = 0.0
+    for i in rows:
+        n = int(seq_lens[i])
+        pages = tables[i, : -(-n // page)].long()
+        k, v = (cache[j][pages].flatten(0, 1)[:n].double().repeat_interleave(group, 1) for j in (0, 1))
+        scores = torch.einsum("hd,khd->hk", q[i].double(), k) * q.shape[-1] ** -0.5
+        ref = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
+        worst = max(worst, (out[i, :, 0].double() - ref).abs().max().item())
+    return worst
+
+
+def contiguous_sdpa(batch: int, ctx: int, q: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The peer's attention: SDPA over a static contiguous cache [batch, kv_heads, ctx, d]."""
+    k = torch.randn(batch, NUM_KV_HEADS, ctx, HEAD_SIZE, dtype=q.dtype, device=q.device)
+    v = torch.randn_like(k)
+    q4 = q.unsqueeze(2)
+    return lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+
+
+def gpu_rows() -> list[dict]:
+    peak, rows = nominal_bandwidth(), []
+
+    def add(impl: str, batch: int, ctx: int, page: int | None, us: float, err: float | None = None) -> None:
+        kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * 2
+        rows.append({"card": card_name(), "impl": impl, "batch": batch, "ctx": ctx, "page": page, "us": round(us, 2),
+                     "hbm_frac": round(kv_bytes / (us * 1e-6) / peak, 3) if peak else None,
+                     "max_err": None if err is None else round(err, 5)})
+        print(rows[-1], flush=True)
+
+    for batch, ctx in POINTS:
+        for page in PAGES:
+            case = paged_case(batch, ctx, page, "cuda", torch.bfloat16)
+            options = [None] + (list(SWEEP) if (batch, ctx, page) == (64, 1024, 16) else [])
+            for opts in options:
+                try:
+                    fn = flex_decode(*case, kernel_options=opts)
+                    err = max_error(fn(), *case)
+                    add(f"flex {opts or 'defaults'}", batch, ctx, page, graph_time_us(fn), err)
+                except Exception as e:  # a kernel option this torch refuses is a result too
+                    rows.append({"impl": f"flex {opts}", "batch": batch, "ctx": ctx, "page": page,
+                                 "error": f"{type(e).__name__}: {str(e)[:160]}"})
+                    print(rows[-1], flush=True)
+            del case
+            torch.cuda.empty_cache()
+        q = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device="cuda")
+        add("sdpa, contiguous cache", batch, ctx, None, graph_time_us(contiguous_sdpa(batch, ctx, q)))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def cpu_check() -> list[dict]:
+    """The mask on CPU (float32, small): partial last pages, lengths of one page and below."""
+    torch.manual_seed(0)
+    case = paged_case(3, 48, 16, "cpu", torch.float32, heads=(8, 2), head_size=64, lens=[17, 33, 5])
+    err = max_error(flex_decode(*case)(), *case, rows=(0, 1, 2))
+    print({"impl": "flex (CPU check)", "max_err": err}, flush=True)
+    if err > 1e-4:
+        raise SystemExit(f"flex over the paged cache disagrees with the reference: {err}")
+    return [{"impl": "flex (CPU check)", "max_err": err}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows = gpu_rows() if torch.cuda.is_available() else cpu_check()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "flex-paged-probe.json"), "w") as f:
+            json.dump({"card": card_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
