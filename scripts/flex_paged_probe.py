@@ -20,20 +20,16 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from compiled_attn.bench.timing import card_name, graph_time_us, nominal_bandwidth
+from compiled_attn.ops.flex_decode import RECOMPILE_LIMIT, compiled_flex, paged_block_mask
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 8, 128
 POINTS = ((1, 1024), (8, 1024), (64, 1024), (64, 4096))
 PAGES = (16, 64)
 # flex's decode kernel options tried at B=64 ctx 1024 page 16 besides its defaults
 SWEEP = ({"num_warps": 4, "num_stages": 1}, {"num_warps": 8, "num_stages": 2}, {"SPLIT_KV": 2})
-
-compiled_flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
-# one compile per (batch, ctx, page, kernel options): past Dynamo's default limit of 8 flex would
-# fall back to its eager path, which materializes the scores over the whole pool
-torch._dynamo.config.recompile_limit = 64
+torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT  # a compile per point and option set
 
 
 def paged_case(batch: int, ctx: int, page: int, device: str, dtype: torch.dtype, heads=(NUM_HEADS, NUM_KV_HEADS),
@@ -50,30 +46,15 @@ def paged_case(batch: int, ctx: int, page: int, device: str, dtype: torch.dtype,
     return cache, tables, seq_lens, q
 
 
-def block_mask(tables: torch.Tensor, seq_lens: torch.Tensor, page: int, num_blocks: int) -> BlockMask:
-    """Each request's pages as the KV blocks it reads, the last one cut at its length. flex's
-    block mask spans the whole pool in the KV dimension: the table is zero-padded to it."""
-    batch, width = tables.shape
-    used = (seq_lens + page - 1) // page
-    last_page = tables.gather(1, (used - 1).long().view(batch, 1)).view(batch)
-    end = seq_lens - (used - 1) * page
-    indices = F.pad(tables, (0, num_blocks - width))
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx // page != last_page[b]) | (kv_idx % page < end[b])
-
-    return BlockMask.from_kv_blocks(used.view(batch, 1, 1), indices.view(batch, 1, 1, num_blocks),
-                                    BLOCK_SIZE=(1, page), mask_mod=mask_mod, seq_lengths=(1, num_blocks * page),
-                                    compute_q_blocks=False)
-
-
 def flex_decode(cache, tables, seq_lens, q, kernel_options: dict | None = None) -> Callable[[], torch.Tensor]:
-    """flex over the pool as one sequence [1, kv_heads, blocks * page, d] (a view of the cache)."""
+    """TORCH_SDPA's flex decode (`ops/flex_decode.py`): the pool as one sequence [1, kv_heads,
+    blocks * page, d] (a view of the cache), the mask over the block tables. Returns [batch,
+    heads, 1, d]."""
     blocks, page, hkv, d = cache.shape[1:]
     k, v = (cache[i].view(1, blocks * page, hkv, d).transpose(1, 2) for i in (0, 1))
-    mask = block_mask(tables, seq_lens, page, blocks)
-    q4 = q.unsqueeze(2)
-    return lambda: compiled_flex(q4, k, v, block_mask=mask, enable_gqa=True, kernel_options=kernel_options)
+    mask = paged_block_mask(tables, seq_lens, page, blocks)
+    q4, flex = q.unsqueeze(2), compiled_flex()
+    return lambda: flex(q4, k, v, block_mask=mask, enable_gqa=True, kernel_options=kernel_options)
 
 
 def max_error(out: torch.Tensor, cache, tables, seq_lens, q, rows=(0, -1)) -> float:

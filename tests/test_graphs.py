@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import compiled_attn as ca
 from compiled_attn.backends import flashinfer as fib
+from compiled_attn.backends import torch_sdpa as sdpa_backend
 from compiled_attn.backends.torch_sdpa import TorchSDPAState
 from compiled_attn.graph_state import SCRATCH_BLOCK, table_widths
 from compiled_attn.graphs import (
@@ -493,6 +494,26 @@ def test_runner_compiles_batch_one_apart_and_samples_in_the_step(tiny_model):
     assert runner.counts["graph"] == 4 and runner.counts["eager_prefill"] == 1
     # one graph for the prefill and batch 4, one for batch 1
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
+
+
+def test_runner_on_flex_graph_decode_serves_greedy_tokens_like_eager(tiny_model, monkeypatch):
+    """TORCH_SDPA's opt-in FlexAttention decode through the runner's static steps: the same
+    greedy tokens as the eager model (which gathers), prefill and decodes of 3 then 1 requests."""
+    monkeypatch.setenv("COMPILED_ATTN_SDPA_GRAPH_DECODE", "flex")
+    # on CPU only where Inductor's C++ flex template compiles: this pool, at batch 4 (not at 1)
+    monkeypatch.setattr(sdpa_backend, "FLEX_DEVICES", ("cuda", "cpu"))
+    spec = cpu_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[4], max_batch_size=4)
+    assert runner.state.decode_kernel == "flex" and runner.widths == [runner.state.max_blocks_per_seq]
+    ref, eng = Engine(spec, direct(tiny_model, random_caches(spec, 1))), Engine(spec, runner.run)
+    step = prompts(3, seed=12, vocab=TINY.vocab_size)
+    for i in range(5):
+        want = ref.step(step).argmax(-1)
+        assert torch.equal(eng.step(step).argmax(-1), want), f"step {i}"
+        step = {name: [tok] for name, tok in zip(step, want.tolist(), strict=True)}
+        if i == 2:
+            step = dict(list(step.items())[:1])
+    assert runner.counts["graph"] == 4 and runner.counts["eager_prefill"] == 1
 
 
 # -------------------------------------------------------------------------------------------

@@ -11,9 +11,11 @@ import dataclasses
 
 import pytest
 import torch
-from reference import alibi_slopes, make_batch, reference_forward, rel_err
+from reference import alibi_slopes, make_batch, reference_attention, reference_forward, rel_err
 
 import compiled_attn as ca
+from compiled_attn.backends import torch_sdpa as sdpa
+from compiled_attn.ops import torch_sdpa as sdpa_ops
 
 T = ca.AttentionType
 BACKEND = ca.get_attn_backend("TORCH_SDPA")
@@ -193,3 +195,74 @@ def test_layers_of_one_forward_share_key_slots_per_window():
     for window, out in zip(windows, outs, strict=True):
         assert rel_err(out, reference_forward(batch, sliding_window=window)) <= 1e-5
     assert not torch.equal(outs[0], outs[1])  # the window changes the output of these lengths
+
+
+# ---------------------------------------------------------------------------------------------
+# Graph decode through FlexAttention (opt-in: COMPILED_ATTN_SDPA_GRAPH_DECODE=flex)
+
+
+def flex_spec(**kw) -> ca.AttentionSpec:
+    base = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, num_blocks=48, dtype=torch.float32,
+                device="cpu", max_seq_len_to_capture=128)
+    return ca.AttentionSpec(**{**base, **kw})
+
+
+@pytest.mark.parametrize("over, reason", [(dict(sliding_window=32), "window"), (dict(logits_soft_cap=5.0), "soft-cap"),
+                                          (dict(alibi_slopes=alibi_slopes(8)), "ALiBi"),
+                                          (dict(num_heads=6, num_kv_heads=2), "power-of-two")])
+def test_flex_graph_decode_is_opt_in_and_refused_where_it_cannot_serve(over, reason, monkeypatch):
+    state_cls = ca.get_attn_backend("TORCH_SDPA").get_state_cls()
+    monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flex")
+    with pytest.raises(NotImplementedError, match="runs on cuda only"):
+        state_cls(flex_spec())
+    monkeypatch.setattr(sdpa, "FLEX_DEVICES", ("cuda", "cpu"))  # the small CPU pools here compile
+    monkeypatch.delenv(sdpa.GRAPH_DECODE_ENV)
+    default = state_cls(flex_spec(max_seq_len_to_capture=1024))
+    assert default.decode_kernel == "gather" and default.graph_table_widths() == (64, 32, 16)
+    monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flex")
+    flex = state_cls(flex_spec(max_seq_len_to_capture=1024))
+    assert flex.decode_kernel == "flex" and flex.graph_table_widths() == (flex.max_blocks_per_seq,)
+    with pytest.raises(NotImplementedError, match=f"{sdpa.GRAPH_DECODE_ENV}=flex: .*{reason}"):
+        state_cls(flex_spec(**over))
+    monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flash")
+    with pytest.raises(ValueError, match="gather or flex"):
+        state_cls(flex_spec())
+
+
+def test_flex_graph_decode_reads_the_pages_in_place(monkeypatch):
+    """A State on flex: its graph metadata sends the op's decodes through FlexAttention over the
+    refilled lengths and tables (pads: one token of block 0); the live rows match the float64
+    reference over the cache, for two steps of other lengths through one graph."""
+    monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flex")
+    monkeypatch.setattr(sdpa, "FLEX_DEVICES", ("cuda", "cpu"))  # a pool of 768 keys compiles on CPU
+    calls = []
+    flex_call = sdpa_ops.paged_decode
+    monkeypatch.setattr(sdpa_ops, "paged_decode", lambda *a: calls.append(a[0].shape) or flex_call(*a))
+    backend = ca.get_attn_backend("TORCH_SDPA")
+    spec = flex_spec()
+    state = backend.get_state_cls()(spec)
+    with state.graph_capture(4):
+        md_bs = state.graph_capture_get_metadata_for_batch(4)
+        bufs = state.get_graph_input_buffers(md_bs)
+        graph_state = state.graph_clone(4)
+    assert md_bs.flex_decode
+    impl = backend.get_impl_cls()(8, 64, spec.softmax_scale, num_kv_heads=2)
+    name, _keep = impl.register(1.0, 1.0, ca.AttentionType.DECODER)
+    builder = backend.get_builder_cls()(spec)
+    torch.manual_seed(0)
+    cache = torch.randn(backend.get_kv_cache_shape(spec.num_blocks, 16, 2, 64))
+    for seq_lens, tables in (([17, 3, 100], [[5, 6], [7], [9, 2, 4, 11, 12, 13, 14]]), ([33, 16], [[1, 3, 8], [10]])):
+        n = len(seq_lens)
+        md = builder.build(seq_lens, [1] * n, tables)
+        graph_state.prepare_graph_input_buffers(bufs, md)
+        graph_state.begin_forward(md)
+        query, out = torch.randn(4, 8, 64), torch.full((4, 8, 64), float("nan"))
+        with ca.set_forward_context(md_bs):
+            backend.attention_op(query, None, None, cache, out, name)
+        for i, (s, table) in enumerate(zip(seq_lens, tables, strict=True)):
+            keys, values = (c[table].flatten(0, 1)[:s] for c in cache)
+            ref = reference_attention(query[i : i + 1], keys, values, torch.tensor([s - 1]), causal=True,
+                                      scale=spec.softmax_scale)
+            assert rel_err(out[i : i + 1], ref) <= 1e-5
+        assert torch.isfinite(out[n:]).all()  # pad rows: one key of block 0
+    assert calls == [(4, 8, 64)] * 2  # the graph's rows, through FlexAttention

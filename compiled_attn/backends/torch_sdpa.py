@@ -7,12 +7,13 @@ padded layout on the host so the op needs no `.tolist()` or device syncs.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
 import torch
 
-from compiled_attn.abstract import AttentionBackend, AttentionType
+from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionType
 from compiled_attn.backends.common import CommonImpl
 from compiled_attn.graph_state import GraphState
 from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, to_device
@@ -72,6 +73,7 @@ class TorchSDPAMetadata(CommonMetadata):
     encoder_token_index: torch.Tensor | None = None
     encoder_q_pos: torch.Tensor | None = None
     encoder_flat_index: torch.Tensor | None = None
+    flex_decode: bool = False  # graph metadata of a State on FlexAttention (`graph_decode_kernel`)
 
 
 def padded_layout(lens: list[int], firsts: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -113,6 +115,40 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
         return out
 
 
+# "gather" (default) or "flex": the decode kernel of TORCH_SDPA's graphs (`graph_decode_kernel`).
+GRAPH_DECODE_ENV = "COMPILED_ATTN_SDPA_GRAPH_DECODE"
+
+
+# Where FlexAttention's paged decode runs: on CPU, Inductor's C++ flex template (torch 2.13) fails
+# to compile it over pools of about 1024 keys and more.
+FLEX_DEVICES = ("cuda",)
+
+
+def flex_decode_reason(spec: AttentionSpec) -> str | None:
+    """Why FlexAttention's paged decode (`ops/flex_decode.py`) cannot serve `spec`'s graphs, or None."""
+    group = spec.num_heads // spec.num_kv_heads
+    if torch.device(spec.device).type not in FLEX_DEVICES:
+        return f"FlexAttention's paged decode runs on {', '.join(FLEX_DEVICES)} only"
+    if spec.alibi_slopes is not None or spec.logits_soft_cap is not None or spec.sliding_window is not None:
+        return "FlexAttention's paged decode takes no ALiBi, soft-cap or window here"
+    if group & (group - 1):
+        return f"FlexAttention's decode kernel needs a power-of-two GQA group, not {group}"
+    return None
+
+
+def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
+    """The decode of `spec`'s graphs: "gather" (each row's table gathered into contiguous K/V,
+    then SDPA; the default) or "flex" (FlexAttention reading the pages in place: not yet timed
+    on a GPU, so opt-in). `choice` defaults to the GRAPH_DECODE_ENV variable."""
+    choice = choice or os.environ.get(GRAPH_DECODE_ENV) or "gather"
+    if choice not in ("gather", "flex"):
+        raise ValueError(f"{GRAPH_DECODE_ENV}={choice!r}: use gather or flex")
+    reason = flex_decode_reason(spec) if choice == "flex" else None
+    if reason is not None:
+        raise NotImplementedError(f"{GRAPH_DECODE_ENV}=flex: {reason}")
+    return choice
+
+
 class TorchSDPAImpl(CommonImpl):
     backend_cls = TorchSDPABackend
 
@@ -130,9 +166,21 @@ class TorchSDPAState(GraphState):
     of its longest table (eager pads every row to that one too), or 256 per row. For block sizes
     dividing 256 that is 1 + ceil(log2(max_seq_len_to_capture / 256)) widths: 3 at 1024 tokens,
     6 at the default 8192.
+
+    With `decode_kernel` "flex" (`graph_decode_kernel`), the graphs' decode reads the pages in
+    place through FlexAttention, whose work follows the live lengths: one width per size.
     """
 
     backend_cls = TorchSDPABackend
     # The floor bounds the count (each width is one more graph per capture size: capture time and
     # pool); steps of shorter sequences gather 256 keys per row. Chosen, not tuned on a GPU.
     MIN_TABLE_WIDTH_TOKENS = 256
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__(spec)
+        self.decode_kernel = graph_decode_kernel(spec)
+        if self.decode_kernel == "flex":
+            self.MIN_TABLE_WIDTH_TOKENS = None
+
+    def add_graph_fields(self, md: TorchSDPAMetadata, batch_size: int) -> None:
+        md.flex_decode = self.decode_kernel == "flex"

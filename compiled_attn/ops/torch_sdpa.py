@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from compiled_attn.abstract import AttentionMetadata, AttentionType
 from compiled_attn.forward_context import get_forward_context
 from compiled_attn.ops.common import alibi_bias, checked_step
+from compiled_attn.ops.flex_decode import paged_block_mask, paged_decode
 from compiled_attn.ops.library import define_attention_op, register_fake
 
 T = TypeVar("T")
@@ -179,7 +180,11 @@ def torch_sdpa_attention(
         out = attend(q, gather_keys(kv_cache[0], slot), gather_keys(kv_cache[1], slot), valid,
                      md.prefill_q_pos, not cross, **opts)
         output[:n_pre] = out.flatten(0, 1)[md.prefill_flat_index]
-    if md.num_decodes:
+    if md.num_decodes and md.flex_decode:  # a graph step of a State on flex: decodes only
+        mask = once_per_forward(md, "flex decode", cross, window, query.is_cuda, lambda: paged_block_mask(
+            tables, kv_lens, md.block_size, kv_cache.shape[1]))
+        output.copy_(paged_decode(query, kv_cache, mask, opts["scale"]))
+    elif md.num_decodes:
         q_pos = (md.seq_lens_tensor[p:, None] - 1).to(torch.int64)
         slot, valid = once_per_forward(md, "decode", cross, window, query.is_cuda, lambda: key_slots(
             tables[p:], kv_lens[p:], q_pos[:, 0], md.block_size, window))
