@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import compiled_attn as ca
-from compiled_attn.backends.flashinfer import GRAPH_DECODE_ENV
+from compiled_attn.backends.flashinfer import GRAPH_DECODE_ENV as FLASHINFER_GRAPH_DECODE_ENV
+from compiled_attn.backends.torch_sdpa import GRAPH_DECODE_ENV as SDPA_GRAPH_DECODE_ENV
 from compiled_attn.bench.models import shared_model
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, nominal_bandwidth
@@ -285,7 +286,10 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
             "peer compiles ms": [round(t[0], 3) for t in times]}
 
 
-VARIANTS = ("compile", "dynamic", "fp8", "flashinfer-decode")
+VARIANTS = ("compile", "dynamic", "fp8", "flashinfer-decode", "flex-decode")
+# the environment each variant's States are made under
+VARIANT_ENV = {"flashinfer-decode": {FLASHINFER_GRAPH_DECODE_ENV: "flashinfer"},
+               "flex-decode": {SDPA_GRAPH_DECODE_ENV: "flex"}}
 
 
 def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> PagedLoop:
@@ -293,13 +297,13 @@ def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> 
     "dynamic": the README's `torch.compile(model, fullgraph=True, dynamic=True)` handed
     to the runner; "fp8": compile, on a model whose layers and caches are fp8 (e4m3; a row the peer
     cannot have); "flashinfer-decode": compile, with FLASHINFER's graphed decode on FlashInfer's own
-    kernels where it would run cuDNN's (`graph_decode_kernel`)."""
+    kernels where it would run cuDNN's; "flex-decode": compile, with TORCH_SDPA's graphed decode
+    through FlexAttention (both `graph_decode_kernel`)."""
     backend = model.layers[0].attn.backend
     kw = {"compile": variant != "dynamic"}
     step_model = model if variant != "dynamic" else torch.compile(model, fullgraph=True, dynamic=True)
     kv_cache_dtype = model.layers[0].attn.impl.kv_cache_dtype
-    env = {GRAPH_DECODE_ENV: "flashinfer"} if variant == "flashinfer-decode" else {}
-    with unittest.mock.patch.dict(os.environ, env):  # read as the runner's States are made
+    with unittest.mock.patch.dict(os.environ, VARIANT_ENV.get(variant, {})):  # read as the runner's States are made
         return PagedLoop(step_model, backend, batch, ctx, kw, kv_cache_dtype=kv_cache_dtype)
 
 
