@@ -229,17 +229,22 @@ def test_flex_graph_decode_is_opt_in_and_refused_where_it_cannot_serve(over, rea
         state_cls(flex_spec())
 
 
-def test_flex_graph_decode_reads_the_pages_in_place(monkeypatch):
+@pytest.mark.parametrize("device, dtype, tol", [
+    ("cpu", torch.float32, 1e-5),
+    pytest.param("cuda", torch.bfloat16, 1e-2, marks=pytest.mark.gpu),  # FlexAttention's Triton decode kernel
+])
+def test_flex_graph_decode_reads_the_pages_in_place(device, dtype, tol, monkeypatch):
     """A State on flex: its graph metadata sends the op's decodes through FlexAttention over the
     refilled lengths and tables (pads: one token of block 0); the live rows match the float64
-    reference over the cache, for two steps of other lengths through one graph."""
+    reference over the cache, for two steps of other lengths through one graph, eagerly and in a
+    replayed CUDA graph."""
     monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flex")
     monkeypatch.setattr(sdpa, "FLEX_DEVICES", ("cuda", "cpu"))  # a pool of 768 keys compiles on CPU
     calls = []
     flex_call = sdpa_ops.paged_decode
     monkeypatch.setattr(sdpa_ops, "paged_decode", lambda *a: calls.append(a[0].shape) or flex_call(*a))
     backend = ca.get_attn_backend("TORCH_SDPA")
-    spec = flex_spec()
+    spec = flex_spec(device=device, dtype=dtype)
     state = backend.get_state_cls()(spec)
     with state.graph_capture(4):
         md_bs = state.graph_capture_get_metadata_for_batch(4)
@@ -250,19 +255,39 @@ def test_flex_graph_decode_reads_the_pages_in_place(monkeypatch):
     name, _keep = impl.register(1.0, 1.0, ca.AttentionType.DECODER)
     builder = backend.get_builder_cls()(spec)
     torch.manual_seed(0)
-    cache = torch.randn(backend.get_kv_cache_shape(spec.num_blocks, 16, 2, 64))
+    cache = torch.randn(backend.get_kv_cache_shape(spec.num_blocks, 16, 2, 64), device=device).to(dtype)
+    query, out = torch.empty(4, 8, 64, device=device, dtype=dtype), torch.empty(4, 8, 64, device=device, dtype=dtype)
+
+    def step() -> None:
+        with ca.set_forward_context(md_bs):
+            backend.attention_op(query, None, None, cache, out, name)
+
+    graph = None
     for seq_lens, tables in (([17, 3, 100], [[5, 6], [7], [9, 2, 4, 11, 12, 13, 14]]), ([33, 16], [[1, 3, 8], [10]])):
         n = len(seq_lens)
         md = builder.build(seq_lens, [1] * n, tables)
         graph_state.prepare_graph_input_buffers(bufs, md)
         graph_state.begin_forward(md)
-        query, out = torch.randn(4, 8, 64), torch.full((4, 8, 64), float("nan"))
-        with ca.set_forward_context(md_bs):
-            backend.attention_op(query, None, None, cache, out, name)
+        query.normal_()
+        out.fill_(float("nan"))
+        if device == "cpu":
+            step()
+        elif graph is None:  # warm up (compile) on a side stream, capture, replay
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            graph.replay()
+        else:
+            graph.replay()
         for i, (s, table) in enumerate(zip(seq_lens, tables, strict=True)):
-            keys, values = (c[table].flatten(0, 1)[:s] for c in cache)
-            ref = reference_attention(query[i : i + 1], keys, values, torch.tensor([s - 1]), causal=True,
+            keys, values = (c[table].flatten(0, 1)[:s] for c in cache.cpu())
+            ref = reference_attention(query[i : i + 1].cpu(), keys, values, torch.tensor([s - 1]), causal=True,
                                       scale=spec.softmax_scale)
-            assert rel_err(out[i : i + 1], ref) <= 1e-5
+            assert rel_err(out[i : i + 1].cpu(), ref) <= tol
         assert torch.isfinite(out[n:]).all()  # pad rows: one key of block 0
-    assert calls == [(4, 8, 64)] * 2  # the graph's rows, through FlexAttention
+    assert calls and all(shape == (4, 8, 64) for shape in calls)  # the graph's rows, through FlexAttention
