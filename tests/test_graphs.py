@@ -500,9 +500,10 @@ def test_runner_on_flex_graph_decode_serves_greedy_tokens_like_eager(tiny_model,
     """TORCH_SDPA's opt-in FlexAttention decode through the runner's static steps: the same
     greedy tokens as the eager model (which gathers), prefill and decodes of 3 then 1 requests."""
     monkeypatch.setenv("COMPILED_ATTN_SDPA_GRAPH_DECODE", "flex")
-    # on CPU only where Inductor's C++ flex template compiles: this pool, at batch 4 (not at 1)
+    # on CPU only where Inductor's C++ flex template compiles: a pool of 768 keys, at batch 4
     monkeypatch.setattr(sdpa_backend, "FLEX_DEVICES", ("cuda", "cpu"))
-    spec = cpu_spec()
+    spec = TINY.attention_spec(block_size=16, num_blocks=48, dtype=torch.float32, device="cpu",
+                               max_seq_len_to_capture=MAX_LEN)
     runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[4], max_batch_size=4)
     assert runner.state.decode_kernel == "flex" and runner.widths == [runner.state.max_blocks_per_seq]
     ref, eng = Engine(spec, direct(tiny_model, random_caches(spec, 1))), Engine(spec, runner.run)

@@ -209,7 +209,9 @@ def flex_spec(**kw) -> ca.AttentionSpec:
 
 @pytest.mark.parametrize("over, reason", [(dict(sliding_window=32), "window"), (dict(logits_soft_cap=5.0), "soft-cap"),
                                           (dict(alibi_slopes=alibi_slopes(8)), "ALiBi"),
-                                          (dict(num_heads=6, num_kv_heads=2), "power-of-two")])
+                                          (dict(num_heads=6, num_kv_heads=2), "power-of-two"),
+                                          (dict(block_size=8), "power of two >= 16"),
+                                          (dict(block_size=48), "power of two >= 16")])
 def test_flex_graph_decode_is_opt_in_and_refused_where_it_cannot_serve(over, reason, monkeypatch):
     state_cls = ca.get_attn_backend("TORCH_SDPA").get_state_cls()
     monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flex")
@@ -229,47 +231,58 @@ def test_flex_graph_decode_is_opt_in_and_refused_where_it_cannot_serve(over, rea
         state_cls(flex_spec())
 
 
-@pytest.mark.parametrize("device, dtype, tol", [
-    ("cpu", torch.float32, 1e-5),
-    pytest.param("cuda", torch.bfloat16, 1e-2, marks=pytest.mark.gpu),  # FlexAttention's Triton decode kernel
-])
-def test_flex_graph_decode_reads_the_pages_in_place(device, dtype, tol, monkeypatch):
+FLEX_CASES = [  # device, dtype, tolerance, spec options
+    ("cpu", torch.float32, 1e-5, {}),
+    pytest.param("cuda", torch.bfloat16, 1e-2, {}, marks=pytest.mark.gpu),  # FlexAttention's Triton decode kernel
+    pytest.param("cuda", torch.bfloat16, 1e-2, dict(num_heads=32, num_kv_heads=4, head_size=128, block_size=32),
+                 marks=pytest.mark.gpu),  # group 8, the 8B model's head size, pages of 32
+]
+
+
+@pytest.mark.parametrize("device, dtype, tol, over", FLEX_CASES)
+def test_flex_graph_decode_reads_the_pages_in_place(device, dtype, tol, over, monkeypatch):
     """A State on flex: its graph metadata sends the op's decodes through FlexAttention over the
     refilled lengths and tables (pads: one token of block 0); the live rows match the float64
     reference over the cache, for two steps of other lengths through one graph, eagerly and in a
-    replayed CUDA graph."""
+    replayed CUDA graph. A layer with a window of its own gathers instead, at the same width."""
     monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flex")
     monkeypatch.setattr(sdpa, "FLEX_DEVICES", ("cuda", "cpu"))  # a pool of 768 keys compiles on CPU
     calls = []
     flex_call = sdpa_ops.paged_decode
     monkeypatch.setattr(sdpa_ops, "paged_decode", lambda *a: calls.append(a[0].shape) or flex_call(*a))
     backend = ca.get_attn_backend("TORCH_SDPA")
-    spec = flex_spec(device=device, dtype=dtype)
+    spec = flex_spec(device=device, dtype=dtype, **over)
+    hq, hkv, d, bs = spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size
     state = backend.get_state_cls()(spec)
     with state.graph_capture(4):
         md_bs = state.graph_capture_get_metadata_for_batch(4)
         bufs = state.get_graph_input_buffers(md_bs)
         graph_state = state.graph_clone(4)
     assert md_bs.flex_decode
-    impl = backend.get_impl_cls()(8, 64, spec.softmax_scale, num_kv_heads=2)
-    name, _keep = impl.register(1.0, 1.0, ca.AttentionType.DECODER)
+    layers = {window: backend.get_impl_cls()(hq, d, spec.softmax_scale, num_kv_heads=hkv, sliding_window=window)
+              .register(1.0, 1.0, ca.AttentionType.DECODER) for window in (None, 20)}
     builder = backend.get_builder_cls()(spec)
     torch.manual_seed(0)
-    cache = torch.randn(backend.get_kv_cache_shape(spec.num_blocks, 16, 2, 64), device=device).to(dtype)
-    query, out = torch.empty(4, 8, 64, device=device, dtype=dtype), torch.empty(4, 8, 64, device=device, dtype=dtype)
+    cache = torch.randn(backend.get_kv_cache_shape(spec.num_blocks, bs, hkv, d), device=device).to(dtype)
+    query = torch.empty(4, hq, d, device=device, dtype=dtype)
+    outs = {window: torch.empty_like(query) for window in layers}
 
     def step() -> None:
         with ca.set_forward_context(md_bs):
-            backend.attention_op(query, None, None, cache, out, name)
+            for window, (name, _keep) in layers.items():
+                backend.attention_op(query, None, None, cache, outs[window], name)
 
     graph = None
-    for seq_lens, tables in (([17, 3, 100], [[5, 6], [7], [9, 2, 4, 11, 12, 13, 14]]), ([33, 16], [[1, 3, 8], [10]])):
+    lens = [17, 3, 100] if bs == 16 else [40, 3, 128]
+    for seq_lens in (lens, [33, 16]):
         n = len(seq_lens)
+        tables = torch.randperm(spec.num_blocks)[: n * spec.max_seq_len_to_capture // bs].view(n, -1).tolist()
         md = builder.build(seq_lens, [1] * n, tables)
         graph_state.prepare_graph_input_buffers(bufs, md)
         graph_state.begin_forward(md)
         query.normal_()
-        out.fill_(float("nan"))
+        for out in outs.values():
+            out.fill_(float("nan"))
         if device == "cpu":
             step()
         elif graph is None:  # warm up (compile) on a side stream, capture, replay
@@ -284,10 +297,13 @@ def test_flex_graph_decode_reads_the_pages_in_place(device, dtype, tol, monkeypa
             graph.replay()
         else:
             graph.replay()
-        for i, (s, table) in enumerate(zip(seq_lens, tables, strict=True)):
-            keys, values = (c[table].flatten(0, 1)[:s] for c in cache.cpu())
-            ref = reference_attention(query[i : i + 1].cpu(), keys, values, torch.tensor([s - 1]), causal=True,
-                                      scale=spec.softmax_scale)
-            assert rel_err(out[i : i + 1].cpu(), ref) <= tol
-        assert torch.isfinite(out[n:]).all()  # pad rows: one key of block 0
-    assert calls and all(shape == (4, 8, 64) for shape in calls)  # the graph's rows, through FlexAttention
+        for window, out in outs.items():
+            for i, (s, table) in enumerate(zip(seq_lens, tables, strict=True)):
+                keys, values = (c[table].flatten(0, 1)[:s] for c in cache.cpu())
+                ref = reference_attention(query[i : i + 1].cpu(), keys, values, torch.tensor([s - 1]), causal=True,
+                                          scale=spec.softmax_scale, sliding_window=window)
+                assert rel_err(out[i : i + 1].cpu(), ref) <= tol, (window, i)
+            assert torch.isfinite(out[n:]).all()  # pad rows: one key of block 0
+    # the window-less layer's rows through FlexAttention, the windowed layer's gathered
+    # (CPU: one call a step; CUDA: the warm-up's and the capture's, replays run no Python)
+    assert calls == [(4, hq, d)] * 2

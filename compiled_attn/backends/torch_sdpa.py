@@ -131,8 +131,10 @@ def flex_decode_reason(spec: AttentionSpec) -> str | None:
         return f"FlexAttention's paged decode runs on {', '.join(FLEX_DEVICES)} only"
     if spec.alibi_slopes is not None or spec.logits_soft_cap is not None or spec.sliding_window is not None:
         return "FlexAttention's paged decode takes no ALiBi, soft-cap or window here"
-    if group & (group - 1):
-        return f"FlexAttention's decode kernel needs a power-of-two GQA group, not {group}"
+    if group & (group - 1) or group > 128:
+        return f"FlexAttention's decode kernel needs a power-of-two GQA group up to 128, not {group}"
+    if spec.block_size < 16 or spec.block_size & (spec.block_size - 1):
+        return f"FlexAttention's decode kernel reads pages of a power of two >= 16 tokens, not {spec.block_size}"
     return None
 
 
@@ -168,7 +170,8 @@ class TorchSDPAState(GraphState):
     6 at the default 8192.
 
     With `decode_kernel` "flex" (`graph_decode_kernel`), the graphs' decode reads the pages in
-    place through FlexAttention, whose work follows the live lengths: one width per size.
+    place through FlexAttention, whose work follows the live lengths: one width per size. Its
+    layers with their own window, soft-cap or ALiBi still gather (at that one width).
     """
 
     backend_cls = TorchSDPABackend

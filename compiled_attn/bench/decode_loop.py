@@ -290,6 +290,8 @@ VARIANTS = ("compile", "dynamic", "fp8", "flashinfer-decode", "flex-decode")
 # the environment each variant's States are made under
 VARIANT_ENV = {"flashinfer-decode": {FLASHINFER_GRAPH_DECODE_ENV: "flashinfer"},
                "flex-decode": {SDPA_GRAPH_DECODE_ENV: "flex"}}
+# ... and the one backend each of those variants means anything for
+VARIANT_BACKEND = {"flashinfer-decode": "FLASHINFER", "flex-decode": "TORCH_SDPA"}
 
 
 def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> PagedLoop:
@@ -356,7 +358,8 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
             if with_peer:
                 add(measure_peer(model, batch, ctx, peer_compiles, repeats))
                 peer_ms[batch, ctx] = rows[-1]["ms/step"]
-            for variant in variants:  # "fp8": the model with e4m3 layers and caches, against the bf16 peer
+            for variant in (v for v in variants if VARIANT_BACKEND.get(v, name) == name):
+                # "fp8": the model with e4m3 layers and caches, against the bf16 peer
                 ours = build_8b(name, kv_cache_dtype="fp8") if variant == "fp8" else model
                 add(with_ratio(measure_ours(ours, batch, ctx, variant, repeats), peer_ms))
                 del ours

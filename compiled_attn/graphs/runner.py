@@ -92,7 +92,8 @@ class CUDAGraphRunner:
         state: the backend's `AttentionState` for `spec` (default: a new one). Its
             `graph_table_widths()` are the block-table widths captured for every size
             (`self.widths`; TORCH_SDPA's: 256 tokens' worth of blocks, doubling, up to the full
-            table; a subclass with `MIN_TABLE_WIDTH_TOKENS = None` captures the full one only).
+            table, or the full one only on FlexAttention; a State whose `MIN_TABLE_WIDTH_TOKENS`
+            is None captures the full one only).
         max_batch_size: the largest batch a graph serves; capture sizes above it are dropped.
         capture_sizes: default `[1, 2, 4] + list(range(8, 257, 8))`.
         warmup_steps: eager runs on a side stream before each capture (compile, lazy init).

@@ -16,12 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-# Rows of queries per block-mask tile: a decode has one, the tile's other rows are empty.
-Q_BLOCK = 16
-# One compile per batch size and table width (the runner's graphs: up to 35 sizes, made at their
-# warm-ups). Dynamo's default of 8 would send the rest to flex's eager path, which materializes
-# the scores over the whole pool.
-RECOMPILE_LIMIT = 512
+# Rows of queries per block-mask tile: a decode has one, the tile's other rows are empty. flex's
+# decode kernel packs a KV head's G query heads into one tile of next_pow2(G) >= 16 rows and needs
+# it to divide this: 128 serves every group up to 128.
+Q_BLOCK = 128
+# One compile per batch size (the runner's graphs: up to 35 sizes, made at their warm-ups).
+# Dynamo's default of 8 would send the rest to flex's eager path, which materializes the scores
+# over the whole pool; its limit over all frames is 256 by default.
+RECOMPILE_LIMIT = 256
 
 
 
@@ -56,6 +58,6 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, mask: BlockMask, s
     returns [n, num_heads, head_size]."""
     blocks, block_size, kv_heads, head_size = kv_cache.shape[1:]
     k, v = (kv_cache[i].view(1, blocks * block_size, kv_heads, head_size).transpose(1, 2) for i in (0, 1))
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT):
         out = compiled_flex()(query.unsqueeze(2), k, v, block_mask=mask, scale=scale, enable_gqa=True)
     return out[:, :, 0]

@@ -180,7 +180,8 @@ def torch_sdpa_attention(
         out = attend(q, gather_keys(kv_cache[0], slot), gather_keys(kv_cache[1], slot), valid,
                      md.prefill_q_pos, not cross, **opts)
         output[:n_pre] = out.flatten(0, 1)[md.prefill_flat_index]
-    if md.num_decodes and md.flex_decode:  # a graph step of a State on flex: decodes only
+    plain = not window and not opts["logits_soft_cap"] and opts["alibi_slopes"] is None
+    if md.num_decodes and md.flex_decode and plain:  # a graph step of a State on flex: decodes only
         mask = once_per_forward(md, "flex decode", cross, window, query.is_cuda, lambda: paged_block_mask(
             tables, kv_lens, md.block_size, kv_cache.shape[1]))
         output.copy_(paged_decode(query, kv_cache, mask, opts["scale"]))
