@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 import compiled_attn as ca
+
+T = TypeVar("T")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -240,3 +244,18 @@ def reference_forward(
             v = round_trip(batch.v_hist[i], cache_dtype, v_scale)
             outs.append(reference_attention(qi, k, v, torch.arange(s - q, s), causal=True, **opts))
     return torch.cat(outs).flatten(1)
+
+
+def captured(step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`step` warmed up once on a side stream (compiles and lazy initialisation happen outside the
+    capture, as torch.cuda.graph requires), then captured: (the graph, what the captured call
+    returned, whose memory each replay rewrites)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

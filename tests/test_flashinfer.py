@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
-from reference import alibi_slopes, make_batch, reference_attention, reference_forward, rel_err
+from reference import alibi_slopes, captured, make_batch, reference_attention, reference_forward, rel_err
 from test_differential import CI_LIMITS, FEATURE_CASES, cases, check_against_reference, differential_settings
 
 import compiled_attn as ca
@@ -660,7 +660,7 @@ def skip_unless_cudnn_decode() -> None:
     """Skip where the graphs' cuDNN decode cannot run: another card than sm90, or no cudnn-frontend."""
     if torch.cuda.get_device_capability() != fib.CUDNN_DECODE_CAPABILITY:
         pytest.skip(f"cuDNN decode is chosen on sm90 only, this card is {torch.cuda.get_device_capability()}")
-    if not fib._cudnn_decode_available():
+    if not fib.cudnn_decode_available():
         pytest.skip("cuDNN decode needs the cudnn-frontend package")
 
 
@@ -688,14 +688,7 @@ def capture(state, spec, impl, kv_cache, sizes):
                 with ca.set_forward_context(md_bs):
                     return impl.run(q[:bs], k[:bs], v[:bs], kv_cache, KINDS.DECODER, name)
 
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = step()
+            graph, out = captured(step)
             graphs[bs] = (graph, bufs, graph_state, out, keep)
     return graphs, q, k, v
 
@@ -754,15 +747,22 @@ def test_capturing_builder_metadata_raises_naming_the_state():
             torch.ops.compiled_attn.flashinfer_attention(**args)
 
 
-@pytest.mark.gpu
-def test_workspace_covers_the_largest_decode_plan(record_property, monkeypatch):
-    monkeypatch.setenv(fib.GRAPH_DECODE_ENV, "flashinfer")
+def largest_decode_graph(kernel: str, monkeypatch) -> tuple[ca.AttentionSpec, fib.FlashInferState, object]:
+    """A FLASHINFER State on `kernel` and the all-pad metadata of its largest decode graph: the
+    runner's top batch size (256) at 16K tokens, 32 q / 8 kv heads of 128."""
+    monkeypatch.setenv(fib.GRAPH_DECODE_ENV, kernel)
     spec = ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, num_blocks=8,
                             dtype=torch.bfloat16, device="cuda", max_seq_len_to_capture=16384)
     state = FlashInferBackend.get_state_cls()(spec)
+    with state.graph_capture(256):
+        md_bs = state.graph_capture_get_metadata_for_batch(256)
+    return spec, state, md_bs
+
+
+@pytest.mark.gpu
+def test_workspace_covers_the_largest_decode_plan(record_property, monkeypatch):
+    spec, state, _ = largest_decode_graph("flashinfer", monkeypatch)
     bs = 256
-    with state.graph_capture(bs):
-        state.graph_capture_get_metadata_for_batch(bs)
     pages = 16384 // 16
     indptr = torch.arange(bs + 1, dtype=torch.int32) * pages
     indices = torch.zeros(bs * pages, dtype=torch.int32, device="cuda")
@@ -776,13 +776,8 @@ def test_workspace_covers_the_largest_decode_plan(record_property, monkeypatch):
 @pytest.mark.gpu
 def test_cudnn_workspace_covers_the_largest_decode_graph(record_property, monkeypatch):
     skip_unless_cudnn_decode()
-    monkeypatch.setenv(fib.GRAPH_DECODE_ENV, "cudnn")
-    spec = ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, num_blocks=8,
-                            dtype=torch.bfloat16, device="cuda", max_seq_len_to_capture=16384)
-    state = FlashInferBackend.get_state_cls()(spec)
+    spec, state, md_bs = largest_decode_graph("cudnn", monkeypatch)
     bs = 256
-    with state.graph_capture(bs):
-        md_bs = state.graph_capture_get_metadata_for_batch(bs)
     name, _keep = layer_of(spec)
     with ca.set_forward_context(md_bs):  # all pads: one token of SCRATCH_BLOCK each
         torch.ops.compiled_attn.flashinfer_attention(**op_args(spec, bs, "cuda", name))

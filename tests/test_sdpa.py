@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from reference import alibi_slopes, make_batch, reference_attention, reference_forward, rel_err
+from reference import alibi_slopes, captured, make_batch, reference_attention, reference_forward, rel_err
 
 import compiled_attn as ca
 from compiled_attn.backends import torch_sdpa as sdpa
@@ -285,15 +285,8 @@ def test_flex_graph_decode_reads_the_pages_in_place(device, dtype, tol, over, mo
             out.fill_(float("nan"))
         if device == "cpu":
             step()
-        elif graph is None:  # warm up (compile) on a side stream, capture, replay
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
+        elif graph is None:  # warm up (compile), capture, replay
+            graph, _ = captured(step)
             graph.replay()
         else:
             graph.replay()

@@ -261,7 +261,7 @@ def cudnn_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None,
 
 
 @functools.cache
-def _cudnn_decode_available() -> bool:
+def cudnn_decode_available() -> bool:
     """Whether FlashInfer's cuDNN decode graphs can be built here: the entry point exists and the
     cudnn-frontend package imports (a package that is found but fails to import counts as absent)."""
     try:
@@ -282,7 +282,7 @@ def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
         return choice
     device = torch.device(spec.device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    reason = cudnn_decode_reason(spec, capability, capability is not None and _cudnn_decode_available())
+    reason = cudnn_decode_reason(spec, capability, capability is not None and cudnn_decode_available())
     if reason is not None and choice == "cudnn":
         raise NotImplementedError(f"{GRAPH_DECODE_ENV}=cudnn: {reason}")
     return "flashinfer" if reason else "cudnn"

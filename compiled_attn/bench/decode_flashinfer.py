@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib.util
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 import compiled_attn as ca
-from compiled_attn.backends.flashinfer import FlashInferBackend, plan_options
+from compiled_attn.backends.flashinfer import FlashInferBackend, cudnn_decode_available, plan_options
 from compiled_attn.bench.timing import card_name, graph_time_us, nominal_bandwidth
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
@@ -191,7 +190,7 @@ def _point_rows(batch: int, ctx: int, block_size: int, replays: int, with_peers:
     if with_peers:
         cases["flashinfer cuda-core"] = _direct(spec, md, q, kv_cache, out, False)
         cases["flashinfer tensor-core"] = _direct(spec, md, q, kv_cache, out, True)
-        if importlib.util.find_spec("cudnn") is not None:  # without it FlashInfer fetches cubins over the network
+        if cudnn_decode_available():  # without it FlashInfer fetches cubins over the network
             cases["flashinfer cudnn"] = _cudnn_own_table(spec, md, q, kv_cache, out)
     del kv_cache  # the closures hold it; SDPA gets its own contiguous copy below
     cache_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * spec.dtype.itemsize

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,6 @@ Q_BLOCK = 128
 # Dynamo's default of 8 would send the rest to flex's eager path, which materializes the scores
 # over the whole pool; its limit over all frames is 256 by default.
 RECOMPILE_LIMIT = 256
-
 
 
 @functools.cache
@@ -53,11 +53,13 @@ def paged_block_mask(tables: torch.Tensor, seq_lens: torch.Tensor, block_size: i
                                     seq_lengths=(1, num_blocks * block_size), compute_q_blocks=False)
 
 
-def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, mask: BlockMask, scale: float) -> torch.Tensor:
+def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, mask: BlockMask, scale: float,
+                 kernel_options: dict[str, Any] | None = None) -> torch.Tensor:
     """One query per request (query [n, num_heads, head_size]) over the pages `mask` lists;
-    returns [n, num_heads, head_size]."""
+    returns [n, num_heads, head_size]. `kernel_options`: flex's (num_warps, SPLIT_KV, ...)."""
     blocks, block_size, kv_heads, head_size = kv_cache.shape[1:]
     k, v = (kv_cache[i].view(1, blocks * block_size, kv_heads, head_size).transpose(1, 2) for i in (0, 1))
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT):
-        out = compiled_flex()(query.unsqueeze(2), k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        out = compiled_flex()(query.unsqueeze(2), k, v, block_mask=mask, scale=scale, enable_gqa=True,
+                                kernel_options=kernel_options)
     return out[:, :, 0]
