@@ -115,7 +115,7 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
         return out
 
 
-# "gather" (default) or "flex": the decode kernel of TORCH_SDPA's graphs (`graph_decode_kernel`).
+# "auto" (default), "gather" or "flex": the decode kernel of TORCH_SDPA's graphs (`graph_decode_kernel`).
 GRAPH_DECODE_ENV = "COMPILED_ATTN_SDPA_GRAPH_DECODE"
 
 
@@ -139,16 +139,20 @@ def flex_decode_reason(spec: AttentionSpec) -> str | None:
 
 
 def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
-    """The decode of `spec`'s graphs: "gather" (each row's table gathered into contiguous K/V,
-    then SDPA; the default) or "flex" (FlexAttention reading the pages in place: not yet timed
-    on a GPU, so opt-in). `choice` defaults to the GRAPH_DECODE_ENV variable."""
-    choice = choice or os.environ.get(GRAPH_DECODE_ENV) or "gather"
-    if choice not in ("gather", "flex"):
-        raise ValueError(f"{GRAPH_DECODE_ENV}={choice!r}: use gather or flex")
-    reason = flex_decode_reason(spec) if choice == "flex" else None
-    if reason is not None:
+    """The decode of `spec`'s graphs: "flex" (FlexAttention reading the pages in place) or
+    "gather" (each row's table gathered into contiguous K/V, then SDPA). `choice` (default: the
+    GRAPH_DECODE_ENV variable, else "auto") picks flex wherever `flex_decode_reason` allows
+    ("auto": it measured faster in the decode loop), never ("gather") or always ("flex":
+    NotImplementedError where it cannot)."""
+    choice = choice or os.environ.get(GRAPH_DECODE_ENV) or "auto"
+    if choice not in ("auto", "gather", "flex"):
+        raise ValueError(f"{GRAPH_DECODE_ENV}={choice!r}: use auto, gather or flex")
+    if choice == "gather":
+        return choice
+    reason = flex_decode_reason(spec)
+    if reason is not None and choice == "flex":
         raise NotImplementedError(f"{GRAPH_DECODE_ENV}=flex: {reason}")
-    return choice
+    return "gather" if reason else "flex"
 
 
 class TorchSDPAImpl(CommonImpl):
@@ -160,18 +164,18 @@ class TorchSDPAState(GraphState):
     block-table row and masks them by seq_len, so a graph needs no host planning
     (`begin_forward` only checks the call order).
 
-    The decode gathers every row's whole table (`md.block_tables.shape[1]` blocks), so a graph's
-    step moves bs * width * block_size keys per layer whatever the live lengths. Hence graphs of
-    several table widths per batch size (MIN_TABLE_WIDTH_TOKENS): 256 tokens' worth of blocks,
-    doubling up to W = ceil(max_seq_len_to_capture / block_size), and W itself; the runner replays
-    the narrowest that holds the step's longest sequence, so a step reads at most twice the keys
-    of its longest table (eager pads every row to that one too), or 256 per row. For block sizes
-    dividing 256 that is 1 + ceil(log2(max_seq_len_to_capture / 256)) widths: 3 at 1024 tokens,
-    6 at the default 8192.
+    Where `graph_decode_kernel` picks "flex" (CUDA, by default), the graphs' decode reads the
+    pages in place through FlexAttention, whose work follows the live lengths: one table width per
+    size. Its layers with their own window, soft-cap or ALiBi gather, at that one width.
 
-    With `decode_kernel` "flex" (`graph_decode_kernel`), the graphs' decode reads the pages in
-    place through FlexAttention, whose work follows the live lengths: one width per size. Its
-    layers with their own window, soft-cap or ALiBi still gather (at that one width).
+    With "gather", the decode gathers every row's whole table (`md.block_tables.shape[1]` blocks),
+    so a graph's step moves bs * width * block_size keys per layer whatever the live lengths.
+    Hence graphs of several table widths per batch size (MIN_TABLE_WIDTH_TOKENS): 256 tokens'
+    worth of blocks, doubling up to W = ceil(max_seq_len_to_capture / block_size), and W itself;
+    the runner replays the narrowest that holds the step's longest sequence, so a step reads at
+    most twice the keys of its longest table (eager pads every row to that one too), or 256 per
+    row. For block sizes dividing 256 that is 1 + ceil(log2(max_seq_len_to_capture / 256))
+    widths: 3 at 1024 tokens, 6 at the default 8192.
     """
 
     backend_cls = TorchSDPABackend
