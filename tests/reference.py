@@ -259,3 +259,35 @@ def captured(step: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+def sparse_flex(query, key, value, block_mask, scale, enable_gqa, return_lse, kernel_options):
+    """FlexAttention's decode as its CUDA kernel computes it, in float64 over the listed KV blocks
+    only (eager flex applies mask_mod densely over every key): query [n, H, 1, D], key / value
+    [1, Hkv, N, D], a block mask without mask_mod. Returns the output and the natural-log lse
+    (-inf, output 0, for a row with no block). What CPU tests of `ops/flex_decode.attend` run."""
+    assert enable_gqa and return_lse and block_mask.mask_mod.__name__ == "noop_mask"
+    n, heads, _, head_size = query.shape
+    page = block_mask.BLOCK_SIZE[1]
+    out = torch.zeros(n, heads, 1, head_size, dtype=torch.float64)
+    lse = torch.full((n, heads, 1), -torch.inf, dtype=torch.float64)
+    for i in range(n):
+        pages = block_mask.kv_indices[i, 0, 0, : int(block_mask.kv_num_blocks[i, 0, 0])].long().cpu()
+        if not len(pages):
+            continue
+        keys = (pages[:, None] * page + torch.arange(page)).flatten()
+        k, v = (x[0][:, keys].double().cpu().repeat_interleave(heads // x.shape[1], 0) for x in (key, value))
+        scores = torch.einsum("hd,hkd->hk", query[i, :, 0].double().cpu(), k) * scale
+        lse[i, :, 0] = scores.logsumexp(-1)
+        out[i, :, 0] = torch.einsum("hk,hkd->hd", scores.softmax(-1), v)
+    return out.to(query.dtype).to(query.device), lse.float().to(query.device)
+
+
+def flex_on_cpu(monkeypatch) -> None:
+    """Runs `ops/flex_decode.attend` uncompiled over `sparse_flex` (FlexAttention's paged decode
+    is CUDA only: `backends.torch_sdpa.FLEX_DEVICES`), so CPU tests cover the mask, the last
+    page's attention and the merge."""
+    from compiled_attn.ops import flex_decode
+
+    monkeypatch.setattr(flex_decode, "flex_attention", sparse_flex)
+    monkeypatch.setattr(flex_decode, "compiled_attend", lambda: flex_decode.attend)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from reference import flex_on_cpu
 
 import compiled_attn as ca
 from compiled_attn.backends import flashinfer as fib
@@ -500,8 +501,8 @@ def test_runner_on_flex_graph_decode_serves_greedy_tokens_like_eager(tiny_model,
     """TORCH_SDPA's FlexAttention decode (its default on CUDA) through the runner's static steps:
     the same greedy tokens as the eager model (which gathers), prefill and decodes of 3 then 1."""
     monkeypatch.delenv(sdpa_backend.GRAPH_DECODE_ENV, raising=False)
-    # on CPU only where Inductor's C++ flex template compiles: a pool of 768 keys, at batch 4
     monkeypatch.setattr(sdpa_backend, "FLEX_DEVICES", ("cuda", "cpu"))
+    flex_on_cpu(monkeypatch)
     spec = TINY.attention_spec(block_size=16, num_blocks=48, dtype=torch.float32, device="cpu",
                                max_seq_len_to_capture=MAX_LEN)
     runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[4], max_batch_size=4)

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from reference import alibi_slopes, captured, make_batch, reference_attention, reference_forward, rel_err
+from reference import alibi_slopes, captured, flex_on_cpu, make_batch, reference_attention, reference_forward, rel_err
 
 import compiled_attn as ca
 from compiled_attn.backends import torch_sdpa as sdpa
@@ -222,7 +222,7 @@ def test_flex_graph_decode_is_the_default_where_it_serves(over, reason, monkeypa
     monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flex")
     with pytest.raises(NotImplementedError, match="runs on cuda only"):
         state_cls(flex_spec())
-    monkeypatch.setattr(sdpa, "FLEX_DEVICES", ("cuda", "cpu"))  # the small CPU pools here compile
+    monkeypatch.setattr(sdpa, "FLEX_DEVICES", ("cuda", "cpu"))  # States only: nothing runs
     monkeypatch.delenv(sdpa.GRAPH_DECODE_ENV)
     default = state_cls(flex_spec(max_seq_len_to_capture=1024))
     assert default.decode_kernel == "flex" and default.graph_table_widths() == (default.max_blocks_per_seq,)
@@ -251,9 +251,14 @@ def test_flex_graph_decode_reads_the_pages_in_place(device, dtype, tol, over, mo
     """A State on flex: its graph metadata sends the op's decodes through FlexAttention over the
     refilled lengths and tables (pads: one token of block 0); the live rows match the float64
     reference over the cache, for two steps of other lengths through one graph, eagerly and in a
-    replayed CUDA graph. A layer with a window of its own gathers instead, at the same width."""
+    replayed CUDA graph, with NaN in every slot no request has written (the rest of each last
+    page, later pages, block 0 past its first token). CPU: flex through `reference.sparse_flex`.
+    A layer with a window of its own gathers
+    instead, at the same width."""
     monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flex")
-    monkeypatch.setattr(sdpa, "FLEX_DEVICES", ("cuda", "cpu"))  # a pool of 768 keys compiles on CPU
+    monkeypatch.setattr(sdpa, "FLEX_DEVICES", ("cuda", "cpu"))
+    if device == "cpu":
+        flex_on_cpu(monkeypatch)
     calls = []
     flex_call = sdpa_ops.paged_decode
     monkeypatch.setattr(sdpa_ops, "paged_decode", lambda *a: calls.append(a[0].shape) or flex_call(*a))
@@ -283,7 +288,13 @@ def test_flex_graph_decode_reads_the_pages_in_place(device, dtype, tol, over, mo
     lens = [17, 3, 100] if bs == 16 else [40, 3, 128]
     for seq_lens in (lens, [33, 16]):
         n = len(seq_lens)
-        tables = torch.randperm(spec.num_blocks)[: n * spec.max_seq_len_to_capture // bs].view(n, -1).tolist()
+        tables = (torch.randperm(spec.num_blocks - 1)[: n * spec.max_seq_len_to_capture // bs] + 1).view(n, -1)
+        cache.normal_()
+        cache[:, 0, 1:] = float("nan")
+        slots = cache.view(2, -1, hkv, d)  # [2, num_blocks * bs, ...]
+        for s, table in zip(seq_lens, tables, strict=True):
+            slots[:, (table[:, None] * bs + torch.arange(bs)).flatten()[s:].to(device)] = float("nan")
+        tables = tables.tolist()
         md = builder.build(seq_lens, [1] * n, tables)
         graph_state.prepare_graph_input_buffers(bufs, md)
         graph_state.begin_forward(md)

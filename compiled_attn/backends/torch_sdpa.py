@@ -119,8 +119,8 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
 GRAPH_DECODE_ENV = "COMPILED_ATTN_SDPA_GRAPH_DECODE"
 
 
-# Where FlexAttention's paged decode runs: on CPU, Inductor's C++ flex template (torch 2.13) fails
-# to compile it over pools of about 1024 keys and more.
+# Where FlexAttention's paged decode runs: on CPU, Inductor's C++ flex template (torch 2.13)
+# returns no log-sum-exp, and eager flex ignores the block mask's page lists.
 FLEX_DEVICES = ("cuda",)
 
 

@@ -2,16 +2,20 @@
 on CUDA: `backends.torch_sdpa.graph_decode_kernel`).
 
 The cache [2, num_blocks, block_size, num_kv_heads, head_size] is viewed as one sequence of
-num_blocks * block_size keys per KV head; a block mask lists each request's pages (its block-table
-row) as the KV blocks it reads and cuts the last page at its length. Nothing is gathered or
-copied, and nothing syncs: the mask is made of device tensors.
+num_blocks * block_size keys per KV head; a block mask lists each request's full pages (its
+block-table row) as the KV blocks FlexAttention reads. The last page is not among them: its slots
+past the length hold whatever was there (a cache from torch.empty, a freed request's keys, NaN
+included), and flex multiplies every value of a page it reads by its probability, so a NaN
+there would reach the output through a zero weight. That page is attended separately, its
+unwritten values zeroed in a copy, and the two parts merge by their log-sum-exps. Nothing of
+the cache is copied or written, and nothing syncs: the mask is made of device tensors.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,39 +31,84 @@ Q_BLOCK = 128
 RECOMPILE_LIMIT = 256
 
 
-@functools.cache
-def compiled_flex() -> Callable[..., torch.Tensor]:
-    """Inductor's graph of flex: FlexAttention's decode kernel (eager flex computes full scores).
-    dynamic=False keeps the batch static, which its decode kernel requires. Made at first use:
-    making a torch.compile wrapper loads Dynamo and Inductor (seconds)."""
-    return torch.compile(flex_attention, fullgraph=True, dynamic=False)
+class PagedMask(NamedTuple):
+    """A decode step's pages: `blocks` lists each request's full pages for FlexAttention; its
+    last page (`last_page` [n]) holds `last_len` [n] keys, 1 .. block_size."""
+
+    blocks: BlockMask
+    last_page: torch.Tensor
+    last_len: torch.Tensor
 
 
-def paged_block_mask(tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int) -> BlockMask:
-    """Each request's first ceil(seq_len / block_size) pages of `tables` (int32 [n, width]) as
-    the KV blocks its query reads, the last one cut at seq_len (int32 [n]). flex's mask spans the
-    whole pool in the KV dimension, so the table is zero-padded to num_blocks columns."""
+def paged_block_mask(tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int) -> PagedMask:
+    """The pages of `tables` (int32 [n, width]) that hold each request's seq_len (int32 [n]) keys.
+    flex's mask spans the whole pool in the KV dimension, so the table is zero-padded to
+    num_blocks columns."""
     n, width = tables.shape
-    used = (seq_lens + block_size - 1) // block_size
-    last_page = tables.gather(1, (used - 1).long().view(n, 1)).view(n)
-    end = seq_lens - (used - 1) * block_size
+    full = (seq_lens - 1) // block_size
+    last_page = tables.gather(1, full.long().view(n, 1)).view(n)
     indices = F.pad(tables, (0, num_blocks - width))
-
-    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return (kv_idx // block_size != last_page[b]) | (kv_idx % block_size < end[b])
-
-    return BlockMask.from_kv_blocks(used.view(n, 1, 1), indices.view(n, 1, 1, num_blocks),
-                                    BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=mask_mod,
-                                    seq_lengths=(1, num_blocks * block_size), compute_q_blocks=False)
+    blocks = BlockMask.from_kv_blocks(full.view(n, 1, 1), indices.view(n, 1, 1, num_blocks),
+                                      BLOCK_SIZE=(Q_BLOCK, block_size), seq_lengths=(1, num_blocks * block_size),
+                                      compute_q_blocks=False)
+    return PagedMask(blocks, last_page, seq_lens - full * block_size)
 
 
-def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, mask: BlockMask, scale: float,
+def split_kv(batch: int, kv_heads: int, device: torch.device) -> int | None:
+    """flex's SPLIT_KV for a decode of `batch` requests: at least min(8, 8 * SMs // (batch *
+    kv_heads)) splits of each request's pages over CTAs, else flex's own choice (None: two per SM,
+    one from batch * kv_heads >= SMs). Measured on an H100 at page 16 (`scripts/flex_paged_probe.py`):
+    B=8 8 splits 20.0 us against flex's 4, 29.7; B=64 2 splits 102 us against 1, 133 (ctx 4096:
+    382 against 505); B=256 flex's 1 best (384, 2 splits 390)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = min(8, 8 * sms // (batch * kv_heads))
+    return want if want > max(1, sms // (batch * kv_heads) * 2) else None
+
+
+def attend(query: torch.Tensor, kv_cache: torch.Tensor, mask: PagedMask, scale: float,
+           kernel_options: dict[str, Any] | None) -> torch.Tensor:
+    """What `paged_decode` compiles: flex over the full pages, plain attention over the last
+    page's live keys, merged. query [n, H, D] -> [n, H, D]."""
+    n, heads, head_size = query.shape
+    blocks, block_size, kv_heads, _ = kv_cache.shape[1:]
+    k, v = (kv_cache[i].view(1, blocks * block_size, kv_heads, head_size).transpose(1, 2) for i in (0, 1))
+    out, lse = flex_attention(query.unsqueeze(2), k, v, block_mask=mask.blocks, scale=scale, enable_gqa=True,
+                              return_lse=True, kernel_options=kernel_options)
+    group = heads // kv_heads
+    q = query.view(n, kv_heads, group, head_size).float()
+    live = torch.arange(block_size, device=query.device) < mask.last_len.view(n, 1)  # [n, page]
+    page_k, page_v = (kv_cache[i, mask.last_page].float() for i in (0, 1))  # [n, page, kv_heads, D]
+    scores = torch.einsum("nhgd,nphd->nhgp", q, page_k).mul(scale).masked_fill(~live.view(n, 1, 1, -1), -torch.inf)
+    page_lse = scores.logsumexp(-1)  # one live key at least: finite
+    page_out = torch.einsum("nhgp,nphd->nhgd", (scores - page_lse.unsqueeze(-1)).exp(),
+                            page_v.masked_fill(~live.view(n, -1, 1, 1), 0))
+    # flex's lse is -inf for a request with no full page (its output 0): the weight goes to the page
+    lse = lse.view(n, kv_heads, group)
+    top = torch.maximum(lse, page_lse)
+    w_flex, w_page = (lse - top).exp(), (page_lse - top).exp()
+    merged = (out.view(n, kv_heads, group, head_size).float() * w_flex.unsqueeze(-1)
+              + page_out * w_page.unsqueeze(-1)) / (w_flex + w_page).unsqueeze(-1)
+    return merged.view(n, heads, head_size).to(query.dtype)
+
+
+@functools.cache
+def compiled_attend() -> Callable[..., torch.Tensor]:
+    """Inductor's graph of `attend`: FlexAttention's decode kernel, which reads only the listed
+    pages (eager flex applies mask_mod densely over the whole pool, and Inductor's CPU template
+    returns no lse: CUDA only, `backends.torch_sdpa.FLEX_DEVICES`), and the last page's
+    attention and merge fused. dynamic=False keeps
+    the batch static, which flex's decode kernel requires. Made at first use: making a
+    torch.compile wrapper loads Dynamo and Inductor (seconds)."""
+    return torch.compile(attend, fullgraph=True, dynamic=False)
+
+
+def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, mask: PagedMask, scale: float,
                  kernel_options: dict[str, Any] | None = None) -> torch.Tensor:
     """One query per request (query [n, num_heads, head_size]) over the pages `mask` lists;
-    returns [n, num_heads, head_size]. `kernel_options`: flex's (num_warps, SPLIT_KV, ...)."""
-    blocks, block_size, kv_heads, head_size = kv_cache.shape[1:]
-    k, v = (kv_cache[i].view(1, blocks * block_size, kv_heads, head_size).transpose(1, 2) for i in (0, 1))
+    returns [n, num_heads, head_size]. `kernel_options`: flex's (num_warps, SPLIT_KV, ...);
+    SPLIT_KV defaults to `split_kv` on CUDA."""
+    if query.is_cuda and "SPLIT_KV" not in (kernel_options or {}):
+        splits = split_kv(query.shape[0], kv_cache.shape[3], query.device)
+        kernel_options = {**(kernel_options or {}), **({"SPLIT_KV": splits} if splits else {})}
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT):
-        out = compiled_flex()(query.unsqueeze(2), k, v, block_mask=mask, scale=scale, enable_gqa=True,
-                                kernel_options=kernel_options)
-    return out[:, :, 0]
+        return compiled_attend()(query, kv_cache, mask, scale, kernel_options or None)
