@@ -498,9 +498,9 @@ def test_runner_compiles_batch_one_apart_and_samples_in_the_step(tiny_model):
 
 
 def test_runner_on_flex_graph_decode_serves_greedy_tokens_like_eager(tiny_model, monkeypatch):
-    """TORCH_SDPA's FlexAttention decode (its default on CUDA) through the runner's static steps:
-    the same greedy tokens as the eager model (which gathers), prefill and decodes of 3 then 1."""
-    monkeypatch.delenv(sdpa_backend.GRAPH_DECODE_ENV, raising=False)
+    """TORCH_SDPA's opt-in FlexAttention decode through the runner's static steps: the same
+    greedy tokens as the eager model (which gathers), prefill and decodes of 3 then 1 requests."""
+    monkeypatch.setenv(sdpa_backend.GRAPH_DECODE_ENV, "flex")
     monkeypatch.setattr(sdpa_backend, "FLEX_DEVICES", ("cuda", "cpu"))
     flex_on_cpu(monkeypatch)
     spec = TINY.attention_spec(block_size=16, num_blocks=48, dtype=torch.float32, device="cpu",
@@ -829,12 +829,10 @@ def test_replay_on_other_caches_raises(gpu):
 
 
 @pytest.mark.gpu
-def test_sdpa_graphs_of_every_table_width_match_eager(monkeypatch):
+def test_sdpa_graphs_of_every_table_width_match_eager():
     """TORCH_SDPA's graphs over narrower tables (views of the static table, captured after the
     widest into the same pool): teacher-forced decodes whose longest row crosses 256 tokens
-    replay the 256- and then the 512-token graphs and agree with eager (the gather decode: flex,
-    the default on CUDA, captures one width)."""
-    monkeypatch.setenv(sdpa_backend.GRAPH_DECODE_ENV, "gather")
+    replay the 256- and then the 512-token graphs and agree with eager."""
     spec = dataclasses.replace(gpu_spec(SDPA), max_seq_len_to_capture=1024)  # widths 64, 32, 16 blocks of 16
     backend = ca.get_attn_backend(SDPA, spec)
     model = build_model(GPU_CONFIG, seed=0, backend=SDPA, dtype=torch.bfloat16, device="cuda")
