@@ -9,7 +9,9 @@ Shapes: Llama-3-8B's attention (32 q / 8 kv heads, head 128, bf16); every reques
 tokens over shuffled pages. Rows: us per call, the fraction of nominal HBM bandwidth reading
 K/V once takes, the largest error against a float64 reference on two requests, and the seconds
 of the first call (flex's compile for that shape: what a graph's warm-up pays per size). The
-blocks no request holds are NaN: a kernel that read them would fail the error check.
+blocks no request holds are NaN: a kernel that read them would fail the error check. Then the
+kernels of one call at B=1 and B=64 (ctx 1024, page 16) from a profiled graph replay
+(`flex-profile.md` under --out).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
+from compiled_attn.bench.kernel_table import cuda_kernels, markdown, per_layer_table
 from compiled_attn.bench.timing import card_name, graph_time_us, nominal_bandwidth
 from compiled_attn.ops.flex_decode import paged_block_mask, paged_decode
 
@@ -119,6 +123,26 @@ def gpu_rows() -> list[dict]:
     return rows
 
 
+def kernel_profile(batch: int, ctx: int, page: int = 16, calls: int = 10, replays: int = 5) -> str:
+    """The kernels of one NaN-safe flex decode (flex, the last page's attention, the merge), from
+    a torch.profiler trace of a replayed graph of `calls` calls: a markdown table per call."""
+    fn = flex_decode(*paged_case(batch, ctx, page, "cuda", torch.bfloat16))
+    for _ in range(3):  # compile, then warm outside the capture
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    table = per_layer_table(cuda_kernels(prof), steps=calls * replays, num_layers=1)
+    return markdown(table, f"{card_name()}, flex decode {batch}x{ctx}, page {page}: kernels per call")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
@@ -126,10 +150,14 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("flex_paged_probe: FlexAttention's paged decode runs on CUDA only")
     rows = gpu_rows()
+    profiles = "\n\n".join(kernel_profile(batch, 1024) for batch in (1, 64))
+    print(profiles, flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "flex-paged-probe.json"), "w") as f:
             json.dump({"card": card_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        with open(os.path.join(args.out, "flex-profile.md"), "w") as f:
+            f.write(profiles + "\n")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 # gpt-fast's (B=64 then B=1, ctx 1024, one process each) and times FlashInfer's decode variants (FA3 among
 # them: a JIT build of a minute or more the first time, VARIANTS_TIMEOUT);
 # "flex": scripts/flex_paged_probe.py (FlexAttention's decode over the paged cache vs SDPA over a
-# contiguous one); "fuzz" is the mutation fuzzer's GPU tests,
+# contiguous one, then its kernels per call, profiled); "fuzz" is the mutation fuzzer's GPU tests,
 # FUZZ_EXAMPLES examples per mutation; "hunt" looks for the differential example that faults or
 # mismatches on HUNT_BACKEND); "piecewise": the piecewise-graph GPU tests (tests/test_piecewise.py,
 # every backend; PW_TESTS=0 skips them) and the piecewise bench suite (PW_BENCH_ARGS, default --quick:
