@@ -5,19 +5,20 @@ leaves about 150 us a layer at B=64 ctx 1024 on an H100; the gather-then-SDPA op
 
     python scripts/flex_paged_probe.py [--out DIR]
 
-Shapes: Llama-3-8B's attention (32 q / 8 kv heads, head 128, bf16); every request at `ctx`
-tokens over shuffled pages. Rows: us per call, the fraction of nominal HBM bandwidth reading
-K/V once takes, the largest error against a float64 reference on two requests, and the seconds
-of the first call (flex's compile for that shape: what a graph's warm-up pays per size). The
-blocks no request holds are NaN: a kernel that read them would fail the error check. Then the
-kernels of one call at B=1 and B=64 (ctx 1024, page 16) from a profiled graph replay
-(`flex-profile.md` under --out).
+Shapes: Llama-3-8B's attention (32 q / 8 kv heads, head 128, bf16); every request at `ctx` -
+PARTIAL tokens over shuffled pages (a partial last page; bandwidth counted at `ctx`). Rows: us
+per call, the fraction of nominal HBM bandwidth reading K/V once takes, the largest error
+against a float64 reference on two requests, and the seconds of the first call (flex's compile
+for that shape: what a graph's warm-up pays per size). Every slot no request holds is NaN: a
+kernel that weighted one would fail the error check. Then the kernels of one call at B=1 and
+B=64 (ctx 1024, page 16) from a profiled graph replay (`flex-profile.md` under --out).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -36,6 +37,8 @@ PAGES = (16, 64)
 # flex's split of each request's pages over CTAs, tried at page 16 besides its default (one split
 # once batch * kv heads reaches the SM count; no gain from num_warps/num_stages, 2026-11-26)
 SPLITS = (2, 4, 8)
+# Each request's last page is this many slots short of full, the slots NaN (never to be read)
+PARTIAL = 3
 MAX_ERROR = 2e-2  # bf16 output against the float64 reference
 GATE_US = 150.0  # a layer's attention that keeps the 8B loop at 0.85x the peer (H100, B=64 ctx 1024)
 
@@ -43,7 +46,8 @@ GATE_US = 150.0  # a layer's attention that keeps the 8B loop at 0.85x the peer 
 def paged_case(batch: int, ctx: int, page: int, device: str, dtype: torch.dtype, heads=(NUM_HEADS, NUM_KV_HEADS),
                head_size: int = HEAD_SIZE, lens: list[int] | None = None):
     """A cache [2, blocks, page, kv_heads, d] (one spare block per request), shuffled block tables
-    [batch, ctx / page], the lengths, and the query [batch, heads, d]."""
+    [batch, ctx / page], the lengths (`lens`, default ctx each), and the query [batch, heads, d].
+    Every slot no request holds is NaN: spare blocks and the table's slots past each length."""
     hq, hkv = heads
     width = -(-ctx // page)
     blocks = batch * width + batch
@@ -52,6 +56,9 @@ def paged_case(batch: int, ctx: int, page: int, device: str, dtype: torch.dtype,
     tables = perm[: batch * width].view(batch, width).to(torch.int32)
     cache[:, perm[batch * width :]] = float("nan")
     seq_lens = torch.tensor(lens or [ctx] * batch, dtype=torch.int32, device=device)
+    slots = (tables.long()[:, :, None] * page + torch.arange(page, device=device)).view(batch, -1)
+    unwritten = slots[torch.arange(width * page, device=device) >= seq_lens.view(batch, 1).long()]
+    cache.view(2, blocks * page, hkv, head_size)[:, unwritten] = float("nan")
     q = torch.randn(batch, hq, head_size, device=device, dtype=dtype)
     return cache, tables, seq_lens, q
 
@@ -73,7 +80,8 @@ def max_error(out: torch.Tensor, cache, tables, seq_lens, q, rows=(0, -1)) -> fl
         k, v = (cache[j][pages].flatten(0, 1)[:n].double().repeat_interleave(group, 1) for j in (0, 1))
         scores = torch.einsum("hd,khd->hk", q[i].double(), k) * q.shape[-1] ** -0.5
         ref = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
-        worst = max(worst, (out[i].double() - ref).abs().max().item())
+        err = (out[i].double() - ref).abs().max().item()
+        worst = max(worst, err if err == err else math.inf)  # NaN: max() would keep the old value
     return worst
 
 
@@ -99,7 +107,7 @@ def gpu_rows() -> list[dict]:
 
     for batch, ctx in POINTS:
         for page in PAGES:
-            case = paged_case(batch, ctx, page, "cuda", torch.bfloat16)
+            case = paged_case(batch, ctx, page, "cuda", torch.bfloat16, lens=[ctx - PARTIAL] * batch)
             options = [None] + ([{"SPLIT_KV": n} for n in SPLITS] if page == 16 else [])
             for opts in options:
                 fn = flex_decode(*case, kernel_options=opts)
@@ -126,7 +134,7 @@ def gpu_rows() -> list[dict]:
 def kernel_profile(batch: int, ctx: int, page: int = 16, calls: int = 10, replays: int = 5) -> str:
     """The kernels of one NaN-safe flex decode (flex, the last page's attention, the merge), from
     a torch.profiler trace of a replayed graph of `calls` calls: a markdown table per call."""
-    fn = flex_decode(*paged_case(batch, ctx, page, "cuda", torch.bfloat16))
+    fn = flex_decode(*paged_case(batch, ctx, page, "cuda", torch.bfloat16, lens=[ctx - PARTIAL] * batch))
     for _ in range(3):  # compile, then warm outside the capture
         fn()
     graph = torch.cuda.CUDAGraph()
@@ -150,12 +158,13 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("flex_paged_probe: FlexAttention's paged decode runs on CUDA only")
     rows = gpu_rows()
-    profiles = "\n\n".join(kernel_profile(batch, 1024) for batch in (1, 64))
-    print(profiles, flush=True)
-    if args.out:
+    if args.out:  # the timings first: a failed profile keeps them
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "flex-paged-probe.json"), "w") as f:
             json.dump({"card": card_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    profiles = "\n\n".join(kernel_profile(batch, 1024) for batch in (1, 64))
+    print(profiles, flush=True)
+    if args.out:
         with open(os.path.join(args.out, "flex-profile.md"), "w") as f:
             f.write(profiles + "\n")
 

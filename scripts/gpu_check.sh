@@ -68,7 +68,7 @@ if [[ " $PARTS " == *" loop "* ]]; then
     | tee "$OUT/decode-variants.log" | tail -40
 fi
 if [[ " $PARTS " == *" flex "* ]]; then  # the gate of a paged TORCH_SDPA decode through FlexAttention
-  timeout "${FLEX_TIMEOUT:-420}" python3 scripts/flex_paged_probe.py --out "$OUT" 2>&1 | tee "$OUT/flex-probe.log" | tail -20
+  timeout "${FLEX_TIMEOUT:-420}" python3 scripts/flex_paged_probe.py --out "$OUT" 2>&1 | tee "$OUT/flex-probe.log" | tail -60
   status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ " $PARTS " == *" fuzz "* ]]; then

@@ -8,6 +8,7 @@ spread over them. Every cache comes from `make_batch`, so slots outside a reques
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from reference import alibi_slopes, captured, flex_on_cpu, make_batch, reference
 
 import compiled_attn as ca
 from compiled_attn.backends import torch_sdpa as sdpa
+from compiled_attn.ops import flex_decode
 from compiled_attn.ops import torch_sdpa as sdpa_ops
 
 T = ca.AttentionType
@@ -229,6 +231,14 @@ def test_flex_graph_decode_is_opt_in_and_refused_where_it_cannot_serve(over, rea
     monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flash")
     with pytest.raises(ValueError, match="gather or flex"):
         state_cls(flex_spec())
+
+
+def test_split_kv_follows_the_measured_splits(monkeypatch):
+    """H100's 132 SMs, 8 KV heads: flex's own split at B=1 (32) and B=256 (1); 8 splits at B=8
+    and 2 at B=64, the sweep's best (`scripts/flex_paged_probe.py`)."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    got = {batch: flex_decode.split_kv(batch, 8, torch.device("cuda")) for batch in (1, 4, 8, 16, 64, 128, 256)}
+    assert got == {1: None, 4: None, 8: 8, 16: 8, 64: 2, 128: None, 256: None}
 
 
 FLEX_CASES = [  # device, dtype, tolerance, spec options

@@ -6,9 +6,10 @@ num_blocks * block_size keys per KV head; a block mask lists each request's full
 block-table row) as the KV blocks FlexAttention reads. The last page is not among them: its slots
 past the length hold whatever was there (a cache from torch.empty, a freed request's keys, NaN
 included), and flex multiplies every value of a page it reads by its probability, so a NaN
-there would reach the output through a zero weight. That page is attended separately, its
-unwritten values zeroed in a copy, and the two parts merge by their log-sum-exps. Nothing of
-the cache is copied or written, and nothing syncs: the mask is made of device tensors.
+there would reach the output through a zero weight. That page is copied per request and
+attended separately, its unwritten values zeroed in the copy, and the two parts merge by their
+log-sum-exps. Nothing of the cache is written, and nothing syncs: the mask is made of device
+tensors.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 # it to divide this: 128 serves every group up to 128.
 Q_BLOCK = 128
 # One compile per batch size (the runner's graphs: up to 35 sizes, made at their warm-ups).
-# Dynamo's default of 8 would send the rest to flex's eager path, which materializes the scores
-# over the whole pool; its limit over all frames is 256 by default.
+# Dynamo's default of 8 would send the rest to eager flex, which ignores the block mask's page
+# lists (it applies mask_mod densely: every key of the pool, garbage included), so a frame past
+# the limit raises instead (fail_on_recompile_limit_hit); its limit over all frames is 256 by default.
 RECOMPILE_LIMIT = 256
 
 
@@ -110,5 +112,6 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, mask: PagedMask, s
     if query.is_cuda and "SPLIT_KV" not in (kernel_options or {}):
         splits = split_kv(query.shape[0], kv_cache.shape[3], query.device)
         kernel_options = {**(kernel_options or {}), **({"SPLIT_KV": splits} if splits else {})}
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT):
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT,
+                                    fail_on_recompile_limit_hit=True):
         return compiled_attend()(query, kv_cache, mask, scale, kernel_options or None)
