@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from compiled_attn.bench.kernel_table import cuda_kernels, markdown, per_layer_table
-from compiled_attn.bench.timing import card_name, graph_time_us, nominal_bandwidth
+from compiled_attn.bench.timing import calls_graph, card_name, graph_time_us, nominal_bandwidth
 from compiled_attn.ops.flex_decode import paged_block_mask, paged_decode
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 8, 128
@@ -134,15 +134,8 @@ def gpu_rows() -> list[dict]:
 def kernel_profile(batch: int, ctx: int, page: int = 16, calls: int = 10, replays: int = 5) -> str:
     """The kernels of one NaN-safe flex decode (flex, the last page's attention, the merge), from
     a torch.profiler trace of a replayed graph of `calls` calls: a markdown table per call."""
-    fn = flex_decode(*paged_case(batch, ctx, page, "cuda", torch.bfloat16, lens=[ctx - PARTIAL] * batch))
-    for _ in range(3):  # compile, then warm outside the capture
-        fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    case = paged_case(batch, ctx, page, "cuda", torch.bfloat16, lens=[ctx - PARTIAL] * batch)
+    graph = calls_graph(flex_decode(*case), calls)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()

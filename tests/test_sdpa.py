@@ -256,8 +256,7 @@ def test_flex_graph_decode_reads_the_pages_in_place(device, dtype, tol, over, mo
     reference over the cache, for two steps of other lengths through one graph, eagerly and in a
     replayed CUDA graph, with NaN in every slot no request has written (the rest of each last
     page, later pages, block 0 past its first token). CPU: flex through `reference.sparse_flex`.
-    A layer with a window of its own gathers
-    instead, at the same width."""
+    A layer with a window of its own gathers instead, at the same width."""
     monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flex")
     monkeypatch.setattr(sdpa, "FLEX_DEVICES", ("cuda", "cpu"))
     if device == "cpu":

@@ -166,8 +166,9 @@ class TorchSDPAState(GraphState):
     through FlexAttention, whose work follows the live lengths: one table width per size. Its
     layers with their own window, soft-cap or ALiBi gather, at that one width.
 
-    With "gather" (the default), the decode gathers every row's whole table (`md.block_tables.shape[1]` blocks),
-    so a graph's step moves bs * width * block_size keys per layer whatever the live lengths.
+    With "gather" (the default), the decode gathers every row's whole table
+    (`md.block_tables.shape[1]` blocks), so a graph's step moves bs * width * block_size keys per
+    layer whatever the live lengths.
     Hence graphs of several table widths per batch size (MIN_TABLE_WIDTH_TOKENS): 256 tokens'
     worth of blocks, doubling up to W = ceil(max_seq_len_to_capture / block_size), and W itself;
     the runner replays the narrowest that holds the step's longest sequence, so a step reads at

@@ -21,23 +21,30 @@ def nominal_bandwidth() -> float | None:
     return next((bw for key, bw in NOMINAL_HBM_BW.items() if key in name), None)
 
 
-def graph_time_us(fn: Callable[[], object], *, replays: int = 50, graph_iters: int = 10) -> float:
-    """Median time of one `fn()` in microseconds, captured in a CUDA graph (launch gaps gone).
-
-    The graph holds `graph_iters` back-to-back calls; each replay is timed with events.
-    """
+def calls_graph(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` back-to-back `fn()` calls, warmed up on a side stream first (JIT,
+    autotune, allocator happen outside the capture), replayed once and synchronized."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):  # warm-up outside capture (JIT, autotune, allocator)
+        for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(graph_iters):
+        for _ in range(calls):
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_time_us(fn: Callable[[], object], *, replays: int = 50, graph_iters: int = 10) -> float:
+    """Median time of one `fn()` in microseconds, captured in a CUDA graph (launch gaps gone).
+
+    The graph holds `graph_iters` back-to-back calls (`calls_graph`); each replay is timed with events.
+    """
+    graph = calls_graph(fn, graph_iters)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

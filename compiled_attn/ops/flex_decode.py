@@ -98,9 +98,9 @@ def compiled_attend() -> Callable[..., torch.Tensor]:
     """Inductor's graph of `attend`: FlexAttention's decode kernel, which reads only the listed
     pages (eager flex applies mask_mod densely over the whole pool, and Inductor's CPU template
     returns no lse: CUDA only, `backends.torch_sdpa.FLEX_DEVICES`), and the last page's
-    attention and merge fused. dynamic=False keeps
-    the batch static, which flex's decode kernel requires. Made at first use: making a
-    torch.compile wrapper loads Dynamo and Inductor (seconds)."""
+    attention and merge fused. dynamic=False keeps the batch static, which flex's decode kernel
+    requires. Made at first use: making a torch.compile wrapper loads Dynamo and Inductor
+    (seconds)."""
     return torch.compile(attend, fullgraph=True, dynamic=False)
 
 
@@ -109,9 +109,11 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, mask: PagedMask, s
     """One query per request (query [n, num_heads, head_size]) over the pages `mask` lists;
     returns [n, num_heads, head_size]. `kernel_options`: flex's (num_warps, SPLIT_KV, ...);
     SPLIT_KV defaults to `split_kv` on CUDA."""
-    if query.is_cuda and "SPLIT_KV" not in (kernel_options or {}):
+    options = dict(kernel_options or {})
+    if query.is_cuda and "SPLIT_KV" not in options:
         splits = split_kv(query.shape[0], kv_cache.shape[3], query.device)
-        kernel_options = {**(kernel_options or {}), **({"SPLIT_KV": splits} if splits else {})}
+        if splits:
+            options["SPLIT_KV"] = splits
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT,
                                     fail_on_recompile_limit_hit=True):
-        return compiled_attend()(query, kv_cache, mask, scale, kernel_options or None)
+        return compiled_attend()(query, kv_cache, mask, scale, options or None)
