@@ -93,7 +93,8 @@ def contiguous_sdpa(batch: int, ctx: int, q: torch.Tensor) -> Callable[[], torch
     return lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
 
 
-def gpu_rows() -> list[dict]:
+def gpu_rows(quick: bool = False) -> list[dict]:
+    """Every point, page and SPLIT_KV option; `quick`: the split_kv rule at page 16 only."""
     peak, rows = nominal_bandwidth(), []
 
     def add(impl: str, batch: int, ctx: int, page: int | None, us: float, err: float | None = None,
@@ -106,9 +107,9 @@ def gpu_rows() -> list[dict]:
         print(rows[-1], flush=True)
 
     for batch, ctx in POINTS:
-        for page in PAGES:
+        for page in PAGES[:1] if quick else PAGES:
             case = paged_case(batch, ctx, page, "cuda", torch.bfloat16, lens=[ctx - PARTIAL] * batch)
-            options = [None] + ([{"SPLIT_KV": n} for n in SPLITS] if page == 16 else [])
+            options = [None] + ([{"SPLIT_KV": n} for n in SPLITS] if page == 16 and not quick else [])
             for opts in options:
                 fn = flex_decode(*case, kernel_options=opts)
                 start = time.perf_counter()
@@ -147,10 +148,11 @@ def kernel_profile(batch: int, ctx: int, page: int = 16, calls: int = 10, replay
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true", help="no SPLIT_KV sweep, page 16 only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("flex_paged_probe: FlexAttention's paged decode runs on CUDA only")
-    rows = gpu_rows()
+    rows = gpu_rows(args.quick)
     if args.out:  # the timings first: a failed profile keeps them
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "flex-paged-probe.json"), "w") as f:

@@ -5,7 +5,7 @@
 # gpt-fast's (B=64 then B=1, ctx 1024, one process each) and times FlashInfer's decode variants (FA3 among
 # them: a JIT build of a minute or more the first time, VARIANTS_TIMEOUT);
 # "flex": scripts/flex_paged_probe.py (FlexAttention's decode over the paged cache vs SDPA over a
-# contiguous one, then its kernels per call, profiled); "fuzz" is the mutation fuzzer's GPU tests,
+# contiguous one, then its kernels per call, profiled; FLEX_ARGS=--quick: no SPLIT_KV sweep); "fuzz" is the mutation fuzzer's GPU tests,
 # FUZZ_EXAMPLES examples per mutation; "hunt" looks for the differential example that faults or
 # mismatches on HUNT_BACKEND); "piecewise": the piecewise-graph GPU tests (tests/test_piecewise.py,
 # every backend; PW_TESTS=0 skips them) and the piecewise bench suite (PW_BENCH_ARGS, default --quick:
@@ -68,7 +68,7 @@ if [[ " $PARTS " == *" loop "* ]]; then
     | tee "$OUT/decode-variants.log" | tail -40
 fi
 if [[ " $PARTS " == *" flex "* ]]; then  # the gate of a paged TORCH_SDPA decode through FlexAttention
-  timeout "${FLEX_TIMEOUT:-420}" python3 scripts/flex_paged_probe.py --out "$OUT" 2>&1 | tee "$OUT/flex-probe.log" | tail -60
+  timeout "${FLEX_TIMEOUT:-420}" python3 scripts/flex_paged_probe.py --out "$OUT" ${FLEX_ARGS:-} 2>&1 | tee "$OUT/flex-probe.log" | tail -60
   status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ " $PARTS " == *" fuzz "* ]]; then

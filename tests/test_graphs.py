@@ -498,8 +498,8 @@ def test_runner_compiles_batch_one_apart_and_samples_in_the_step(tiny_model):
 
 
 def test_runner_on_flex_graph_decode_serves_greedy_tokens_like_eager(tiny_model, monkeypatch):
-    """TORCH_SDPA's opt-in FlexAttention decode through the runner's static steps: the same
-    greedy tokens as the eager model (which gathers), prefill and decodes of 3 then 1 requests."""
+    """TORCH_SDPA's FlexAttention decode (its default on CUDA) through the runner's static steps:
+    the same greedy tokens as the eager model (which gathers), prefill and decodes of 3 then 1."""
     monkeypatch.setenv(sdpa_backend.GRAPH_DECODE_ENV, "flex")
     monkeypatch.setattr(sdpa_backend, "FLEX_DEVICES", ("cuda", "cpu"))
     flex_on_cpu(monkeypatch)
@@ -715,7 +715,14 @@ def test_flashinfer_graphs_without_split_kv_follow_each_step(monkeypatch):
 
 def decode_teacher_forced(gpu: GpuSetup, batches: tuple[int, ...]) -> None:
     """Prompts, then DECODE_STEPS graph-replayed decodes per batch size, fed the eager reference's
-    tokens: logits within 2e-2 (bf16) of eager at every step, top-1 agreeing on >= 99 %."""
+    tokens: logits within 2e-2 (bf16) of eager at every step, greedy tokens equal to eager's
+    wherever eager's top-2 margin is clear (`clear_margin`), and on >= 97 % of all rows.
+
+    A graph decoding through another kernel than eager (TORCH_SDPA's flex) flips bf16 near-ties,
+    as any two correct bf16 kernels do: on these steps (H100, `scripts/decode_agreement.py`)
+    SDPA's eager and FlashInfer's eager agree on 786/800 rows, bf16 eager and the fp32 model on
+    789/800, flex's graphs and eager on 788/800, each of flex's flips at a top-2 gap of at most
+    0.031 (two bf16 ulps of these logits)."""
     agree = total = 0
     for batch in batches:
         ref, eng = gpu.engines()
@@ -726,12 +733,15 @@ def decode_teacher_forced(gpu: GpuSetup, batches: tuple[int, ...]) -> None:
             err = rel_err(got, want)
             assert err <= 2e-2, f"batch {batch}, step {i}: logits rel err {err:.3e}"
             if i:  # decode steps
-                agree += (got.argmax(-1) == want.argmax(-1)).sum().item()
+                tokens, best = got.argmax(-1), want.argmax(-1)
+                clear = clear_margin(want)
+                assert torch.equal(tokens[clear], best[clear]), f"batch {batch}, step {i}: a clear top-1 differs"
+                agree += (tokens == best).sum().item()
                 total += batch
             step = {name: [tok] for name, tok in zip(step, want.argmax(-1).tolist(), strict=True)}
         assert gpu.runner.counts["graph"] - counts["graph"] == DECODE_STEPS
         assert gpu.runner.counts["eager_prefill"] - counts["eager_prefill"] == 1
-    assert agree / total >= 0.99, f"top-1 agreement {agree}/{total}"
+    assert agree / total >= 0.97, f"top-1 agreement {agree}/{total}"
 
 
 @pytest.mark.gpu
@@ -829,10 +839,12 @@ def test_replay_on_other_caches_raises(gpu):
 
 
 @pytest.mark.gpu
-def test_sdpa_graphs_of_every_table_width_match_eager():
+def test_sdpa_graphs_of_every_table_width_match_eager(monkeypatch):
     """TORCH_SDPA's graphs over narrower tables (views of the static table, captured after the
     widest into the same pool): teacher-forced decodes whose longest row crosses 256 tokens
-    replay the 256- and then the 512-token graphs and agree with eager."""
+    replay the 256- and then the 512-token graphs and agree with eager (the gather decode: flex,
+    the default on CUDA, captures one width)."""
+    monkeypatch.setenv(sdpa_backend.GRAPH_DECODE_ENV, "gather")
     spec = dataclasses.replace(gpu_spec(SDPA), max_seq_len_to_capture=1024)  # widths 64, 32, 16 blocks of 16
     backend = ca.get_attn_backend(SDPA, spec)
     model = build_model(GPU_CONFIG, seed=0, backend=SDPA, dtype=torch.bfloat16, device="cuda")
@@ -894,6 +906,13 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name):
     assert runner.counts["graph"] == 15
 
 
+def clear_margin(logits: torch.Tensor) -> torch.Tensor:
+    """bool [rows]: rows of `logits` [rows, vocab] whose top logit leads the second by more than
+    5 % of its size (at least 0.05): a greedy token that bf16 rounding cannot flip."""
+    top2 = logits.topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]) > 0.05 * top2[:, 0].abs().clamp(min=1)
+
+
 def greedy_agreement(ref: Engine, eng: Engine, step: dict, steps: int,
                      next_step: Callable[[int, dict], dict] = lambda i, step: step) -> float:
     """`steps` steps of `eng`'s greedy tokens against `ref`'s logits, teacher-forced by eager's
@@ -903,8 +922,7 @@ def greedy_agreement(ref: Engine, eng: Engine, step: dict, steps: int,
     for i in range(steps):
         logits = ref.step(step)
         got, want = eng.step(step), logits.argmax(-1)
-        top2 = logits.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 0.05 * top2[:, 0].abs().clamp(min=1)
+        clear = clear_margin(logits)
         assert torch.equal(got[clear], want[clear]), f"step {i}"
         agree += (got == want).sum().item()
         total += len(want)

@@ -1,5 +1,5 @@
-"""Decode attention that reads the paged cache in place through FlexAttention (TORCH_SDPA's graphs,
-opt-in: `backends.torch_sdpa.graph_decode_kernel`).
+"""Decode attention that reads the paged cache in place through FlexAttention (TORCH_SDPA's graphs
+on CUDA: `backends.torch_sdpa.graph_decode_kernel`).
 
 The cache [2, num_blocks, block_size, num_kv_heads, head_size] is viewed as one sequence of
 num_blocks * block_size keys per KV head; a block mask lists each request's full pages (its
@@ -76,21 +76,31 @@ def attend(query: torch.Tensor, kv_cache: torch.Tensor, mask: PagedMask, scale: 
     k, v = (kv_cache[i].view(1, blocks * block_size, kv_heads, head_size).transpose(1, 2) for i in (0, 1))
     out, lse = flex_attention(query.unsqueeze(2), k, v, block_mask=mask.blocks, scale=scale, enable_gqa=True,
                               return_lse=True, kernel_options=kernel_options)
-    group = heads // kv_heads
-    q = query.view(n, kv_heads, group, head_size).float()
-    live = torch.arange(block_size, device=query.device) < mask.last_len.view(n, 1)  # [n, page]
-    page_k, page_v = (kv_cache[i, mask.last_page].float() for i in (0, 1))  # [n, page, kv_heads, D]
-    scores = torch.einsum("nhgd,nphd->nhgp", q, page_k).mul(scale).masked_fill(~live.view(n, 1, 1, -1), -torch.inf)
-    page_lse = scores.logsumexp(-1)  # one live key at least: finite
-    page_out = torch.einsum("nhgp,nphd->nhgd", (scores - page_lse.unsqueeze(-1)).exp(),
-                            page_v.masked_fill(~live.view(n, -1, 1, 1), 0))
+    page_out, page_lse = last_page(query.view(n, kv_heads, heads // kv_heads, 1, head_size), kv_cache, mask, scale)
     # flex's lse is -inf for a request with no full page (its output 0): the weight goes to the page
-    lse = lse.view(n, kv_heads, group)
+    lse = lse.view(page_lse.shape)
     top = torch.maximum(lse, page_lse)
     w_flex, w_page = (lse - top).exp(), (page_lse - top).exp()
-    merged = (out.view(n, kv_heads, group, head_size).float() * w_flex.unsqueeze(-1)
+    merged = (out.view(page_out.shape).float() * w_flex.unsqueeze(-1)
               + page_out * w_page.unsqueeze(-1)) / (w_flex + w_page).unsqueeze(-1)
     return merged.view(n, heads, head_size).to(query.dtype)
+
+
+def last_page(query: torch.Tensor, kv_cache: torch.Tensor, mask: PagedMask, scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each request's G query heads per KV head (query [n, kv_heads, G, 1, D]) over
+    the live keys of its last page, in fp32: (out [n, kv_heads, G, D], lse [n, kv_heads, G]).
+    Products summed by broadcast, not einsum: Inductor makes them reductions fused with the
+    page's gather and the masking (a page is 16-64 keys), where einsum's batched GEMMs were
+    two cuBLAS kernels of 3-6 us each (H100 profile, `scripts/flex_paged_probe.py`)."""
+    n, block_size = mask.last_len.shape[0], kv_cache.shape[2]
+    live = (torch.arange(block_size, device=query.device) < mask.last_len.view(n, 1)).view(n, 1, 1, block_size)
+    page_k, page_v = (kv_cache[i, mask.last_page].transpose(1, 2).float().unsqueeze(2) for i in (0, 1))
+    scores = (query.float() * page_k).sum(-1).mul(scale).masked_fill(~live, -torch.inf)  # [n, kv_heads, G, page]
+    lse = scores.logsumexp(-1)  # one live key at least: finite
+    probs = (scores - lse.unsqueeze(-1)).exp()
+    out = (probs.unsqueeze(-1) * page_v.masked_fill(~live.unsqueeze(-1), 0)).sum(-2)
+    return out, lse
 
 
 @functools.cache
