@@ -498,8 +498,8 @@ def test_runner_compiles_batch_one_apart_and_samples_in_the_step(tiny_model):
 
 
 def test_runner_on_flex_graph_decode_serves_greedy_tokens_like_eager(tiny_model, monkeypatch):
-    """TORCH_SDPA's FlexAttention decode (its default on CUDA) through the runner's static steps:
-    the same greedy tokens as the eager model (which gathers), prefill and decodes of 3 then 1."""
+    """TORCH_SDPA's opt-in FlexAttention decode through the runner's static steps: the same
+    greedy tokens as the eager model (which gathers), prefill and decodes of 3 then 1 requests."""
     monkeypatch.setenv(sdpa_backend.GRAPH_DECODE_ENV, "flex")
     monkeypatch.setattr(sdpa_backend, "FLEX_DEVICES", ("cuda", "cpu"))
     flex_on_cpu(monkeypatch)
@@ -713,6 +713,24 @@ def test_flashinfer_graphs_without_split_kv_follow_each_step(monkeypatch):
                                    allocate_kv_caches(GPU_CONFIG, backend, spec)), (3, 8))
 
 
+@pytest.mark.gpu
+def test_flex_graph_decode_matches_eager_teacher_forced(monkeypatch):
+    """TORCH_SDPA's opt-in FlexAttention decode under the same teacher-forced bar as every
+    backend's default graphs (eager gathers: another kernel)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    monkeypatch.setenv(sdpa_backend.GRAPH_DECODE_ENV, "flex")
+    spec = gpu_spec(SDPA)
+    backend = gpu_backend(SDPA, spec)
+    model = build_model(GPU_CONFIG, seed=0, backend=SDPA, dtype=torch.bfloat16, device="cuda")
+    runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),
+                             capture_sizes=GPU_SIZES, max_batch_size=max(GPU_SIZES), progress=False)
+    runner.capture()
+    assert runner.state.decode_kernel == "flex"
+    decode_teacher_forced(GpuSetup(SDPA, backend, spec, model, runner, allocate_kv_caches(GPU_CONFIG, backend, spec)),
+                          (1, 3, 8, 13))
+
+
 def decode_teacher_forced(gpu: GpuSetup, batches: tuple[int, ...]) -> None:
     """Prompts, then DECODE_STEPS graph-replayed decodes per batch size, fed the eager reference's
     tokens: logits within 2e-2 (bf16) of eager at every step, greedy tokens equal to eager's
@@ -839,12 +857,10 @@ def test_replay_on_other_caches_raises(gpu):
 
 
 @pytest.mark.gpu
-def test_sdpa_graphs_of_every_table_width_match_eager(monkeypatch):
+def test_sdpa_graphs_of_every_table_width_match_eager():
     """TORCH_SDPA's graphs over narrower tables (views of the static table, captured after the
     widest into the same pool): teacher-forced decodes whose longest row crosses 256 tokens
-    replay the 256- and then the 512-token graphs and agree with eager (the gather decode: flex,
-    the default on CUDA, captures one width)."""
-    monkeypatch.setenv(sdpa_backend.GRAPH_DECODE_ENV, "gather")
+    replay the 256- and then the 512-token graphs and agree with eager."""
     spec = dataclasses.replace(gpu_spec(SDPA), max_seq_len_to_capture=1024)  # widths 64, 32, 16 blocks of 16
     backend = ca.get_attn_backend(SDPA, spec)
     model = build_model(GPU_CONFIG, seed=0, backend=SDPA, dtype=torch.bfloat16, device="cuda")

@@ -115,7 +115,7 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
         return out
 
 
-# "auto" (default), "gather" or "flex": the decode kernel of TORCH_SDPA's graphs (`graph_decode_kernel`).
+# "gather" (default) or "flex": the decode kernel of TORCH_SDPA's graphs (`graph_decode_kernel`).
 GRAPH_DECODE_ENV = "COMPILED_ATTN_SDPA_GRAPH_DECODE"
 
 
@@ -139,22 +139,19 @@ def flex_decode_reason(spec: AttentionSpec) -> str | None:
 
 
 def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
-    """The decode of `spec`'s graphs: "flex" (FlexAttention reading the pages in place) or
-    "gather" (each row's table gathered into contiguous K/V, then SDPA). `choice` (default: the
-    GRAPH_DECODE_ENV variable, else "auto") picks flex wherever `flex_decode_reason` allows
-    ("auto": 0.91x / 0.97x gpt-fast's decode loop at B=64 / B=1 on an H100, where gather made
-    0.58x / 0.84x), never ("gather") or always ("flex": NotImplementedError where it cannot).
-    flex is another kernel than eager's SDPA: greedy tokens differ from eager's at bf16
-    near-ties, as FlashInfer's do (`scripts/decode_agreement.py`)."""
-    choice = choice or os.environ.get(GRAPH_DECODE_ENV) or "auto"
-    if choice not in ("auto", "gather", "flex"):
-        raise ValueError(f"{GRAPH_DECODE_ENV}={choice!r}: use auto, gather or flex")
-    if choice == "gather":
-        return choice
-    reason = flex_decode_reason(spec)
-    if reason is not None and choice == "flex":
+    """The decode of `spec`'s graphs: "gather" (each row's table gathered into contiguous K/V,
+    then SDPA; the default) or "flex" (FlexAttention reading the pages in place, opt-in: faster
+    in the decode loop, BENCHMARKS.md; not the default until the GPU suite passes whole on it).
+    `choice` defaults to the GRAPH_DECODE_ENV variable; "flex" raises NotImplementedError where
+    `flex_decode_reason` refuses the spec. flex is another kernel than eager's SDPA: its greedy
+    tokens differ from eager's at bf16 near-ties, as FlashInfer's do (`scripts/decode_agreement.py`)."""
+    choice = choice or os.environ.get(GRAPH_DECODE_ENV) or "gather"
+    if choice not in ("gather", "flex"):
+        raise ValueError(f"{GRAPH_DECODE_ENV}={choice!r}: use gather or flex")
+    reason = flex_decode_reason(spec) if choice == "flex" else None
+    if reason is not None:
         raise NotImplementedError(f"{GRAPH_DECODE_ENV}=flex: {reason}")
-    return "gather" if reason else "flex"
+    return choice
 
 
 class TorchSDPAImpl(CommonImpl):
@@ -166,11 +163,11 @@ class TorchSDPAState(GraphState):
     block-table row and masks them by seq_len, so a graph needs no host planning
     (`begin_forward` only checks the call order).
 
-    Where `graph_decode_kernel` picks "flex" (CUDA, by default), the graphs' decode reads the
-    pages in place through FlexAttention, whose work follows the live lengths: one table width per
-    size. Its layers with their own window, soft-cap or ALiBi gather, at that one width.
+    With `graph_decode_kernel` "flex" (opt-in, CUDA), the graphs' decode reads the pages in place
+    through FlexAttention, whose work follows the live lengths: one table width per size. Its
+    layers with their own window, soft-cap or ALiBi gather, at that one width.
 
-    With "gather", the decode gathers every row's whole table
+    With "gather" (the default), the decode gathers every row's whole table
     (`md.block_tables.shape[1]` blocks), so a graph's step moves bs * width * block_size keys per
     layer whatever the live lengths.
     Hence graphs of several table widths per batch size (MIN_TABLE_WIDTH_TOKENS): 256 tokens'
