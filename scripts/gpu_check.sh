@@ -5,7 +5,8 @@
 # gpt-fast's (B=64 then B=1, ctx 1024, one process each) and times FlashInfer's decode variants (FA3 among
 # them: a JIT build of a minute or more the first time, VARIANTS_TIMEOUT);
 # "flex": scripts/flex_paged_probe.py (FlexAttention's decode over the paged cache vs SDPA over a
-# contiguous one, then its kernels per call, profiled; FLEX_ARGS=--quick: no SPLIT_KV sweep); "fuzz" is the mutation fuzzer's GPU tests,
+# contiguous one, then its kernels per call, profiled; FLEX_ARGS=--quick: no SPLIT_KV sweep);
+# "fuzz" is the mutation fuzzer's GPU tests,
 # FUZZ_EXAMPLES examples per mutation; "hunt" looks for the differential example that faults or
 # mismatches on HUNT_BACKEND); "piecewise": the piecewise-graph GPU tests (tests/test_piecewise.py,
 # every backend; PW_TESTS=0 skips them) and the piecewise bench suite (PW_BENCH_ARGS, default --quick:
@@ -54,7 +55,8 @@ if [[ "$workers" != 0 ]] && python3 -c "import xdist" 2>/dev/null; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / workers ))}  # float64 references on the CPU: no oversubscription
 fi
 if [[ " $PARTS " == *" tests "* ]]; then
-  timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=25 "${xdist[@]}" \
+  # SIGINT at the limit: pytest stops and still prints its summary, naming the failures so far
+  timeout -s INT -k 60 "${TEST_TIMEOUT:-480}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=25 "${xdist[@]}" \
     --ignore=tests/test_fuzz.py ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
