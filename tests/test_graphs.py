@@ -857,10 +857,12 @@ def test_replay_on_other_caches_raises(gpu):
 
 
 @pytest.mark.gpu
-def test_sdpa_graphs_of_every_table_width_match_eager():
+def test_sdpa_graphs_of_every_table_width_match_eager(monkeypatch):
     """TORCH_SDPA's graphs over narrower tables (views of the static table, captured after the
     widest into the same pool): teacher-forced decodes whose longest row crosses 256 tokens
-    replay the 256- and then the 512-token graphs and agree with eager."""
+    replay the 256- and then the 512-token graphs and agree with eager (the gather decode, also
+    under COMPILED_ATTN_SDPA_GRAPH_DECODE=auto: flex captures one width)."""
+    monkeypatch.setenv(sdpa_backend.GRAPH_DECODE_ENV, "gather")
     spec = dataclasses.replace(gpu_spec(SDPA), max_seq_len_to_capture=1024)  # widths 64, 32, 16 blocks of 16
     backend = ca.get_attn_backend(SDPA, spec)
     model = build_model(GPU_CONFIG, seed=0, backend=SDPA, dtype=torch.bfloat16, device="cuda")

@@ -228,8 +228,13 @@ def test_flex_graph_decode_is_opt_in_and_refused_where_it_cannot_serve(over, rea
     assert flex.decode_kernel == "flex" and flex.graph_table_widths() == (flex.max_blocks_per_seq,)
     with pytest.raises(NotImplementedError, match=f"{sdpa.GRAPH_DECODE_ENV}=flex: .*{reason}"):
         state_cls(flex_spec(**over))
+    monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "auto")  # flex where it serves, gather elsewhere
+    assert state_cls(flex_spec(max_seq_len_to_capture=1024)).decode_kernel == "flex"
+    assert state_cls(flex_spec(**over)).decode_kernel == "gather"
+    monkeypatch.setattr(sdpa, "FLEX_DEVICES", ("cuda",))
+    assert state_cls(flex_spec()).decode_kernel == "gather"
     monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flash")
-    with pytest.raises(ValueError, match="gather or flex"):
+    with pytest.raises(ValueError, match="gather, flex or auto"):
         state_cls(flex_spec())
 
 

@@ -115,7 +115,7 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
         return out
 
 
-# "gather" (default) or "flex": the decode kernel of TORCH_SDPA's graphs (`graph_decode_kernel`).
+# "gather" (default), "flex" or "auto": the decode kernel of TORCH_SDPA's graphs (`graph_decode_kernel`).
 GRAPH_DECODE_ENV = "COMPILED_ATTN_SDPA_GRAPH_DECODE"
 
 
@@ -140,18 +140,21 @@ def flex_decode_reason(spec: AttentionSpec) -> str | None:
 
 def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
     """The decode of `spec`'s graphs: "gather" (each row's table gathered into contiguous K/V,
-    then SDPA; the default) or "flex" (FlexAttention reading the pages in place, opt-in: faster
-    in the decode loop, BENCHMARKS.md; not the default until the GPU suite passes whole on it).
-    `choice` defaults to the GRAPH_DECODE_ENV variable; "flex" raises NotImplementedError where
-    `flex_decode_reason` refuses the spec. flex is another kernel than eager's SDPA: its greedy
-    tokens differ from eager's at bf16 near-ties, as FlashInfer's do (`scripts/decode_agreement.py`)."""
+    then SDPA) or "flex" (FlexAttention reading the pages in place). `choice` (default: the
+    GRAPH_DECODE_ENV variable, else "gather") is "gather", "flex" (NotImplementedError where
+    `flex_decode_reason` refuses the spec) or "auto" (flex wherever it serves, else gather).
+    flex is faster in the decode loop (BENCHMARKS.md) but opt-in until the GPU suite passes
+    whole with "auto" as the default. It is another kernel than eager's SDPA: its greedy tokens
+    differ from eager's at bf16 near-ties, as FlashInfer's do (`scripts/decode_agreement.py`)."""
     choice = choice or os.environ.get(GRAPH_DECODE_ENV) or "gather"
-    if choice not in ("gather", "flex"):
-        raise ValueError(f"{GRAPH_DECODE_ENV}={choice!r}: use gather or flex")
-    reason = flex_decode_reason(spec) if choice == "flex" else None
-    if reason is not None:
+    if choice not in ("gather", "flex", "auto"):
+        raise ValueError(f"{GRAPH_DECODE_ENV}={choice!r}: use gather, flex or auto")
+    if choice == "gather":
+        return choice
+    reason = flex_decode_reason(spec)
+    if reason is not None and choice == "flex":
         raise NotImplementedError(f"{GRAPH_DECODE_ENV}=flex: {reason}")
-    return choice
+    return "gather" if reason else "flex"
 
 
 class TorchSDPAImpl(CommonImpl):
