@@ -107,7 +107,7 @@ def gpu_rows(quick: bool = False) -> list[dict]:
         print(rows[-1], flush=True)
 
     for batch, ctx in POINTS:
-        for page in PAGES[:1] if quick else PAGES:
+        for page in (16,) if quick else PAGES:
             case = paged_case(batch, ctx, page, "cuda", torch.bfloat16, lens=[ctx - PARTIAL] * batch)
             options = [None] + ([{"SPLIT_KV": n} for n in SPLITS] if page == 16 and not quick else [])
             for opts in options:

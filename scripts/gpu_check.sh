@@ -55,7 +55,8 @@ if [[ "$workers" != 0 ]] && python3 -c "import xdist" 2>/dev/null; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / workers ))}  # float64 references on the CPU: no oversubscription
 fi
 if [[ " $PARTS " == *" tests "* ]]; then
-  # SIGINT at the limit: pytest stops and still prints its summary, naming the failures so far
+  # SIGINT at the limit (to the process group, xdist workers included): pytest stops and still
+  # prints its summary, naming the failures so far; the status is then timeout's 124
   timeout -s INT -k 60 "${TEST_TIMEOUT:-480}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=25 "${xdist[@]}" \
     --ignore=tests/test_fuzz.py ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
   status=${PIPESTATUS[0]}

@@ -713,10 +713,20 @@ def test_flashinfer_graphs_without_split_kv_follow_each_step(monkeypatch):
                                    allocate_kv_caches(GPU_CONFIG, backend, spec)), (3, 8))
 
 
+def test_near_tie_takes_tokens_within_four_bf16_ulps_of_the_top():
+    """The GPU teacher-forced bar's rule, on CPU: bf16 ulps of the top logit's magnitude (of 1
+    below 1): 2^-6 at 3.0, so 2.96875 (2 ulps down) is a near-tie and 2.90625 (6) is not."""
+    logits = torch.tensor([[3.0, 2.96875, 2.90625, -1.0], [0.5, 0.4921875, 0.25, 0.0]], dtype=torch.bfloat16)
+    assert near_tie(logits, torch.tensor([0, 0])).tolist() == [True, True]
+    assert near_tie(logits, torch.tensor([1, 1])).tolist() == [True, True]  # 0.0078 below 0.5: one ulp of 1
+    assert near_tie(logits, torch.tensor([2, 2])).tolist() == [False, False]
+    assert near_tie(logits, torch.tensor([1, 2]), ulps=6).tolist() == [True, False]
+
+
 @pytest.mark.gpu
 def test_flex_graph_decode_matches_eager_teacher_forced(monkeypatch):
-    """TORCH_SDPA's opt-in FlexAttention decode under the same teacher-forced bar as every
-    backend's default graphs (eager gathers: another kernel)."""
+    """TORCH_SDPA's opt-in FlexAttention decode, teacher-forced: eager gathers, another kernel,
+    so tokens may flip at near-ties on more rows than a graph on eager's own kernel (97 %)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     monkeypatch.setenv(sdpa_backend.GRAPH_DECODE_ENV, "flex")
@@ -728,19 +738,20 @@ def test_flex_graph_decode_matches_eager_teacher_forced(monkeypatch):
     runner.capture()
     assert runner.state.decode_kernel == "flex"
     decode_teacher_forced(GpuSetup(SDPA, backend, spec, model, runner, allocate_kv_caches(GPU_CONFIG, backend, spec)),
-                          (1, 3, 8, 13))
+                          (1, 3, 8, 13), min_agreement=0.97)
 
 
-def decode_teacher_forced(gpu: GpuSetup, batches: tuple[int, ...]) -> None:
+def decode_teacher_forced(gpu: GpuSetup, batches: tuple[int, ...], min_agreement: float = 0.99) -> None:
     """Prompts, then DECODE_STEPS graph-replayed decodes per batch size, fed the eager reference's
-    tokens: logits within 2e-2 (bf16) of eager at every step, greedy tokens equal to eager's
-    wherever eager's top-2 margin is clear (`clear_margin`), and on >= 97 % of all rows.
+    tokens: logits within 2e-2 (bf16) of eager at every step; every greedy token that differs
+    from eager's a near-tie (`near_tie`: within 4 bf16 ulps of eager's top logit, by eager's
+    logits); equal tokens on >= min_agreement of the rows.
 
-    A graph decoding through another kernel than eager (TORCH_SDPA's flex) flips bf16 near-ties,
-    as any two correct bf16 kernels do: on these steps (H100, `scripts/decode_agreement.py`)
-    SDPA's eager and FlashInfer's eager agree on 786/800 rows, bf16 eager and the fp32 model on
-    789/800, flex's graphs and eager on 788/800, each of flex's flips at a top-2 gap of at most
-    0.031 (two bf16 ulps of these logits)."""
+    0.99 for graphs on eager's own kernel. A graph on another kernel (TORCH_SDPA's flex) flips
+    bf16 near-ties as any two correct bf16 kernels do: on these steps (H100,
+    `scripts/decode_agreement.py`) SDPA's eager and FlashInfer's eager agree on 786/800 rows,
+    bf16 eager and the fp32 model on 789/800, flex's graphs and eager on 788/800, each flip at a
+    top-2 gap of at most 0.031 (two bf16 ulps of these logits)."""
     agree = total = 0
     for batch in batches:
         ref, eng = gpu.engines()
@@ -751,15 +762,24 @@ def decode_teacher_forced(gpu: GpuSetup, batches: tuple[int, ...]) -> None:
             err = rel_err(got, want)
             assert err <= 2e-2, f"batch {batch}, step {i}: logits rel err {err:.3e}"
             if i:  # decode steps
-                tokens, best = got.argmax(-1), want.argmax(-1)
-                clear = clear_margin(want)
-                assert torch.equal(tokens[clear], best[clear]), f"batch {batch}, step {i}: a clear top-1 differs"
-                agree += (tokens == best).sum().item()
+                tokens = got.argmax(-1)
+                assert near_tie(want, tokens).all(), f"batch {batch}, step {i}: a token flipped off a near-tie"
+                agree += (tokens == want.argmax(-1)).sum().item()
                 total += batch
             step = {name: [tok] for name, tok in zip(step, want.argmax(-1).tolist(), strict=True)}
         assert gpu.runner.counts["graph"] - counts["graph"] == DECODE_STEPS
         assert gpu.runner.counts["eager_prefill"] - counts["eager_prefill"] == 1
-    assert agree / total >= 0.97, f"top-1 agreement {agree}/{total}"
+    assert agree / total >= min_agreement, f"top-1 agreement {agree}/{total}"
+
+
+def near_tie(logits: torch.Tensor, tokens: torch.Tensor, ulps: int = 4) -> torch.Tensor:
+    """bool [rows]: whether each row's `tokens` scores within `ulps` bf16 ulps of the row's top
+    logit (the ulp of its magnitude, at least 1's), by `logits` [rows, vocab]: the top token
+    itself, or one that bf16 rounding between two correct kernels could make the top."""
+    logits = logits.float()
+    top = logits.max(-1).values
+    ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(top.abs().clamp(min=1))))
+    return top - logits.gather(1, tokens.view(-1, 1)).view(-1) <= ulps * ulp
 
 
 @pytest.mark.gpu
@@ -924,13 +944,6 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name):
     assert runner.counts["graph"] == 15
 
 
-def clear_margin(logits: torch.Tensor) -> torch.Tensor:
-    """bool [rows]: rows of `logits` [rows, vocab] whose top logit leads the second by more than
-    5 % of its size (at least 0.05): a greedy token that bf16 rounding cannot flip."""
-    top2 = logits.topk(2, dim=-1).values
-    return (top2[:, 0] - top2[:, 1]) > 0.05 * top2[:, 0].abs().clamp(min=1)
-
-
 def greedy_agreement(ref: Engine, eng: Engine, step: dict, steps: int,
                      next_step: Callable[[int, dict], dict] = lambda i, step: step) -> float:
     """`steps` steps of `eng`'s greedy tokens against `ref`'s logits, teacher-forced by eager's
@@ -940,7 +953,8 @@ def greedy_agreement(ref: Engine, eng: Engine, step: dict, steps: int,
     for i in range(steps):
         logits = ref.step(step)
         got, want = eng.step(step), logits.argmax(-1)
-        clear = clear_margin(logits)
+        top2 = logits.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.05 * top2[:, 0].abs().clamp(min=1)
         assert torch.equal(got[clear], want[clear]), f"step {i}"
         agree += (got == want).sum().item()
         total += len(want)

@@ -91,8 +91,8 @@ def last_page(query: torch.Tensor, kv_cache: torch.Tensor, mask: PagedMask, scal
     """Attention of each request's G query heads per KV head (query [n, kv_heads, G, 1, D]) over
     the live keys of its last page, in fp32: (out [n, kv_heads, G, D], lse [n, kv_heads, G]).
     Products summed by broadcast, not einsum: Inductor makes them reductions fused with the
-    page's gather and the masking (a page is 16-64 keys), where einsum's batched GEMMs were
-    two cuBLAS kernels of 3-6 us each (H100 profile, `scripts/flex_paged_probe.py`)."""
+    page's gather and the masking (a page is a few dozen keys), where einsum's batched GEMMs
+    were two cuBLAS kernels of 3-6 us each (H100 profile, `scripts/flex_paged_probe.py`)."""
     n, block_size = mask.last_len.shape[0], kv_cache.shape[2]
     live = (torch.arange(block_size, device=query.device) < mask.last_len.view(n, 1)).view(n, 1, 1, block_size)
     page_k, page_v = (kv_cache[i, mask.last_page].transpose(1, 2).float().unsqueeze(2) for i in (0, 1))
