@@ -7,7 +7,7 @@ import torch
 
 import compiled_attn as ca
 from compiled_attn.bench.compiles import compile_counts, compiles_line, counts_since
-from compiled_attn.bench.decode_loop import GptFastDecoder
+from compiled_attn.bench.decode_loop import PEER_INDUCTOR, GptFastDecoder, fresh_draws
 from compiled_attn.bench.kernel_table import Kernel, per_layer_table
 from compiled_attn.bench.piecewise_bench import QUICK_BUCKETS, STEPS, step_inputs
 from compiled_attn.bench.plots import decode_series
@@ -152,3 +152,12 @@ def test_compiles_line_names_the_suites_that_compiled():
     e2e = {**idle, "graphs": 1, "compile s": 61.2, "fx cache hit": 1}
     assert compiles_line({"compiled_attn.bench.ceilings": idle, "compiled_attn.bench.e2e": e2e}) == (
         "suite compiles: e2e 1 graphs 61 s (fx cache 1 hit, 0 miss, 0 bypass)")
+
+
+def test_several_compiles_are_fresh_tuning_draws():
+    """More than one compile per side: Inductor's caches off (a hit would replay the first
+    tuning draw); the settings are Inductor's own (patch refuses unknown names)."""
+    assert fresh_draws(1) == {}
+    with torch._inductor.config.patch({**PEER_INDUCTOR, **fresh_draws(2)}):
+        assert torch.compiler.config.force_disable_caches
+    assert not torch.compiler.config.force_disable_caches

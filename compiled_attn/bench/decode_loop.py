@@ -7,11 +7,15 @@ random weights), every request at `ctx` cached tokens when the loop starts, `STE
   `[B, n_kv, ctx + 64, d]` registered on the module, the new K/V stored by index assignment at
   `input_pos`, SDPA with the causal mask's boolean row and `enable_gqa=True`; the step and its
   argmax compiled with `mode="reduce-overhead", fullgraph=True` under coordinate-descent tuning;
-  `input_pos += 1` and the token fed straight back on the device. Timing-tuned, so noisy
-  between compiles: `peer_compiles` fresh compiles, the best one reported.
+  `input_pos += 1` and the token fed straight back on the device.
 - **ours**: each step `builder.build(...)` for the grown sequences (shuffled block tables, the
   last block filling up), positions copied from the host, `runner.run(...)`, argmax on the
   device. `CUDAGraphRunner(compile=True)` compiles the eager model (see its docstring).
+
+Both sides compile under coordinate-descent tuning, which picks kernel configs by timing them, so
+a compile is a draw: `peer_compiles` / `ours_compiles` fresh compiles per side, the best one
+reported. With more than one, each compile runs with Inductor's caches off
+(`force_disable_caches`): a cache hit would replay the first draw instead of making a new one.
 
 Columns: ms / step with one synchronize after the loop ("pipelined", what throughput sees) and
 with a synchronize after every step ("synced", the latency an interactive user sees); MBU =
@@ -273,10 +277,15 @@ def _row(model: Llama, batch: int, ctx: int, side: str, pipelined: float, synced
             "MBU": moved / (pipelined / 1e3) / (nominal_bandwidth() or float("nan"))}
 
 
+def fresh_draws(compiles: int) -> dict:
+    """Inductor settings for `compiles` tuning draws: caches off when there is more than one."""
+    return {"force_disable_caches": True} if compiles > 1 else {}
+
+
 def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int = REPEATS) -> dict:
     """The best of `compiles` fresh peer compiles (each timed pipelined and synced)."""
     times = []
-    with torch._inductor.config.patch(PEER_INDUCTOR):
+    with torch._inductor.config.patch({**PEER_INDUCTOR, **fresh_draws(compiles)}):
         for _ in range(compiles):
             loop = peer_loop(model, batch, ctx)
             times.append(loop_times(loop, repeats))
@@ -309,14 +318,22 @@ def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> 
         return PagedLoop(step_model, backend, batch, ctx, kw, kv_cache_dtype=kv_cache_dtype)
 
 
-def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile", repeats: int = REPEATS) -> dict:
-    """The row of `paged_loop(model, batch, ctx, variant)`: loop times and host work per step."""
-    ours = paged_loop(model, batch, ctx, variant)
-    row = {**_row(model, batch, ctx, f"ours {ours.runner.backend.get_name()} ({variant})",
-                  *loop_times(ours.loop, repeats)),
-           **ours.host_us()}
-    del ours
-    torch.cuda.empty_cache()
+def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile", repeats: int = REPEATS,
+                 compiles: int = 1) -> dict:
+    """The row of `paged_loop(model, batch, ctx, variant)`, the best of `compiles` fresh compiles:
+    loop times and host work per step."""
+    draws = []
+    with torch._inductor.config.patch(fresh_draws(compiles)):
+        for _ in range(compiles):
+            torch._dynamo.reset()  # a fresh trace and compile, as the peer's
+            ours = paged_loop(model, batch, ctx, variant)
+            draws.append((loop_times(ours.loop, repeats), ours.host_us(), ours.runner.backend.get_name()))
+            del ours
+            torch.cuda.empty_cache()
+    times, host_us, name = min(draws, key=lambda d: d[0])
+    row = {**_row(model, batch, ctx, f"ours {name} ({variant})", *times), **host_us}
+    if compiles > 1:
+        row["ours compiles ms"] = [round(d[0][0], 3) for d in draws]
     return row
 
 
@@ -327,13 +344,14 @@ def build_8b(backend: str, kv_cache_dtype: str = "auto") -> Llama:
 
 def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
         points: tuple[tuple[int, int], ...] | None = None, peer_compiles: int | None = None,
-        variants: tuple[str, ...] = ("compile",), on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
+        variants: tuple[str, ...] = ("compile",), on_row: Callable[[dict], None] = lambda row: None,
+        ours_compiles: int = 1) -> list[dict]:
     """Rows per (batch, ctx): the peer (with the first available backend's model), then ours per
     backend and variant (quick: the first available backend only, fewer timed loops, one peer
-    compile); the full grid (no `points`, not quick) ends with the fp8 rows at FP8_POINTS (the
-    "fp8" variant measures them at given points). Points whose KV caches do not fit the card are
-    reported as skipped. `on_row` sees each row as it is measured (a run cut short keeps what it
-    printed)."""
+    compile), each side the best of its compiles (`fresh_draws`); the full grid (no `points`, not
+    quick) ends with the fp8 rows at FP8_POINTS (the "fp8" variant measures them at given points).
+    Points whose KV caches do not fit the card are reported as skipped. `on_row` sees each row as
+    it is measured (a run cut short keeps what it printed)."""
     fp8_at_end = points is None and not quick
     points = points or (QUICK_POINTS if quick else GRID)
     peer_compiles = peer_compiles or (1 if quick else 2)
@@ -361,7 +379,7 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
             for variant in (v for v in variants if VARIANT_BACKEND.get(v, name) == name):
                 # "fp8": the model with e4m3 layers and caches, against the bf16 peer
                 ours = build_8b(name, kv_cache_dtype="fp8") if variant == "fp8" else model
-                add(with_ratio(measure_ours(ours, batch, ctx, variant, repeats), peer_ms))
+                add(with_ratio(measure_ours(ours, batch, ctx, variant, repeats, ours_compiles), peer_ms))
                 del ours
         del model
         torch.cuda.empty_cache()
@@ -396,12 +414,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--backend", action="append", default=None)
     parser.add_argument("--point", action="append", metavar="BxCTX", help="e.g. 64x1024 (repeatable)")
-    parser.add_argument("--peer-compiles", type=int, default=None)
+    parser.add_argument("--peer-compiles", type=int, default=None, help="default 2 (--quick: 1)")
+    parser.add_argument("--ours-compiles", type=int, default=1)
     parser.add_argument("--variant", action="append", choices=VARIANTS, default=None)
     args = parser.parse_args()
     points = tuple(tuple(int(n) for n in p.split("x")) for p in args.point) if args.point else None
     print_table(run(args.quick, tuple(args.backend or BACKENDS), points, args.peer_compiles,
-                    tuple(args.variant or ("compile",)), on_row=lambda row: print(row, flush=True)))
+                    tuple(args.variant or ("compile",)), on_row=lambda row: print(row, flush=True),
+                    ours_compiles=args.ours_compiles))
 
 
 if __name__ == "__main__":
