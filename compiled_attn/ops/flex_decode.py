@@ -26,11 +26,13 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 # decode kernel packs a KV head's G query heads into one tile of next_pow2(G) >= 16 rows and needs
 # it to divide this: 128 serves every group up to 128.
 Q_BLOCK = 128
-# One compile per batch size (the runner's graphs: up to 35 sizes, made at their warm-ups).
-# Dynamo's default of 8 would send the rest to eager flex, which ignores the block mask's page
-# lists (it applies mask_mod densely: every key of the pool, garbage included), so a frame past
-# the limit raises instead (fail_on_recompile_limit_hit); its limit over all frames is 256 by default.
-RECOMPILE_LIMIT = 256
+# One compile per batch size and cache shape (a runner's graphs: up to 35 sizes, made at their
+# warm-ups), and a process keeps them all: one that builds runners for several models or caches
+# (a test worker) makes hundreds. Dynamo's default of 8 would send the rest to eager flex, which
+# ignores the block mask's page lists (it applies mask_mod densely: every key of the pool,
+# garbage included), so a frame past the limit raises instead (fail_on_recompile_limit_hit).
+# Both limits are per code object (`attend`'s): the default total of 256 is raised with them.
+RECOMPILE_LIMIT = 1024
 
 
 class PagedMask(NamedTuple):
