@@ -28,7 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 Q_BLOCK = 128
 # One compile per batch size and cache shape (a runner's graphs: up to 35 sizes, made at their
 # warm-ups), and a process keeps them all: one that builds runners for several models or caches
-# (a test worker) makes hundreds. Dynamo's default of 8 would send the rest to eager flex, which
+# (a test worker) can make hundreds. Dynamo's default of 8 would send the rest to eager flex, which
 # ignores the block mask's page lists (it applies mask_mod densely: every key of the pool,
 # garbage included), so a frame past the limit raises instead (fail_on_recompile_limit_hit).
 # Both limits are per code object (`attend`'s): the default total of 256 is raised with them.
