@@ -15,78 +15,46 @@ product path: FlexAttention over every page, the last one masked by mask_mod, on
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
-import random
-from collections.abc import Callable, Iterator
+import sys
+import unittest.mock
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-import compiled_attn as ca
-from compiled_attn.backends.torch_sdpa import GRAPH_DECODE_ENV
-from compiled_attn.graphs import CUDAGraphRunner
-from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
-from compiled_attn.ops import flex_decode
-from compiled_attn.paging import BlockAllocator, Request, last_token_rows, schedule
+# the GPU test's model, sizes, steps and engines, as `scripts/fault_hunt.py` takes its cases
+sys.path[:0] = [str(Path(__file__).parent.parent / "tests")]
+from test_graphs import (  # noqa: E402
+    DECODE_STEPS,
+    GPU_CONFIG,
+    GPU_SIZES,
+    Engine,
+    direct,
+    gpu_spec,
+    prompts,
+    rel_err,
+)
 
-CONFIG = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,
-                     num_kv_heads=2)
-MAX_LEN, SIZES, STEPS, BATCHES = 128, [1, 2, 4, 8, 16], 32, (1, 3, 8, 13)
-Call = Callable[[ca.AttentionMetadata, torch.Tensor, torch.Tensor], torch.Tensor]
+import compiled_attn as ca  # noqa: E402
+from compiled_attn.backends.torch_sdpa import GRAPH_DECODE_ENV  # noqa: E402
+from compiled_attn.graphs import CUDAGraphRunner  # noqa: E402
+from compiled_attn.models.llama import allocate_kv_caches, build_model  # noqa: E402
+from compiled_attn.ops import flex_decode  # noqa: E402
 
-
-def spec_for(dtype: torch.dtype) -> ca.AttentionSpec:
-    return CONFIG.attention_spec(block_size=16, num_blocks=512, dtype=dtype, device="cuda",
-                                 max_seq_len_to_capture=MAX_LEN)
-
-
-@dataclasses.dataclass
-class Engine:
-    spec: ca.AttentionSpec
-    call: Call
-    backend: str
-    requests: dict[str, Request] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.allocator = BlockAllocator(self.spec.num_blocks, self.spec.block_size)
-        self.builder = ca.get_attn_backend(self.backend).get_builder_cls()(self.spec)
-
-    def step(self, batch: dict[str, list[int]]) -> torch.Tensor:
-        reqs = []
-        for name, tokens in batch.items():
-            r = self.requests.setdefault(name, Request(tokens=[]))
-            r.tokens.extend(tokens)
-            reqs.append(r)
-        seq_lens, query_lens, tables, ids, pos = schedule(reqs, self.allocator, self.spec.device)
-        logits = self.call(self.builder.build(seq_lens, query_lens, tables), ids, pos)[last_token_rows(query_lens)]
-        for r in reqs:
-            r.num_computed = len(r.tokens)
-        return logits.float()
-
-
-def direct(model: torch.nn.Module, caches: list[torch.Tensor]) -> Call:
-    def call(md, ids, pos):
-        with ca.set_forward_context(md):
-            return model(ids, pos, caches)
-    return call
-
-
-def prompts(n: int, seed: int) -> dict[str, list[int]]:
-    rng = random.Random(seed)
-    return {f"r{seed}.{i}": [rng.randrange(CONFIG.vocab_size) for _ in range(rng.randrange(3, 40))]
-            for i in range(n)}
+BATCHES = (1, 3, 8, 13)  # test_graph_decode_matches_eager_teacher_forced's
 
 
 def teacher_steps(engine: Engine) -> tuple[list[dict[str, list[int]]], list[torch.Tensor]]:
-    """The reference's steps (prompts, then STEPS decodes fed its own greedy tokens) and logits."""
+    """The reference's steps (prompts, then DECODE_STEPS decodes fed its own greedy tokens) and
+    logits (fp32)."""
     steps, logits = [], []
     for batch in BATCHES:
-        step = prompts(batch, seed=batch)
-        for _ in range(STEPS + 1):
-            out = engine.step(step)
+        step = prompts(batch, seed=batch, vocab=GPU_CONFIG.vocab_size, hi=40)
+        for _ in range(DECODE_STEPS + 1):
+            out = engine.step(step).float()
             steps.append(step)
             logits.append(out)
             step = {name: [tok] for name, tok in zip(step, out.argmax(-1).tolist(), strict=True)}
@@ -94,7 +62,7 @@ def teacher_steps(engine: Engine) -> tuple[list[dict[str, list[int]]], list[torc
 
 
 def replay(engine: Engine, steps: list[dict[str, list[int]]]) -> list[torch.Tensor]:
-    return [engine.step(step) for step in steps]
+    return [engine.step(step).float() for step in steps]
 
 
 def attend_all_pages(query, kv_cache, mask, scale, kernel_options):
@@ -117,38 +85,24 @@ def attend_all_pages(query, kv_cache, mask, scale, kernel_options):
     return out.squeeze(2)
 
 
-@contextlib.contextmanager
-def env(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
 def graphed(name: str, model: torch.nn.Module, spec: ca.AttentionSpec, zero: bool = False) -> Engine:
-    caches = allocate_kv_caches(CONFIG, ca.get_attn_backend(name, spec), spec)
+    caches = allocate_kv_caches(GPU_CONFIG, ca.get_attn_backend(name, spec), spec)
     if zero:
         for c in caches:
             c.zero_()
-    runner = CUDAGraphRunner(model, ca.get_attn_backend(name, spec), spec, caches, capture_sizes=SIZES,
-                             max_batch_size=max(SIZES), progress=False)
+    runner = CUDAGraphRunner(model, ca.get_attn_backend(name, spec), spec, caches, capture_sizes=GPU_SIZES,
+                             max_batch_size=max(GPU_SIZES), progress=False)
     runner.capture()
-    return Engine(spec, runner.run, name)
+    return Engine(spec, runner.run, backend_name=name)
 
 
 def summary(name: str, got: list[torch.Tensor], eager: list[torch.Tensor], fp32: list[torch.Tensor]) -> str:
     agree_e = agree_f = total = 0
     gaps: list[float] = []
     err_e = err_f = 0.0
-    per_batch = STEPS + 1
+    per_batch = DECODE_STEPS + 1
     for i, (g, e, f) in enumerate(zip(got, eager, fp32, strict=True)):
-        err_e = max(err_e, ((g - e).norm() / e.norm()).item())
-        err_f = max(err_f, ((g - f).norm() / f.norm()).item())
+        err_e, err_f = max(err_e, rel_err(g, e)), max(err_f, rel_err(g, f))
         if i % per_batch == 0:  # the prompt step: not counted, as in the test
             continue
         ge, ee, fe = g.argmax(-1), e.argmax(-1), f.argmax(-1)
@@ -165,18 +119,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    spec, spec32 = spec_for(torch.bfloat16), spec_for(torch.float32)
     sdpa = "TORCH_SDPA"
-    model = build_model(CONFIG, seed=0, backend=sdpa, dtype=torch.bfloat16, device="cuda")
-    model32 = build_model(CONFIG, seed=0, backend=sdpa, dtype=torch.float32, device="cuda")
+    spec = gpu_spec(sdpa)
+    spec32 = dataclasses.replace(spec, dtype=torch.float32)
+    model = build_model(GPU_CONFIG, seed=0, backend=sdpa, dtype=torch.bfloat16, device="cuda")
+    model32 = build_model(GPU_CONFIG, seed=0, backend=sdpa, dtype=torch.float32, device="cuda")
     model32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     backend = ca.get_attn_backend(sdpa)
-    steps, eager = teacher_steps(Engine(spec, direct(model, allocate_kv_caches(CONFIG, backend, spec)), sdpa))
-    fp32 = replay(Engine(spec32, direct(model32, allocate_kv_caches(CONFIG, backend, spec32)), sdpa), steps)
+    steps, eager = teacher_steps(Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec))))
+    fp32 = replay(Engine(spec32, direct(model32, allocate_kv_caches(GPU_CONFIG, backend, spec32))), steps)
     rows = [summary("eager bf16 (TORCH_SDPA)", eager, eager, fp32)]
-    with env(GRAPH_DECODE_ENV, "gather"):
+    with unittest.mock.patch.dict(os.environ, {GRAPH_DECODE_ENV: "gather"}):
         rows.append(summary("graph, gather", replay(graphed(sdpa, model, spec), steps), eager, fp32))
-    with env(GRAPH_DECODE_ENV, "flex"):
+    with unittest.mock.patch.dict(os.environ, {GRAPH_DECODE_ENV: "flex"}):
         rows.append(summary("graph, flex (NaN-safe)", replay(graphed(sdpa, model, spec), steps), eager, fp32))
         nan_safe = flex_decode.attend
         flex_decode.attend = attend_all_pages
@@ -187,15 +142,15 @@ def main() -> None:
         finally:  # later flex compiles in this process get the product path back
             flex_decode.attend = nan_safe
             flex_decode.compiled_attend.cache_clear()
+    fi_spec = gpu_spec("FLASHINFER")
     try:
-        fi_spec = spec_for(torch.bfloat16)
         ca.get_attn_backend("FLASHINFER", fi_spec)
     except (ca.BackendUnavailableError, NotImplementedError) as e:
         rows.append(f"| FLASHINFER | unavailable: {e} | | | | |")
     else:
-        fi_model = build_model(CONFIG, seed=0, backend="FLASHINFER", dtype=torch.bfloat16, device="cuda")
-        fi_caches = allocate_kv_caches(CONFIG, ca.get_attn_backend("FLASHINFER", fi_spec), fi_spec)
-        fi_eager = replay(Engine(fi_spec, direct(fi_model, fi_caches), "FLASHINFER"), steps)
+        fi_model = build_model(GPU_CONFIG, seed=0, backend="FLASHINFER", dtype=torch.bfloat16, device="cuda")
+        fi_caches = allocate_kv_caches(GPU_CONFIG, ca.get_attn_backend("FLASHINFER", fi_spec), fi_spec)
+        fi_eager = replay(Engine(fi_spec, direct(fi_model, fi_caches), backend_name="FLASHINFER"), steps)
         rows.append(summary("FLASHINFER eager", fi_eager, eager, fp32))
         fi_graph = replay(graphed("FLASHINFER", fi_model, fi_spec), steps)
         rows.append(summary("FLASHINFER graph", fi_graph, eager, fp32))
