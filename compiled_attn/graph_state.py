@@ -181,6 +181,10 @@ class GraphState(AttentionState):
     # n: also graphs over the first m, 2m, 4m, ... < W columns of `block_tables`, m = ceil(n /
     # block_size), for kernels whose work grows with the table's width (`table_widths`).
     MIN_TABLE_WIDTH_TOKENS: ClassVar[int | None] = None
+    # Whether the graphs decode through the kernel eager steps run: then their logits are eager's
+    # but for rounding noise. A State whose graphs take another kernel sets it False (their greedy
+    # tokens may then flip at bf16 near-ties: `compiled_attn.testing.agreement`).
+    decodes_on_eager_kernel: bool = True
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)

@@ -200,7 +200,7 @@ def test_layers_of_one_forward_share_key_slots_per_window():
 
 
 # ---------------------------------------------------------------------------------------------
-# Graph decode through FlexAttention (opt-in: COMPILED_ATTN_SDPA_GRAPH_DECODE=flex)
+# Graph decode through FlexAttention (COMPILED_ATTN_SDPA_GRAPH_DECODE: auto by default, flex, gather)
 
 
 def flex_spec(**kw) -> ca.AttentionSpec:
@@ -214,25 +214,28 @@ def flex_spec(**kw) -> ca.AttentionSpec:
                                           (dict(num_heads=6, num_kv_heads=2), "power-of-two"),
                                           (dict(block_size=8), "power of two >= 16"),
                                           (dict(block_size=48), "power of two >= 16")])
-def test_flex_graph_decode_is_opt_in_and_refused_where_it_cannot_serve(over, reason, monkeypatch):
+def test_flex_graph_decode_is_the_default_where_it_serves_and_refused_where_it_cannot(over, reason, monkeypatch):
     state_cls = ca.get_attn_backend("TORCH_SDPA").get_state_cls()
+    monkeypatch.delenv(sdpa.GRAPH_DECODE_ENV, raising=False)
+    cpu = state_cls(flex_spec())  # "auto" on CPU, where flex does not run: gather, eager's kernel
+    assert cpu.decode_kernel == "gather" and cpu.decodes_on_eager_kernel
     monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flex")
     with pytest.raises(NotImplementedError, match="runs on cuda only"):
         state_cls(flex_spec())
     monkeypatch.setattr(sdpa, "FLEX_DEVICES", ("cuda", "cpu"))  # States only: nothing runs
     monkeypatch.delenv(sdpa.GRAPH_DECODE_ENV)
-    default = state_cls(flex_spec(max_seq_len_to_capture=1024))
-    assert default.decode_kernel == "gather" and default.graph_table_widths() == (64, 32, 16)
+    default = state_cls(flex_spec(max_seq_len_to_capture=1024))  # "auto": flex where it serves
+    assert default.decode_kernel == "flex" and default.graph_table_widths() == (default.max_blocks_per_seq,)
+    assert not default.decodes_on_eager_kernel
+    refused = state_cls(flex_spec(**over))
+    assert refused.decode_kernel == "gather" and refused.decodes_on_eager_kernel
+    monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "gather")
+    gather = state_cls(flex_spec(max_seq_len_to_capture=1024))
+    assert gather.decode_kernel == "gather" and gather.graph_table_widths() == (64, 32, 16)
     monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flex")
-    flex = state_cls(flex_spec(max_seq_len_to_capture=1024))
-    assert flex.decode_kernel == "flex" and flex.graph_table_widths() == (flex.max_blocks_per_seq,)
+    assert state_cls(flex_spec(max_seq_len_to_capture=1024)).decode_kernel == "flex"
     with pytest.raises(NotImplementedError, match=f"{sdpa.GRAPH_DECODE_ENV}=flex: .*{reason}"):
         state_cls(flex_spec(**over))
-    monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "auto")  # flex where it serves, gather elsewhere
-    assert state_cls(flex_spec(max_seq_len_to_capture=1024)).decode_kernel == "flex"
-    assert state_cls(flex_spec(**over)).decode_kernel == "gather"
-    monkeypatch.setattr(sdpa, "FLEX_DEVICES", ("cuda",))
-    assert state_cls(flex_spec()).decode_kernel == "gather"
     monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "flash")
     with pytest.raises(ValueError, match="gather, flex or auto"):
         state_cls(flex_spec())

@@ -580,6 +580,7 @@ class FlashInferState(GraphState):
         super().__init__(spec)
         self._workspace: torch.Tensor | None = None  # shared by the graph wrappers of every size
         self.decode_kernel = graph_decode_kernel(spec)
+        self.decodes_on_eager_kernel = self.decode_kernel != "cudnn"  # eager steps run FlashInfer's
 
     def allocate_extra(self, max_batch_size: int) -> dict[str, torch.Tensor]:
         if self.decode_kernel == "cudnn":

@@ -115,7 +115,7 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
         return out
 
 
-# "gather" (default), "flex" or "auto": the decode kernel of TORCH_SDPA's graphs (`graph_decode_kernel`).
+# "auto" (default), "flex" or "gather": the decode kernel of TORCH_SDPA's graphs (`graph_decode_kernel`).
 GRAPH_DECODE_ENV = "COMPILED_ATTN_SDPA_GRAPH_DECODE"
 
 
@@ -139,14 +139,14 @@ def flex_decode_reason(spec: AttentionSpec) -> str | None:
 
 
 def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
-    """The decode of `spec`'s graphs: "gather" (each row's table gathered into contiguous K/V,
-    then SDPA) or "flex" (FlexAttention reading the pages in place). `choice` (default: the
-    GRAPH_DECODE_ENV variable, else "gather") is "gather", "flex" (NotImplementedError where
-    `flex_decode_reason` refuses the spec) or "auto" (flex wherever it serves, else gather).
-    flex is faster in the decode loop (BENCHMARKS.md) but opt-in until the GPU suite passes
-    whole with "auto" as the default. It is another kernel than eager's SDPA: its greedy tokens
-    differ from eager's at bf16 near-ties, as FlashInfer's do (`scripts/decode_agreement.py`)."""
-    choice = choice or os.environ.get(GRAPH_DECODE_ENV) or "gather"
+    """The decode of `spec`'s graphs: "flex" (FlexAttention reading the pages in place) or
+    "gather" (each row's table gathered into contiguous K/V, then eager's SDPA). `choice`
+    (default: the GRAPH_DECODE_ENV variable, else "auto") picks flex wherever
+    `flex_decode_reason` allows ("auto"), always ("flex": NotImplementedError where it cannot)
+    or never ("gather"). flex is the faster in the decode loop (BENCHMARKS.md); it is another
+    kernel than eager's SDPA, so its greedy tokens differ from eager's at bf16 near-ties, as
+    FlashInfer's do (`compiled_attn/testing/agreement.py`)."""
+    choice = choice or os.environ.get(GRAPH_DECODE_ENV) or "auto"
     if choice not in ("gather", "flex", "auto"):
         raise ValueError(f"{GRAPH_DECODE_ENV}={choice!r}: use gather, flex or auto")
     if choice == "gather":
@@ -166,11 +166,11 @@ class TorchSDPAState(GraphState):
     block-table row and masks them by seq_len, so a graph needs no host planning
     (`begin_forward` only checks the call order).
 
-    With `graph_decode_kernel` "flex" (opt-in, CUDA), the graphs' decode reads the pages in place
-    through FlexAttention, whose work follows the live lengths: one table width per size. Its
+    With `graph_decode_kernel` "flex" (the default on CUDA), the graphs' decode reads the pages
+    in place through FlexAttention, whose work follows the live lengths: one table width per size. Its
     layers with their own window, soft-cap or ALiBi gather, at that one width.
 
-    With "gather" (the default), the decode gathers every row's whole table
+    With "gather" (CPU, and specs flex cannot serve), the decode gathers every row's whole table
     (`md.block_tables.shape[1]` blocks), so a graph's step moves bs * width * block_size keys per
     layer whatever the live lengths.
     Hence graphs of several table widths per batch size (MIN_TABLE_WIDTH_TOKENS): 256 tokens'
@@ -189,6 +189,7 @@ class TorchSDPAState(GraphState):
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
         self.decode_kernel = graph_decode_kernel(spec)
+        self.decodes_on_eager_kernel = self.decode_kernel == "gather"
         if self.decode_kernel == "flex":
             self.MIN_TABLE_WIDTH_TOKENS = None
 

@@ -1,5 +1,5 @@
-"""Decode attention that reads the paged cache in place through FlexAttention (TORCH_SDPA's graphs,
-opt-in: `backends.torch_sdpa.graph_decode_kernel`).
+"""Decode attention that reads the paged cache in place through FlexAttention (TORCH_SDPA's graphs
+on CUDA by default: `backends.torch_sdpa.graph_decode_kernel`).
 
 The cache [2, num_blocks, block_size, num_kv_heads, head_size] is viewed as one sequence of
 num_blocks * block_size keys per KV head; a block mask lists each request's full pages (its
