@@ -48,7 +48,7 @@ fi
 # The GPU tests are mostly host-bound (graph capture, compiles, the soak's 10,000 steps of Python):
 # WORKERS pytest-xdist processes share the one GPU (work stealing: the long soak runs start first
 # and the short tests fill in around them). WORKERS=0 runs them in one process.
-workers=${WORKERS:-4}
+workers=${WORKERS:-6}
 xdist=()
 if [[ "$workers" != 0 ]] && python3 -c "import xdist" 2>/dev/null; then
   xdist=(-n "$workers" --dist worksteal)
@@ -57,7 +57,7 @@ fi
 if [[ " $PARTS " == *" tests "* ]]; then
   # SIGINT at the limit (to the process group, xdist workers included): pytest stops and still
   # prints its summary, naming the failures so far; the status is then timeout's 124
-  timeout -s INT -k 60 "${TEST_TIMEOUT:-480}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=25 "${xdist[@]}" \
+  timeout -s INT -k 60 "${TEST_TIMEOUT:-560}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=25 "${xdist[@]}" \
     --ignore=tests/test_fuzz.py ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
