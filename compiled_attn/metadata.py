@@ -20,6 +20,7 @@ from compiled_attn.abstract import (
     AttentionSpec,
     AttentionType,
 )
+from compiled_attn.block_ids import BlockIdCheck
 from compiled_attn.capabilities import capability_reason, spec_needs
 from compiled_attn.validation import (
     CACHELESS_TYPES,
@@ -256,7 +257,8 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         super().__init__(spec)
         self.rolling_tables = bool(rolling_tables)
         self.device = spec.device
-        self._block_scratch: np.ndarray | None = None
+        self._block_scratch: np.ndarray | None = None  # cross tables' (`check_block_ids`)
+        self._block_ids = BlockIdCheck(spec.num_blocks)  # block_tables', step after step
         check_device_available(self.device)
         self._check_backend_serves(spec)
 
@@ -299,7 +301,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         rolled = rolled_blocks(starts, spec.sliding_window, spec.block_size) if self.rolling_tables else None
         if uses_cache:
             table, ids, row_ends = needed_table(block_tables, seq_a, spec.block_size, "block_tables", rolled)
-            shared = check_block_ids(ids, row_ends, spec.num_blocks, "block_tables", self._scratch())
+            shared = self._block_ids(table, -(-seq_a // spec.block_size), ids, row_ends, "block_tables")
             slot_mapping = slots_for(table, starts, seq_a, spec.block_size)
             if shared:
                 check_written_blocks(slot_mapping, query_lens, ids, row_ends, spec.block_size, "block_tables")

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 import compiled_attn as ca
+from compiled_attn import block_ids
+from compiled_attn.block_ids import BlockIdCheck
+from compiled_attn.validation import check_block_ids, needed_table, rolled_blocks
 
 T = ca.AttentionType
 BACKEND = ca.get_attn_backend("TORCH_SDPA")
@@ -259,3 +262,73 @@ def test_array_lengths_past_int32_raise_like_lists(lens):
         builder().build(lens, [1, 1], [[1, 2, 3], [4, 5, 6]])
     with pytest.raises(ValueError, match=r"seq_lens must hold ints within int32 .* got 1099511627776"):
         builder().build(lens.tolist(), [1, 1], [[1, 2, 3], [4, 5, 6]])
+
+
+def _whole_check(table: np.ndarray, seq: np.ndarray, rolled: np.ndarray | None) -> object:
+    """What a fresh `check_block_ids` says of a step: shared or not, or the error's message."""
+    _, ids, row_ends = needed_table(table, seq, BS, "block_tables", rolled)
+    try:
+        return check_block_ids(ids, row_ends, NB, "block_tables")
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_kept_block_check_judges_each_step_as_a_whole_check_does(monkeypatch):
+    """`BlockIdCheck` over random step sequences: decodes growing into new blocks (its fast path),
+    new blocks that repeat a read block, leave the cache or wrap into it from an int64 table,
+    edited entries, batches that change or shrink, prefix sharing, rolling (sliding-window)
+    tables: every step gets the whole check's verdict and message. Then a run of pure decode
+    steps makes a single whole check."""
+    rng = np.random.default_rng(11)
+    for trial in range(300):
+        check = BlockIdCheck(NB)
+        n = int(rng.integers(1, 5))
+        table = rng.permutation(NB)[: n * 8].reshape(n, 8).astype(np.int64 if trial % 3 else np.int32)
+        seq = rng.integers(2, 4 * BS, n)
+        window = None if trial % 4 else int(rng.integers(2, 3 * BS))
+        for step in range(10):
+            move = rng.integers(6)
+            if move == 0:  # a new block repeats one of the step's, leaves the cache or wraps into it
+                i = int(rng.integers(n))
+                need = -(-seq[i] // BS)
+                if need < 8:
+                    bad = [table[int(rng.integers(n)), 0], NB, -1, int(rng.integers(NB))]
+                    table[i, need] = rng.choice(bad + [2**32 + 3] * (table.dtype == np.int64))
+            elif move == 1:  # an edited entry
+                table[rng.integers(n), rng.integers(8)] = rng.integers(NB)
+            elif move == 2 and n > 1:  # a request leaves
+                keep = np.arange(n) != rng.integers(n)
+                table, seq, n = table[keep].copy(), seq[keep], n - 1
+            elif move == 3:  # a shorter request in some row
+                seq[rng.integers(n)] = rng.integers(2, BS + 2)
+            seq = np.minimum(seq + rng.integers(0, BS, n) * (move >= 4), 8 * BS)  # decodes, some crossing a block
+            rolled = None if window is None else rolled_blocks(seq - 1, window, BS)
+            want = _whole_check(table, seq, rolled)
+            padded, ids, row_ends = needed_table(table, seq, BS, "block_tables", rolled)
+            try:
+                got = check(padded, -(-seq // BS), ids, row_ends, "block_tables")
+            except ValueError as e:
+                got = str(e)
+            assert got == want, (trial, step)
+    calls = []
+    monkeypatch.setattr(block_ids, "check_block_ids", lambda *a, **k: calls.append(1) or check_block_ids(*a, **k))
+    check, table, seq = BlockIdCheck(NB), np.arange(32, dtype=np.int32).reshape(4, 8), np.array([2, 5, 9, 3])
+    for _ in range(20):
+        seq += 1
+        padded, ids, row_ends = needed_table(table, seq, BS, "block_tables")
+        assert check(padded, -(-seq // BS), ids, row_ends, "block_tables") is False
+    assert len(calls) == 1
+
+
+def test_a_decode_growing_into_a_repeated_block_raises_as_a_fresh_builder_does():
+    b = builder()
+    table = np.array([[3, 4, 5, 17], [6, 7, 8, 19]], dtype=np.int32)
+    for seq in (np.array([13, 10]), np.array([14, 11]), np.array([15, 12])):
+        b.build(seq, np.array([1, 1]), table)
+    table[1, 3] = 17  # request 1's next block is request 0's last
+    seq = np.array([16, 13])  # request 1 enters its fourth block and writes there
+    with pytest.raises(ValueError, match="block 17") as fresh:
+        builder().build(seq, np.array([1, 1]), table)
+    with pytest.raises(ValueError, match="block 17") as kept:
+        b.build(seq, np.array([1, 1]), table)
+    assert str(kept.value) == str(fresh.value)

@@ -12,6 +12,7 @@ of a kind: `validation.check_layer_call`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 import unittest.mock
 
@@ -79,23 +80,31 @@ BUILD_POINTS = ((64, 1024), (256, 4096))
 def build_rows(quick: bool) -> list[dict]:
     """Host time of `builder.build()` for a decode step of shuffled tables, block tables given as
     lists of lists and as one int32 array (what a server keeps), per builder (CPU specs: host
-    work only, no device copies)."""
+    work only, no device copies): every request at the same length each call, and (array only)
+    a decode loop's steps, lengths staggered over a block and each one token longer per call."""
     import numpy as np
 
     rows, iters = [], 10 if quick else 50
     for batch, ctx in BUILD_POINTS:
         width = -(-(ctx + 1) // 16)
+        grown = -(-(ctx + 1 + iters + 3) // 16)  # room for the growing steps (eager_time_us: 3 warm-ups)
         spec = ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
-                                num_blocks=batch * width, dtype=torch.float32, device="cpu")
-        table = np.random.default_rng(0).permutation(batch * width).reshape(batch, width).astype(np.int32)
+                                num_blocks=batch * grown, dtype=torch.float32, device="cpu")
+        rng = np.random.default_rng(0)
+        table = rng.permutation(batch * width).reshape(batch, width).astype(np.int32)
+        wide = rng.permutation(batch * grown).reshape(batch, grown).astype(np.int32)
         seq_lens, query_lens = np.full(batch, ctx + 1), np.ones(batch, dtype=np.int64)
         for backend_name, backend in BACKEND_CLASSES().items():
             if not backend.supports_block_size(16):
                 continue
             builder = backend.get_builder_cls()(spec)
-            for form, tables, lens in (("array", table, (seq_lens, query_lens)),
-                                       ("lists", table.tolist(), (seq_lens.tolist(), query_lens.tolist()))):
-                us = eager_time_us(lambda b=builder, t=tables, ln=lens: b.build(*ln, t), iters=iters)
+            staggered = seq_lens - rng.integers(0, 16, batch)
+            for form, tables, lens in (  # lens: each call's (seq_lens, query_lens)
+                ("array", table, itertools.repeat((seq_lens, query_lens))),
+                ("lists", table.tolist(), itertools.repeat((seq_lens.tolist(), query_lens.tolist()))),
+                ("array, lengths growing", wide, ((staggered + i, query_lens) for i in itertools.count())),
+            ):
+                us = eager_time_us(lambda b=builder, t=tables, ln=lens: b.build(*next(ln), t), iters=iters)
                 rows.append({"card": "host CPU", "what": f"{backend_name}: build() {batch} decodes x {ctx} tokens, "
                              f"tables as {form}", "us/call": us})
     return rows
