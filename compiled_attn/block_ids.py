@@ -20,12 +20,11 @@ class BlockIdCheck:
 
     After a step whose requests named every block once, its padded table, its needs and its
     blocks' marks are kept. A next step with as many requests, each needing at least as many
-    blocks, whose kept entries are unchanged, is checked by its new entries alone: in the cache,
-    unmarked, and distinct. Anything else (another batch, a shorter need, an edited entry, a new
-    entry that fails) goes through `check_block_ids` whole, which also words every error, so
-    both paths accept and refuse the same steps with the same messages. The marks may name more
-    blocks than the kept table reads (a rolling table's entry that left the window as block 0
-    keeps block 0's mark), never fewer: an extra mark only sends a step to the whole check.
+    blocks, every id in the cache and the kept entries unchanged, is checked by its new entries
+    alone: unmarked and distinct. Anything else (another batch, a shorter need, an edited entry,
+    an id out of range, a new entry that fails, a rolling table) goes through `check_block_ids`
+    whole, which also words every error, so both paths accept and refuse the same steps with the
+    same messages.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -34,15 +33,18 @@ class BlockIdCheck:
         self._kept: tuple[np.ndarray, np.ndarray] | None = None  # (padded table, need) of that step
 
     def __call__(self, table: np.ndarray, need: np.ndarray, ids: np.ndarray, row_ends: np.ndarray,
-                 what: str) -> bool:
+                 what: str, rolled: np.ndarray | None = None) -> bool:
         """`check_block_ids(ids, row_ends, ...)` of a step whose padded table (`needed_table`,
         block 0 past each need, read-only from here on) and needs per request are given; returns
-        whether a block is named more than once (prefix sharing: nothing kept then)."""
-        if self._kept is not None and self._extend(table, need, ids, row_ends):
+        whether a block is named more than once (prefix sharing: nothing kept then). A rolling
+        table's step (`rolled` not None) is checked whole and kept not: the window moves its
+        first live entry both ways (a chunk starts earlier than the last decode)."""
+        if self._kept is not None and self._extend(table, need, ids, row_ends):  # never kept if rolling
             return False
         self._forget()
-        shared = check_block_ids(ids, row_ends, self.num_blocks, what, self._marks, keep_marks=True)
-        if not shared:
+        keep = rolled is None
+        shared = check_block_ids(ids, row_ends, self.num_blocks, what, self._marks, keep_marks=keep)
+        if keep and not shared:  # the marks are this step's
             self._kept = (table, need)
         return shared
 
@@ -51,6 +53,10 @@ class BlockIdCheck:
         old, old_need = self._kept
         if table.shape[0] != old.shape[0] or bool((need < old_need).any()):
             return False
+        # every id in range, in the caller's dtype: then the int32 table holds each one exactly
+        # (an int64 id 2**32 + 1 would read as block 1 there)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            return False
         # no need shrank, so the table is at least as wide; kept entries unchanged: a difference
         # may only sit where the kept table padded (past a need)
         width = old.shape[1]
@@ -58,18 +64,11 @@ class BlockIdCheck:
         rows, cols = np.divmod(changed, width)
         if bool((cols < old_need[rows]).any()):
             return False
-        # the new entries end each grown row's ids; read there, in the caller's dtype (the int32
-        # table would have wrapped an id past int32 into range)
+        # the new entries end each grown row's ids
         grown = np.flatnonzero(need > old_need)
-        ends, added = row_ends[grown], (need - old_need)[grown]
-        # a rolling table's row may hold fewer ids than it added (np.diff's prepend costs 10x this)
-        begins = row_ends[grown - 1] * (grown > 0)
-        if bool((added > ends - begins).any()):
-            return False
-        fresh = ids[np.repeat(ends - np.cumsum(added), added) + np.arange(int(added.sum()))]
+        added = (need - old_need)[grown]
+        fresh = ids[np.repeat(row_ends[grown] - np.cumsum(added), added) + np.arange(int(added.sum()))]
         if fresh.size:
-            if int(fresh.min()) < 0 or int(fresh.max()) >= self.num_blocks:
-                return False
             fresh = fresh.astype(np.intp)
             fresh_sorted = np.sort(fresh)  # a few dozen: np.unique's overhead is most of its cost
             if self._marks[fresh].any() or bool((fresh_sorted[1:] == fresh_sorted[:-1]).any()):

@@ -301,7 +301,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         rolled = rolled_blocks(starts, spec.sliding_window, spec.block_size) if self.rolling_tables else None
         if uses_cache:
             table, ids, row_ends = needed_table(block_tables, seq_a, spec.block_size, "block_tables", rolled)
-            shared = self._block_ids(table, -(-seq_a // spec.block_size), ids, row_ends, "block_tables")
+            shared = self._block_ids(table, -(-seq_a // spec.block_size), ids, row_ends, "block_tables", rolled)
             slot_mapping = slots_for(table, starts, seq_a, spec.block_size)
             if shared:
                 check_written_blocks(slot_mapping, query_lens, ids, row_ends, spec.block_size, "block_tables")

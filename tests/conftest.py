@@ -1,3 +1,4 @@
+import os
 import sys
 import types
 from pathlib import Path
@@ -8,6 +9,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import toy_backend  # noqa: E402
+from scheduling import spread_long_tests  # noqa: E402
 
 from compiled_attn.backends import flashinfer as fib  # noqa: E402
 from compiled_attn.registry import BACKEND_CLASSES  # noqa: E402
@@ -19,13 +21,22 @@ CONTRACT_BACKENDS = {**BACKEND_CLASSES(), toy_backend.NAME: toy_backend.ToyDense
 CPU_BACKENDS = [name for name, cls in CONTRACT_BACKENDS.items() if not cls.requires_cuda]
 
 
+@pytest.hookimpl(trylast=True)  # after `-m gpu` deselects: xdist splits what is left
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        items[:] = spread_long_tests(items, workers, _long_seconds)
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _long_seconds(item) -> float:
+    """A GPU test's `long(seconds)` mark: about how long it runs on an H100 beside five others."""
+    mark = item.get_closest_marker("long")
+    return mark.args[0] if mark else 0.0
 
 
 def pytest_generate_tests(metafunc):

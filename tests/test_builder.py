@@ -276,8 +276,9 @@ def _whole_check(table: np.ndarray, seq: np.ndarray, rolled: np.ndarray | None) 
 def test_a_kept_block_check_judges_each_step_as_a_whole_check_does(monkeypatch):
     """`BlockIdCheck` over random step sequences: decodes growing into new blocks (its fast path),
     new blocks that repeat a read block, leave the cache or wrap into it from an int64 table,
-    edited entries, batches that change or shrink, prefix sharing, rolling (sliding-window)
-    tables: every step gets the whole check's verdict and message. Then a run of pure decode
+    edited entries (kept ones wrapping too), batches that change or shrink, prefix sharing,
+    rolling (sliding-window) tables whose window moves both ways: every step gets the whole
+    check's verdict and message. Then a run of pure decode
     steps makes a single whole check."""
     rng = np.random.default_rng(11)
     for trial in range(300):
@@ -287,26 +288,33 @@ def test_a_kept_block_check_judges_each_step_as_a_whole_check_does(monkeypatch):
         seq = rng.integers(2, 4 * BS, n)
         window = None if trial % 4 else int(rng.integers(2, 3 * BS))
         for step in range(10):
-            move = rng.integers(6)
+            move = rng.integers(7)
             if move == 0:  # a new block repeats one of the step's, leaves the cache or wraps into it
                 i = int(rng.integers(n))
                 need = -(-seq[i] // BS)
                 if need < 8:
                     bad = [table[int(rng.integers(n)), 0], NB, -1, int(rng.integers(NB))]
                     table[i, need] = rng.choice(bad + [2**32 + 3] * (table.dtype == np.int64))
-            elif move == 1:  # an edited entry
-                table[rng.integers(n), rng.integers(8)] = rng.integers(NB)
+            elif move == 1:  # an edited entry, or one that wraps into the cache from an int64 table
+                table[rng.integers(n), rng.integers(8)] = rng.integers(NB) + 2**32 * (table.dtype == np.int64
+                                                                                        and rng.random() < 0.3)
             elif move == 2 and n > 1:  # a request leaves
                 keep = np.arange(n) != rng.integers(n)
                 table, seq, n = table[keep].copy(), seq[keep], n - 1
             elif move == 3:  # a shorter request in some row
                 seq[rng.integers(n)] = rng.integers(2, BS + 2)
-            seq = np.minimum(seq + rng.integers(0, BS, n) * (move >= 4), 8 * BS)  # decodes, some crossing a block
-            rolled = None if window is None else rolled_blocks(seq - 1, window, BS)
+            elif move == 4:  # every request enters a new block, all of them the same one
+                need = -(-seq // BS)
+                grow = need < 8
+                table[np.flatnonzero(grow), need[grow]] = rng.integers(NB)
+                seq = np.where(grow, need * BS + 1, seq)
+            seq = np.minimum(seq + rng.integers(0, BS, n) * (move >= 5), 8 * BS)  # decodes, some crossing a block
+            starts = seq - rng.integers(1, seq + 1) if rng.random() < 0.3 else seq - 1  # chunks, else decodes
+            rolled = None if window is None else rolled_blocks(starts, window, BS)
             want = _whole_check(table, seq, rolled)
             padded, ids, row_ends = needed_table(table, seq, BS, "block_tables", rolled)
             try:
-                got = check(padded, -(-seq // BS), ids, row_ends, "block_tables")
+                got = check(padded, -(-seq // BS), ids, row_ends, "block_tables", rolled)
             except ValueError as e:
                 got = str(e)
             assert got == want, (trial, step)
@@ -331,4 +339,29 @@ def test_a_decode_growing_into_a_repeated_block_raises_as_a_fresh_builder_does()
         builder().build(seq, np.array([1, 1]), table)
     with pytest.raises(ValueError, match="block 17") as kept:
         b.build(seq, np.array([1, 1]), table)
+    assert str(kept.value) == str(fresh.value)
+
+
+@pytest.mark.parametrize("tables", [lambda t: t, lambda t: t.tolist()], ids=["array", "lists"])
+def test_a_kept_entry_edited_past_int32_raises_as_a_fresh_builder_does(tables):
+    """An id 2**32 + 1 where the last step read block 1: int32 would read it as block 1."""
+    b, table = builder(), np.array([[1, 2, 3, 0]], dtype=np.int64)
+    b.build(np.array([12]), np.array([1]), tables(table))
+    table[0, 0] = 1 + 2**32
+    with pytest.raises(ValueError, match="names block 4294967297"):
+        b.build(np.array([13]), np.array([1]), tables(table))
+
+
+def test_a_rolling_window_moving_back_is_checked_whole():
+    """A chunk that starts before the last decode's window re-reads a row's leading block 0,
+    which request 0 writes: the kept check must not have let the earlier step's marks decide."""
+    spec = ca.AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8, block_size=16, num_blocks=NB,
+                            dtype=torch.float32, device="cpu", sliding_window=32)
+    table = np.array([[0, 9, 10, 11, 12], [0, 0, 0, 7, 8]], dtype=np.int32)
+    b = BACKEND.get_builder_cls()(spec, rolling_tables=True)
+    b.build([80, 80], [80, 1], table)
+    with pytest.raises(ValueError, match="block 0") as fresh:
+        BACKEND.get_builder_cls()(spec, rolling_tables=True).build([80, 80], [80, 17], table)
+    with pytest.raises(ValueError, match="block 0") as kept:
+        b.build([80, 80], [80, 17], table)
     assert str(kept.value) == str(fresh.value)

@@ -392,6 +392,7 @@ def test_cpu_backend_matches_reference(cpu_backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.long(50)
 @pytest.mark.parametrize("name", list(BACKEND_CLASSES()))
 def test_backend_cuda_matches_reference(name):
     check_drawn_cases(check_against_reference, available(name, "cuda"), "cuda", DEVICE_LIMITS)

@@ -911,6 +911,7 @@ def test_compiled_model_under_graphs_matches_eager():
 
 
 @pytest.mark.gpu
+@pytest.mark.long(45)
 @pytest.mark.parametrize("name", ["FLASHINFER", "TORCH_SDPA"])
 def test_runner_compile_serves_greedy_tokens_like_eager(name):
     """CUDAGraphRunner(compile=True, postprocess=argmax) with real graphs: the static batch-1

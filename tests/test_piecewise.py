@@ -473,6 +473,7 @@ def test_piecewise_replays_allocate_nothing_new(gpu_piecewise):
 
 
 @pytest.mark.gpu
+@pytest.mark.long(35)
 @pytest.mark.parametrize("name", ["FLASHINFER", "TORCH_SDPA"])
 def test_compiled_runner_with_piecewise_serves_greedy_tokens_like_eager(name):
     """CUDAGraphRunner(compile=True, piecewise=True, postprocess=argmax), what the bench runs:

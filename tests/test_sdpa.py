@@ -229,6 +229,8 @@ def test_flex_graph_decode_is_the_default_where_it_serves_and_refused_where_it_c
     assert not default.decodes_on_eager_kernel
     refused = state_cls(flex_spec(**over))
     assert refused.decode_kernel == "gather" and refused.decodes_on_eager_kernel
+    monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "auto")  # the default, named
+    assert state_cls(flex_spec()).decode_kernel == "flex" and state_cls(flex_spec(**over)).decode_kernel == "gather"
     monkeypatch.setenv(sdpa.GRAPH_DECODE_ENV, "gather")
     gather = state_cls(flex_spec(max_seq_len_to_capture=1024))
     assert gather.decode_kernel == "gather" and gather.graph_table_widths() == (64, 32, 16)

@@ -52,6 +52,7 @@ GPU_MODEL = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024,
 
 
 @pytest.mark.gpu
+@pytest.mark.long(150)
 @pytest.mark.parametrize("name, env", [(name, {}) for name in BACKEND_CLASSES()]
                          + [("TORCH_SDPA", {torch_sdpa.GRAPH_DECODE_ENV: "gather"})],
                          ids=[*BACKEND_CLASSES(), "TORCH_SDPA-gather"])

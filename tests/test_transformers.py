@@ -237,7 +237,8 @@ def gpu_cases():
         for backend in ca.registry.BACKEND_CLASSES():
             if backend == "XFORMERS" and family_name == "gemma2":
                 continue  # no soft-cap on xFormers
-            yield pytest.param(family_name, backend, marks=pytest.mark.gpu, id=f"{family_name}-{backend}")
+            yield pytest.param(family_name, backend, marks=[pytest.mark.gpu, pytest.mark.long(80)],
+                               id=f"{family_name}-{backend}")
 
 
 @pytest.mark.parametrize(("family_name", "backend"), list(gpu_cases()))

@@ -363,6 +363,7 @@ def test_opcheck_on_device():
 
 
 @pytest.mark.gpu
+@pytest.mark.long(45)
 def test_graph_replays_with_changing_lengths_equal_eager():
     spec = gpu_spec(num_blocks=512, max_seq_len_to_capture=1024)
     backend, bs, hq, hkv, d = XFormersBackend, 8, 8, 2, 128

@@ -170,7 +170,7 @@ class TorchSDPAState(GraphState):
     in place through FlexAttention, whose work follows the live lengths: one table width per size. Its
     layers with their own window, soft-cap or ALiBi gather, at that one width.
 
-    With "gather" (CPU, and specs flex cannot serve), the decode gathers every row's whole table
+    With "gather" (CPU, specs flex cannot serve, or asked for), the decode gathers every row's whole table
     (`md.block_tables.shape[1]` blocks), so a graph's step moves bs * width * block_size keys per
     layer whatever the live lengths.
     Hence graphs of several table widths per batch size (MIN_TABLE_WIDTH_TOKENS): 256 tokens'
