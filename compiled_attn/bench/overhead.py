@@ -80,8 +80,10 @@ BUILD_POINTS = ((64, 1024), (256, 4096))
 def build_rows(quick: bool) -> list[dict]:
     """Host time of `builder.build()` for a decode step of shuffled tables, block tables given as
     lists of lists and as one int32 array (what a server keeps), per builder (CPU specs: host
-    work only, no device copies): every request at the same length each call, and (array only)
-    a decode loop's steps, lengths staggered over a block and each one token longer per call."""
+    work only, no device copies): every request at the same length each call (the same step
+    again: from the second call the builder's kept block check finds nothing new), and (array
+    only) a decode loop's steps, lengths staggered over a block and each one token longer per
+    call."""
     import numpy as np
 
     rows, iters = [], 10 if quick else 50
