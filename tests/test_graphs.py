@@ -665,17 +665,23 @@ def gpu_backend(name: str, spec: ca.AttentionSpec) -> type[ca.AttentionBackend]:
         pytest.skip(f"{name} unavailable here: {e}")
 
 
-@pytest.fixture(scope="module", params=["TORCH_SDPA", "FLASHINFER", "XFORMERS"])
-def gpu(request) -> GpuSetup:
+def gpu_setup(name: str) -> GpuSetup:
+    """The GPU model on `name`, its runner captured at GPU_SIZES (States made under the
+    environment of the moment), and caches for the eager reference; skips without CUDA or `name`."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    name, spec = request.param, gpu_spec(request.param)
+    spec = gpu_spec(name)
     backend = gpu_backend(name, spec)
     model = build_model(GPU_CONFIG, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
     runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),
                              capture_sizes=GPU_SIZES, max_batch_size=max(GPU_SIZES), progress=False)
     runner.capture()
     return GpuSetup(name, backend, spec, model, runner, allocate_kv_caches(GPU_CONFIG, backend, spec))
+
+
+@pytest.fixture(scope="module", params=["TORCH_SDPA", "FLASHINFER", "XFORMERS"])
+def gpu(request) -> GpuSetup:
+    return gpu_setup(request.param)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -701,18 +707,10 @@ def test_graph_decode_matches_eager_teacher_forced(gpu):
 def test_flashinfer_graphs_without_split_kv_follow_each_step(monkeypatch):
     """Every size without split-kv (the threshold lowered to one pair): each replay keeps the
     capture's plan and refills only the page CSR; decode as lengths grow still equals eager."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
     monkeypatch.setattr(fib, "NO_SPLIT_KV_MIN_PAIRS", 1)
-    spec = gpu_spec("FLASHINFER")
-    backend = gpu_backend("FLASHINFER", spec)
-    assert fib.decode_split_options(spec, 1) == {"disable_split_kv": True}  # the path under test
-    model = build_model(GPU_CONFIG, seed=0, backend="FLASHINFER", dtype=torch.bfloat16, device="cuda")
-    runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),
-                             capture_sizes=GPU_SIZES, max_batch_size=max(GPU_SIZES), progress=False)
-    runner.capture()
-    decode_teacher_forced(GpuSetup("FLASHINFER", backend, spec, model, runner,
-                                   allocate_kv_caches(GPU_CONFIG, backend, spec)), (3, 8))
+    gpu = gpu_setup("FLASHINFER")
+    assert fib.decode_split_options(gpu.spec, 1) == {"disable_split_kv": True}  # the path under test
+    decode_teacher_forced(gpu, (3, 8))
 
 
 def test_near_tie_takes_tokens_within_four_bf16_ulps_of_the_top():
@@ -729,18 +727,10 @@ def test_near_tie_takes_tokens_within_four_bf16_ulps_of_the_top():
 def test_gather_graph_decode_matches_eager_teacher_forced(monkeypatch):
     """TORCH_SDPA's graphs pinned to the gather decode (where flex cannot serve, e.g. windows or
     ALiBi, "auto" picks it): eager's own kernel over the gathered rows, so the 99 % bar."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
     monkeypatch.setenv(sdpa_backend.GRAPH_DECODE_ENV, "gather")
-    spec = gpu_spec(SDPA)
-    backend = gpu_backend(SDPA, spec)
-    model = build_model(GPU_CONFIG, seed=0, backend=SDPA, dtype=torch.bfloat16, device="cuda")
-    runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),
-                             capture_sizes=GPU_SIZES, max_batch_size=max(GPU_SIZES), progress=False)
-    runner.capture()
-    assert runner.state.decode_kernel == "gather" and runner.state.decodes_on_eager_kernel
-    decode_teacher_forced(GpuSetup(SDPA, backend, spec, model, runner, allocate_kv_caches(GPU_CONFIG, backend, spec)),
-                          (1, 3, 8, 13))
+    gpu = gpu_setup(SDPA)
+    assert gpu.runner.state.decode_kernel == "gather" and gpu.runner.state.decodes_on_eager_kernel
+    decode_teacher_forced(gpu, (1, 3, 8, 13))
 
 
 def decode_teacher_forced(gpu: GpuSetup, batches: tuple[int, ...]) -> None:
