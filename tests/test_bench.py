@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import compiled_attn as ca
-from compiled_attn.bench.compiles import compile_counts, compiles_line, counts_since
+from compiled_attn.bench.compiles import compile_counts, compiles_line, counts_since, reset_dynamo
 from compiled_attn.bench.decode_loop import PEER_INDUCTOR, GptFastDecoder, fresh_draws
 from compiled_attn.bench.kernel_table import Kernel, per_layer_table
 from compiled_attn.bench.piecewise_bench import QUICK_BUCKETS, STEPS, step_inputs
@@ -145,6 +145,22 @@ def test_compile_counts_tell_a_compile_from_a_cache_load():
     assert cold["graphs"] == warm["graphs"] == 1 and cold["compile s"] > 0
     assert (cold["fx cache miss"], warm["fx cache hit"]) == (1, 1)
     assert (cold["fx cache hit"], warm["fx cache miss"]) == (0, 0)
+
+
+def test_compile_seconds_survive_a_reset():
+    """`torch._dynamo.reset()` clears Dynamo's compile times (a suite that resets then read a
+    negative share); `reset_dynamo` keeps them, so a suite's share is what it compiled."""
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) + 1
+
+    before = compile_counts()
+    torch.compile(step)(torch.randn(8))
+    first = counts_since(before)["compile s"]
+    reset_dynamo()
+    assert first > 0 and counts_since(before)["compile s"] == first
+    torch.compile(step)(torch.randn(8))
+    assert counts_since(before)["compile s"] > first
+    assert counts_since(before)["graphs"] == 2
 
 
 def test_compiles_line_names_the_suites_that_compiled():

@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import compiled_attn as ca
+from compiled_attn.bench.compiles import reset_dynamo
 from compiled_attn.bench.timing import card_name, eager_time_us
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 from compiled_attn.paging import BlockAllocator, Request, schedule
@@ -58,7 +59,7 @@ def measure_backend(config: LlamaConfig, name: str, backend: type[ca.AttentionBa
     spec = config.attention_spec(block_size=block_size, num_blocks=64, dtype=dtype, device=device)
     model = build_model(config, seed=0, backend=name, dtype=dtype, device=device, init_device=device)
     caches = allocate_kv_caches(config, backend, spec)
-    torch._dynamo.reset()
+    reset_dynamo()
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
     md, ids, pos = _step(config, backend, spec, MIXES[0], seed=0)

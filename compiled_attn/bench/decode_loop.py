@@ -41,6 +41,7 @@ from torch import nn
 import compiled_attn as ca
 from compiled_attn.backends.flashinfer import GRAPH_DECODE_ENV as FLASHINFER_GRAPH_DECODE_ENV
 from compiled_attn.backends.torch_sdpa import GRAPH_DECODE_ENV as SDPA_GRAPH_DECODE_ENV
+from compiled_attn.bench.compiles import reset_dynamo
 from compiled_attn.bench.models import shared_model
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, nominal_bandwidth
@@ -125,7 +126,7 @@ def peer_decode_one_token(peer: GptFastDecoder, x: torch.Tensor, input_pos: torc
 
 def peer_loop(model: Llama, batch: int, ctx: int) -> Callable[[int, bool], torch.Tensor]:
     """A fresh compile of the peer: loop(steps, sync_each) -> tokens [B, steps]."""
-    torch._dynamo.reset()  # gpt-fast compiles in a fresh process per batch size: no shape reuse
+    reset_dynamo()  # gpt-fast compiles in a fresh process per batch size: no shape reuse
     peer = GptFastDecoder(model, batch, ctx + 64)
     step = torch.compile(peer_decode_one_token, mode="reduce-overhead", fullgraph=True)
     first = torch.randint(model.config.vocab_size, (batch, 1), device="cuda")
@@ -326,7 +327,7 @@ def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile", r
     draws = []
     with torch._inductor.config.patch(fresh_draws(compiles)):
         for _ in range(compiles):
-            torch._dynamo.reset()  # a fresh trace and compile, as the peer's
+            reset_dynamo()  # a fresh trace and compile, as the peer's
             ours = paged_loop(model, batch, ctx, variant)
             draws.append((loop_times(ours.loop, repeats), ours.host_us(), ours.runner.backend.get_name()))
             del ours

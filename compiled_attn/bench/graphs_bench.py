@@ -29,6 +29,7 @@ import logging
 import torch
 
 import compiled_attn as ca
+from compiled_attn.bench.compiles import reset_dynamo
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, eager_time_us
 from compiled_attn.capabilities import smallest_block_size
@@ -150,7 +151,7 @@ def run(quick: bool) -> list[dict]:
             break
         # reduce-overhead for the first backend that runs only: one more compile per backend
         rows += _latency_rows(backend, iters, with_reduce_overhead=not rows)
-        torch._dynamo.reset()  # drop the compiled graphs (they hold the model)
+        reset_dynamo()  # drop the compiled graphs (they hold the model)
         torch.cuda.empty_cache()
     for backend in BACKEND_CLASSES().values():
         rows += _capture_row(backend, sizes, compiled=not quick)

@@ -33,6 +33,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from compiled_attn.bench import decode_loop
+from compiled_attn.bench.compiles import reset_dynamo
 from compiled_attn.bench.kernel_table import cuda_kernels, markdown, per_layer_table
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name
@@ -200,17 +201,17 @@ def run(quick: bool = False, backend: str | None = None, size: str = "llama3-8b"
     engine_ms: dict[int, float] = {}
     if "b1" in parts:  # B=1 decode against transformers' static cache + compile
         engine_ms[1] = engine_decode_ms(model, backend, 1, CTX, steps)
-        torch._dynamo.reset()
+        reset_dynamo()
         peer = attempt(hf_static_decode_ms, model, CTX, steps)
         point = f"B=1 decode, ctx {CTX}"
         row(point, "transformers static cache + compile", **_speed(peer, 1))
         row(point, "PagedEngine", **_speed(engine_ms[1], 1), **_ratio(peer, engine_ms[1]))
     if "b64" in parts:  # B=64 serving against transformers' continuous batching
-        torch._dynamo.reset()
+        reset_dynamo()
         prompts = _prompts(model.config.vocab_size, 64, PROMPT, seed=1)
         new = 32 if quick else NEW
         peer_tok_s = attempt(hf_generate_batch_tok_s, model, prompts, new)
-        torch._dynamo.reset()
+        reset_dynamo()
         ours_tok_s = engine_generate_tok_s(model, backend, prompts, new)
         point = f"B=64 serving, prompt {PROMPT}, {new} new"
         row(point, "transformers generate_batch", **{"tok/s": peer_tok_s})
@@ -219,13 +220,13 @@ def run(quick: bool = False, backend: str | None = None, size: str = "llama3-8b"
     if "adapter" in parts:  # the engine against our reference model through the runner
         for b in (1, 64):
             if b not in engine_ms or profile_to:
-                torch._dynamo.reset()
+                reset_dynamo()
                 engine_ms[b] = engine_decode_ms(model, backend, b, CTX, steps, profile_to)
         engine_backend = _engine_backend_name(model, backend)
         config = model.config
         del model
         torch.cuda.empty_cache()
-        torch._dynamo.reset()
+        reset_dynamo()
         for b in (1, 64):
             ref_ms = attempt(reference_decode_ms, config, engine_backend, b, CTX, profile_to)
             point = f"B={b} decode, ctx {CTX} (synced)"

@@ -35,6 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import compiled_attn as ca
 from compiled_attn.bench import graphs_bench
+from compiled_attn.bench.compiles import reset_dynamo
 from compiled_attn.bench.kernel_table import cuda_kernels
 from compiled_attn.bench.models import shared_model
 from compiled_attn.bench.report import print_table
@@ -120,7 +121,7 @@ def rows_8b(name: str, iters: int, quick: bool) -> list[dict]:
         raise RuntimeError("the piecewise rows did not take the piecewise path")
     rows.append(_capture_row(name, "first capture (compiles included)", stats))
     del first
-    torch._dynamo.reset()  # the compiled code holds the pieces, their graphs and pool: gone, as in a new process
+    reset_dynamo()  # the compiled code holds the pieces, their graphs and pool: gone, as in a new process
     torch.cuda.empty_cache()
     rows.append(_capture_row(name, "second capture (warm compile caches)", runner().capture()))
     return rows
@@ -194,10 +195,10 @@ def run(quick: bool, backends: tuple[str, ...] | None = None) -> list[dict]:
             log.info("piecewise_bench: skipping %s: %s", name, e)
             continue
         rows += rows_8b(name, iters, quick)  # first: the 8B model the bench's earlier suites built is still there
-        torch._dynamo.reset()
+        reset_dynamo()
         torch.cuda.empty_cache()
         rows += rows_small_decode(name, iters)
-        torch._dynamo.reset()
+        reset_dynamo()
         torch.cuda.empty_cache()
         if quick:
             break
