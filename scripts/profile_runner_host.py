@@ -1,0 +1,116 @@
+"""Where `CUDAGraphRunner.run`'s host time goes: the bench's 16-layer model (ctx 512), one runner
+per backend with decode graphs at batch 1 and 64 and the piecewise graphs of bucket 1.
+
+    python scripts/profile_runner_host.py [--backend FLASHINFER ...] [--steps 300] [--out DIR]
+
+Per backend and path ("full B": the decode graph of batch B; "forced 1": a batch-1 decode
+forced through the piecewise graphs, issue 14's <= 1.5x goal): the synced step time, the
+pipelined time per step (no sync: above the synced figure means the host is the bottleneck),
+the runner's own host time per call (`run` on a replay that queues behind a long sleep kernel,
+so the host never waits for the GPU), and a cProfile of pipelined calls (top functions by own
+time, then by cumulative time). Everything is printed and written to DIR/runner-host.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import time
+from collections.abc import Callable
+
+import torch
+
+import compiled_attn as ca
+from compiled_attn.bench import graphs_bench
+from compiled_attn.bench.piecewise_bench import _spec, step_inputs
+from compiled_attn.bench.timing import card_name, eager_time_us
+from compiled_attn.graphs import CUDAGraphRunner
+from compiled_attn.models.llama import allocate_kv_caches, build_model
+
+
+def pipelined_us(fn: Callable[[], object], steps: int) -> float:
+    """Wall microseconds per call of `steps` calls in a row, one synchronize at the end."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e6
+
+
+def host_us(fn: Callable[[], object], calls: int, rounds: int = 5) -> float:
+    """Host microseconds per call with the GPU busy far ahead (a sleep kernel queued first), so
+    that no call waits for the device: what the host alone costs per step (best of `rounds`).
+    Few calls per round: past about a thousand queued launches, launching blocks."""
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU time at H100 clocks: longer than the timed calls
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - start)
+        torch.cuda.synchronize()
+    return best / calls * 1e6
+
+
+def profile_text(fn: Callable[[], object], steps: int) -> str:
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(25)
+    return text.getvalue()
+
+
+def backend_report(name: str, steps: int) -> list[str]:
+    config, ctx = graphs_bench.CONFIG, graphs_bench.CONTEXT
+    backend = ca.get_attn_backend(name)
+    spec = _spec(backend, config, 64 * ctx, max_seq_len_to_capture=graphs_bench.MAX_SEQ_LEN_TO_CAPTURE)
+    model = build_model(config, seed=0, backend=name, dtype=torch.bfloat16, device="cuda", init_device="cuda")
+    caches = [c.normal_() for c in allocate_kv_caches(config, backend, spec)]
+    runner = CUDAGraphRunner(model, backend, spec, caches, compile=True, capture_sizes=[1, 64], max_batch_size=64,
+                             piecewise=True, piecewise_sizes=[1], progress=False)
+    runner.capture()
+    paths: dict[str, Callable[[], object]] = {}
+    for batch in (1, 64):
+        md, ids, pos = step_inputs(backend, spec, [ctx] * batch, [1] * batch, config.vocab_size)
+        paths[f"full {batch}"] = lambda md=md, ids=ids, pos=pos: runner.run(md, ids, pos)
+    md, ids, pos = step_inputs(backend, spec, [ctx], [1], config.vocab_size)
+    paths["forced 1"] = lambda: runner.piecewise.run(md, ids, pos)
+    lines = []
+    for path, fn in paths.items():
+        lines.append(f"{card_name()}, {name}, {config.num_layers} layers, ctx {ctx}, {path}: "
+                     f"synced {eager_time_us(fn, iters=100):.0f} us, pipelined {pipelined_us(fn, steps):.0f} us, "
+                     f"host {host_us(fn, 10 if path.startswith('forced') else 50):.0f} us per step")
+    for path in ("full 64", "forced 1"):
+        lines.append(f"-- {name}, {path}: cProfile of {steps} pipelined calls --\n{profile_text(paths[path], steps)}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", action="append", default=None)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    lines = []
+    for name in args.backend or ["FLASHINFER"]:
+        lines += backend_report(name, args.steps)
+        torch._dynamo.reset()
+    report = "\n".join(lines)
+    print(report)
+    with open(os.path.join(args.out, "runner-host.txt"), "w") as f:
+        f.write(report)
+
+
+if __name__ == "__main__":
+    main()
