@@ -88,9 +88,10 @@ def backend_report(name: str, steps: int) -> list[str]:
     paths["forced 1"] = lambda: runner.piecewise.run(md, ids, pos)
     lines = []
     for path, fn in paths.items():
+        host = f", host alone {host_us(fn, 10):.0f} us" if path.startswith("forced") else ""
         lines.append(f"{card_name()}, {name}, {config.num_layers} layers, ctx {ctx}, {path}: "
-                     f"synced {eager_time_us(fn, iters=100):.0f} us, pipelined {pipelined_us(fn, steps):.0f} us, "
-                     f"host {host_us(fn, 10 if path.startswith('forced') else 50):.0f} us per step")
+                     f"synced {eager_time_us(fn, iters=100):.0f} us, pipelined {pipelined_us(fn, steps):.0f} us{host} "
+                     "per step")
     for path in ("full 64", "forced 1"):
         lines.append(f"-- {name}, {path}: cProfile of {steps} pipelined calls --\n{profile_text(paths[path], steps)}")
     return lines
