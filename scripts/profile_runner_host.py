@@ -25,8 +25,9 @@ import torch
 
 import compiled_attn as ca
 from compiled_attn.bench import graphs_bench
-from compiled_attn.bench.piecewise_bench import _spec, step_inputs
+from compiled_attn.bench.piecewise_bench import step_inputs
 from compiled_attn.bench.timing import card_name, eager_time_us
+from compiled_attn.capabilities import smallest_block_size
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models.llama import allocate_kv_caches, build_model
 
@@ -74,7 +75,10 @@ def profile_text(fn: Callable[[], object], steps: int) -> str:
 def backend_report(name: str, steps: int) -> list[str]:
     config, ctx = graphs_bench.CONFIG, graphs_bench.CONTEXT
     backend = ca.get_attn_backend(name)
-    spec = _spec(backend, config, 64 * ctx, max_seq_len_to_capture=graphs_bench.MAX_SEQ_LEN_TO_CAPTURE)
+    block_size = smallest_block_size(backend)
+    spec = config.attention_spec(block_size=block_size, num_blocks=64 * (-(-ctx // block_size) + 1),
+                                 dtype=torch.bfloat16, device="cuda",
+                                 max_seq_len_to_capture=graphs_bench.MAX_SEQ_LEN_TO_CAPTURE)
     model = build_model(config, seed=0, backend=name, dtype=torch.bfloat16, device="cuda", init_device="cuda")
     caches = [c.normal_() for c in allocate_kv_caches(config, backend, spec)]
     runner = CUDAGraphRunner(model, backend, spec, caches, compile=True, capture_sizes=[1, 64], max_batch_size=64,
