@@ -300,8 +300,8 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         # a sliding-window layer group's server may free the blocks its window left behind
         rolled = rolled_blocks(starts, spec.sliding_window, spec.block_size) if self.rolling_tables else None
         if uses_cache:
-            table, ids, row_ends = needed_table(block_tables, seq_a, spec.block_size, "block_tables", rolled)
-            shared = self._block_ids(table, -(-seq_a // spec.block_size), ids, row_ends, "block_tables", rolled)
+            table, ids, row_ends, need = needed_table(block_tables, seq_a, spec.block_size, "block_tables", rolled)
+            shared = self._block_ids(table, need, ids, row_ends, "block_tables", rolled)
             slot_mapping = slots_for(table, starts, seq_a, spec.block_size)
             if shared:
                 check_written_blocks(slot_mapping, query_lens, ids, row_ends, spec.block_size, "block_tables")
@@ -389,7 +389,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         int32_parts["encoder_seq_start_loc"] = prefix_sums(encoder_seq_lens)
         if cross_block_tables is not None:
             enc = np.asarray(encoder_seq_lens, dtype=np.int64)
-            table, ids, row_ends = needed_table(cross_block_tables, enc, spec.block_size, "cross_block_tables")
+            table, ids, row_ends, _ = needed_table(cross_block_tables, enc, spec.block_size, "cross_block_tables")
             shared = check_block_ids(ids, row_ends, spec.num_blocks, "cross_block_tables", self._scratch())
             pre = encoder_seq_lens[:num_prefills]
             int64_parts["cross_slot_mapping"] = slots = slots_for(table[:num_prefills], np.zeros(len(pre)), pre,

@@ -376,10 +376,11 @@ def _row_of(k: int, row_ends: np.ndarray) -> int:
 
 
 def needed_table(block_tables: object, lens: np.ndarray, block_size: int, what: str,
-                 rolled: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 rolled: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every request's needed blocks (the first ceil(len / block_size) of its table) as
     (padded int32 [num_seqs, max(1, max need)] with block 0 past each need, the needed ids
-    flat in request order, row_ends int64 [num_seqs]: cumulative ids per request). The ids are
+    flat in request order, row_ends int64 [num_seqs]: cumulative ids per request, need int64
+    [num_seqs]: that ceil per request, rolled entries included). The ids are
     int64 from lists and keep an array's int dtype (`live_entries`); `check_block_ids` takes both.
 
     `block_tables`: a list of per-request lists (or arrays), or one 2-D integer array / CPU
@@ -392,12 +393,13 @@ def needed_table(block_tables: object, lens: np.ndarray, block_size: int, what: 
     width = max(int(need.max(initial=0)), 1)
     if isinstance(block_tables, np.ndarray | torch.Tensor) and block_tables.ndim == 2:
         padded, ids = live_entries(_table_array(block_tables, need, what)[:, :width], need, rolled)
-        return padded, ids, np.cumsum(need if rolled is None else need - rolled)
+        return padded, ids, np.cumsum(need if rolled is None else need - rolled), need
     rows = table_rows(block_tables, lens.tolist(), block_size, what, rolled)  # exactly the needed entries
     padded = np.zeros((len(rows), width), dtype=np.int32)
     for i, row in enumerate(rows):
         padded[i, need[i] - row.size : need[i]] = row
-    return padded, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64), np.cumsum([r.size for r in rows])
+    ids = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+    return padded, ids, np.cumsum([r.size for r in rows]), need
 
 
 def rolled_blocks(starts: np.ndarray, sliding_window: int, block_size: int) -> np.ndarray:

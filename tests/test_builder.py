@@ -266,7 +266,7 @@ def test_array_lengths_past_int32_raise_like_lists(lens):
 
 def _whole_check(table: np.ndarray, seq: np.ndarray, rolled: np.ndarray | None) -> object:
     """What a fresh `check_block_ids` says of a step: shared or not, or the error's message."""
-    _, ids, row_ends = needed_table(table, seq, BS, "block_tables", rolled)
+    _, ids, row_ends, _ = needed_table(table, seq, BS, "block_tables", rolled)
     try:
         return check_block_ids(ids, row_ends, NB, "block_tables")
     except ValueError as e:
@@ -312,7 +312,7 @@ def test_a_kept_block_check_judges_each_step_as_a_whole_check_does(monkeypatch):
             starts = seq - rng.integers(1, seq + 1) if rng.random() < 0.3 else seq - 1  # chunks, else decodes
             rolled = None if window is None else rolled_blocks(starts, window, BS)
             want = _whole_check(table, seq, rolled)
-            padded, ids, row_ends = needed_table(table, seq, BS, "block_tables", rolled)
+            padded, ids, row_ends, _ = needed_table(table, seq, BS, "block_tables", rolled)
             try:
                 got = check(padded, -(-seq // BS), ids, row_ends, "block_tables", rolled)
             except ValueError as e:
@@ -323,7 +323,7 @@ def test_a_kept_block_check_judges_each_step_as_a_whole_check_does(monkeypatch):
     check, table, seq = BlockIdCheck(NB), np.arange(32, dtype=np.int32).reshape(4, 8), np.array([2, 5, 9, 3])
     for _ in range(20):
         seq += 1
-        padded, ids, row_ends = needed_table(table, seq, BS, "block_tables")
+        padded, ids, row_ends, _ = needed_table(table, seq, BS, "block_tables")
         assert check(padded, -(-seq // BS), ids, row_ends, "block_tables") is False
     assert len(calls) == 1
 
