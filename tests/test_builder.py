@@ -10,6 +10,7 @@ import torch
 import compiled_attn as ca
 from compiled_attn import block_ids
 from compiled_attn.block_ids import BlockIdCheck
+from compiled_attn.metadata import UPLOAD_ALIGN, packed_copy, upload
 from compiled_attn.validation import check_block_ids, needed_table, rolled_blocks
 
 T = ca.AttentionType
@@ -365,3 +366,58 @@ def test_a_rolling_window_moving_back_is_checked_whole():
     with pytest.raises(ValueError, match="block 0") as kept:
         b.build([80, 80], [80, 17], table)
     assert str(kept.value) == str(fresh.value)
+
+
+def test_packed_copy_views_every_array_back_from_one_aligned_copy():
+    rng = np.random.default_rng(11)
+    arrays = {
+        "a": rng.integers(-2**31, 2**31 - 1, 7, dtype=np.int64).astype(np.int32),
+        "b": rng.integers(-2**62, 2**62, (3, 5), dtype=np.int64),
+        "empty": np.zeros((0, 4), dtype=np.int32),
+        "strided": rng.integers(0, 1000, (6, 4), dtype=np.int64).astype(np.int32)[::2, 1:],  # not contiguous
+        "c": rng.integers(0, 9, 1, dtype=np.int64),
+    }
+    copies = []
+    out = packed_copy(arrays, lambda host: copies.append(host) or host.clone())  # a stand-in device copy
+    assert len(copies) == 1 and list(out) == list(arrays)
+    assert {t.untyped_storage().data_ptr() for t in out.values()} == {out["a"].untyped_storage().data_ptr()}
+    for name, a in arrays.items():
+        t = out[name]
+        assert t.dtype == {np.int32: torch.int32, np.int64: torch.int64}[a.dtype.type], name
+        assert t.shape == a.shape and np.array_equal(t.numpy(), a), name
+        assert t.storage_offset() * t.element_size() % UPLOAD_ALIGN == 0, name
+    assert packed_copy({}, lambda host: pytest.fail("copied nothing")) == {}
+
+
+def test_upload_copies_to_other_devices_and_shares_cpu_arrays():
+    a, b = np.arange(5, dtype=np.int32), np.arange(6, dtype=np.int64).reshape(2, 3)
+    meta = upload({"a": a, "b": b}, torch.device("meta"))
+    assert [(t.device.type, t.dtype, t.shape) for t in meta.values()] == [
+        ("meta", torch.int32, (5,)), ("meta", torch.int64, (2, 3))]
+    cpu = upload({"a": a, "b": b}, torch.device("cpu"))
+    assert np.shares_memory(cpu["a"].numpy(), a) and np.shares_memory(cpu["b"].numpy(), b)  # no copy on CPU
+
+
+@pytest.mark.parametrize(("backend_name", "fields"), [
+    ("TORCH_SDPA", ("prefill_token_index", "prefill_q_pos", "prefill_flat_index")),
+    ("FLASHINFER", ("paged_kv_indices",)),
+])
+def test_every_device_field_of_a_step_comes_from_one_copy(backend_name, fields, monkeypatch):
+    copies = []
+
+    def spy(arrays, copy, **kw):
+        copies.append(list(arrays))
+        return packed_copy(arrays, copy, **kw)
+
+    monkeypatch.setattr(ca.metadata, "packed_copy", spy)
+    spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
+                            dtype=torch.bfloat16, device="meta")  # a device copy on a CPU-only machine
+    b = ca.registry.BACKEND_CLASSES()[backend_name].get_builder_cls()(spec)
+    # a prefill with a cached prefix and a decode whose table holds entries past its need: the
+    # page list is not the table read row by row, and TORCH_SDPA lays out its prefill
+    md = b.build([9, 5], [3, 1], [[10, 3, 8], [0, 21, 30]])
+    common = ("slot_mapping", "seq_lens_tensor", "context_lens_tensor", "query_start_loc", "block_tables")
+    assert len(copies) == 1 and set(copies[0]) == set(common + fields)
+    assert all(getattr(md, name).device.type == "meta" for name in common + fields)
+    if backend_name == "FLASHINFER":
+        assert md.paged_kv_indices.shape == (5,)  # the pages read: 3 + 2, not the table's 6

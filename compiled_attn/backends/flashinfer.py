@@ -35,7 +35,7 @@ import torch
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionType
 from compiled_attn.backends.common import CommonImpl
 from compiled_attn.graph_state import SCRATCH_BLOCK, GraphState
-from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, prefix_sums, to_device
+from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, prefix_sums
 from compiled_attn.ops.flashinfer import stream_capturing  # importing registers the op
 
 NAME = "FLASHINFER"
@@ -480,19 +480,28 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
         if self.spec.attn_type == AttentionType.DECODER:
             indptr, last = paged_kv_layout(host["seq_lens_tensor"], self.spec.block_size, md.rolled_blocks)
             md.paged_kv_indptr = torch.from_numpy(indptr)
-            md.paged_kv_indices = self._page_list(md, int(indptr[-1]))
+            if md.paged_kv_indices is None:  # every table entry is live (`add_backend_fields`)
+                md.paged_kv_indices = md.block_tables.view(-1)
             md.paged_kv_last_page_len = torch.from_numpy(last)
         md.step_plan = StepPlan(self._pool, md, self._turn)
         self._turn += 1
         return md
 
-    def _page_list(self, md: FlashInferMetadata, num_pages: int) -> torch.Tensor:
-        """The pages of every request in order, on the device. When every table entry is live
-        (full tables: what a decode batch of one length has) that is the device table read row by
-        row, so no second copy of it is made."""
-        if num_pages == md.block_tables.numel():
-            return md.block_tables.view(-1)
-        return to_device(md.needed_block_ids().astype(np.int32), self.device)
+    def add_backend_fields(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        num_prefills: int,
+        encoder_seq_lens: list[int] | None,
+        block_table: np.ndarray,
+        block_ids: np.ndarray,
+    ) -> dict[str, Any]:
+        """The page list (`paged_kv_indices`: every request's pages in order), uploaded with the
+        common fields. When every table entry is live (full tables: what a decode batch of one
+        length has) it is the device table read row by row, so no second copy of it is made."""
+        if self.spec.attn_type != AttentionType.DECODER or block_ids.size == block_table.size:
+            return {}
+        return {"paged_kv_indices": block_ids.astype(np.int32)}
 
 
 # ---------------------------------------------------------------------------------------------

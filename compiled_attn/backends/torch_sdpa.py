@@ -16,7 +16,7 @@ import torch
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionType
 from compiled_attn.backends.common import CommonImpl
 from compiled_attn.graph_state import GraphState
-from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, to_device
+from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder
 from compiled_attn.ops import torch_sdpa as _ops  # noqa: F401  (registers the op)
 
 NAME = "TORCH_SDPA"
@@ -100,6 +100,8 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
         query_lens: list[int],
         num_prefills: int,
         encoder_seq_lens: list[int] | None,
+        block_table: np.ndarray,
+        block_ids: np.ndarray,
     ) -> dict[str, Any]:
         groups = {}
         if num_prefills:
@@ -111,7 +113,7 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
         for group, arrays in groups.items():
             names = (f"{group}_token_index", f"{group}_q_pos", f"{group}_flat_index")
             for name, a in zip(names, arrays, strict=True):
-                out[name] = to_device(np.ascontiguousarray(a), self.device)
+                out[name] = a  # int64, to the device with the step's common fields
         return out
 
 
