@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import compiled_attn as ca
+from compiled_attn.bench import decode_loop as dl
 from compiled_attn.bench.compiles import compile_counts, compiles_line, counts_since, reset_dynamo
 from compiled_attn.bench.decode_loop import PEER_INDUCTOR, GptFastDecoder, fresh_draws
 from compiled_attn.bench.kernel_table import Kernel, per_layer_table
@@ -182,3 +183,18 @@ def test_several_compiles_are_fresh_tuning_draws():
     with torch._inductor.config.patch({**PEER_INDUCTOR, **fresh_draws(2)}):
         assert torch.compiler.config.force_disable_caches
     assert not torch.compiler.config.force_disable_caches
+
+
+@pytest.mark.parametrize("peer", [True, False])
+def test_decode_loop_measures_the_peer_unless_told_not_to(monkeypatch, peer):
+    calls = []
+    monkeypatch.setattr(dl, "build_8b", lambda name, kv_cache_dtype="auto": name)
+    monkeypatch.setattr(dl, "fits", lambda model, batch, ctx: True)
+    monkeypatch.setattr(dl, "measure_peer", lambda model, b, c, compiles, repeats: calls.append("peer") or
+                        {"batch": b, "ctx": c, "side": "peer", "ms/step": 4.0})
+    monkeypatch.setattr(dl, "measure_ours", lambda model, b, c, variant, repeats, compiles: calls.append(model) or
+                        {"batch": b, "ctx": c, "side": "ours", "ms/step": 5.0})
+    rows = dl.run(backends=("FLASHINFER",), points=((8, 1024),), peer=peer)
+    assert calls == (["peer"] if peer else []) + ["FLASHINFER"]
+    assert [r["side"] for r in rows] == (["peer"] if peer else []) + ["ours"]
+    assert rows[-1].get("vs peer") == (0.8 if peer else None)

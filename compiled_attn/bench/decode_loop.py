@@ -347,13 +347,14 @@ def build_8b(backend: str, kv_cache_dtype: str = "auto") -> Llama:
 def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
         points: tuple[tuple[int, int], ...] | None = None, peer_compiles: int | None = None,
         variants: tuple[str, ...] = ("compile",), on_row: Callable[[dict], None] = lambda row: None,
-        ours_compiles: int = 1) -> list[dict]:
+        ours_compiles: int = 1, peer: bool = True) -> list[dict]:
     """Rows per (batch, ctx): the peer (with the first available backend's model), then ours per
     backend and variant (quick: the first available backend only, fewer timed loops, one peer
     compile), each side the best of its compiles (`fresh_draws`); the full grid (no `points`, not
     quick) ends with the fp8 rows at FP8_POINTS (the "fp8" variant measures them at given points).
     Points whose KV caches do not fit the card are reported as skipped. `on_row` sees each row as
-    it is measured (a run cut short keeps what it printed)."""
+    it is measured (a run cut short keeps what it printed). `peer=False`: ours only (no ratios;
+    for a point whose peer was measured by an earlier call on the same machine)."""
     fp8_at_end = points is None and not quick
     points = points or (QUICK_POINTS if quick else GRID)
     peer_compiles = peer_compiles or (1 if quick else 2)
@@ -364,7 +365,7 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
         rows.append(row)
         on_row(row)
 
-    with_peer = True  # the peer runs once, on the first backend that builds
+    with_peer = peer  # the peer runs once, on the first backend that builds
     for name in backends:
         try:
             model = build_8b(name)
@@ -419,11 +420,12 @@ def main() -> None:
     parser.add_argument("--peer-compiles", type=int, default=None, help="default 2 (--quick: 1)")
     parser.add_argument("--ours-compiles", type=int, default=1)
     parser.add_argument("--variant", action="append", choices=VARIANTS, default=None)
+    parser.add_argument("--no-peer", action="store_true", help="ours only (the peer measured by an earlier call)")
     args = parser.parse_args()
     points = tuple(tuple(int(n) for n in p.split("x")) for p in args.point) if args.point else None
     print_table(run(args.quick, tuple(args.backend or BACKENDS), points, args.peer_compiles,
                     tuple(args.variant or ("compile",)), on_row=lambda row: print(row, flush=True),
-                    ours_compiles=args.ours_compiles))
+                    ours_compiles=args.ours_compiles, peer=not args.no_peer))
 
 
 if __name__ == "__main__":
