@@ -4,6 +4,7 @@
 # PARTS selects what runs (default: "tests fuzz bench"; "loop" profiles the 8B decode loop against
 # gpt-fast's (B=64 then B=1, ctx 1024, one process each) and times FlashInfer's decode variants (FA3 among
 # them: a JIT build of a minute or more the first time, VARIANTS_TIMEOUT);
+# "grid": the decode loop at GRID_POINTS, peer and ours in separate processes (below);
 # "flex": scripts/flex_paged_probe.py (FlexAttention's decode over the paged cache vs SDPA over a
 # contiguous one, then its kernels per call, profiled; FLEX_ARGS=--quick: no SPLIT_KV sweep);
 # "fuzz" is the mutation fuzzer's GPU tests,
@@ -69,6 +70,19 @@ if [[ " $PARTS " == *" loop "* ]]; then
   done
   timeout "${VARIANTS_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_flashinfer --variants 2>&1 | grep -v " - INFO - " \
     | tee "$OUT/decode-variants.log" | tail -40
+fi
+if [[ " $PARTS " == *" grid "* ]]; then
+  # The decode loop's grid points (GRID_POINTS, default the H200 points not measured on the current
+  # tree) one side per process, so that a slow peer cannot starve ours of the call: the peer the
+  # best of two compiles (GRID_PEER_TIMEOUT: ~170 s on an H200), ours one (GRID_OURS_TIMEOUT: ~70 s).
+  for point in ${GRID_POINTS:-64x1024 64x4096}; do
+    timeout "${GRID_PEER_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
+      --backend FLASHINFER --side peer --peer-compiles 2 > "$OUT/grid-$point-peer.log" 2>&1 || status=1
+    timeout "${GRID_OURS_TIMEOUT:-150}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
+      --backend FLASHINFER --side ours --ours-compiles "${GRID_OURS_COMPILES:-1}" > "$OUT/grid-$point-ours.log" 2>&1 \
+      || status=1
+    grep -h "^{" "$OUT/grid-$point-peer.log" "$OUT/grid-$point-ours.log" | cut -c1-240
+  done
 fi
 if [[ " $PARTS " == *" flex "* ]]; then  # the gate of a paged TORCH_SDPA decode through FlexAttention
   timeout "${FLEX_TIMEOUT:-420}" python3 scripts/flex_paged_probe.py --out "$OUT" ${FLEX_ARGS:-} 2>&1 | tee "$OUT/flex-probe.log" | tail -60

@@ -185,8 +185,8 @@ def test_several_compiles_are_fresh_tuning_draws():
     assert not torch.compiler.config.force_disable_caches
 
 
-@pytest.mark.parametrize("peer", [True, False])
-def test_decode_loop_measures_the_peer_unless_told_not_to(monkeypatch, peer):
+@pytest.mark.parametrize("sides", [("peer", "ours"), ("ours",), ("peer",)])
+def test_decode_loop_measures_the_sides_it_is_told(monkeypatch, sides):
     calls = []
     monkeypatch.setattr(dl, "build_8b", lambda name, kv_cache_dtype="auto": name)
     monkeypatch.setattr(dl, "fits", lambda model, batch, ctx: True)
@@ -194,7 +194,10 @@ def test_decode_loop_measures_the_peer_unless_told_not_to(monkeypatch, peer):
                         {"batch": b, "ctx": c, "side": "peer", "ms/step": 4.0})
     monkeypatch.setattr(dl, "measure_ours", lambda model, b, c, variant, repeats, compiles: calls.append(model) or
                         {"batch": b, "ctx": c, "side": "ours", "ms/step": 5.0})
-    rows = dl.run(backends=("FLASHINFER",), points=((8, 1024),), peer=peer)
-    assert calls == (["peer"] if peer else []) + ["FLASHINFER"]
-    assert [r["side"] for r in rows] == (["peer"] if peer else []) + ["ours"]
-    assert rows[-1].get("vs peer") == (0.8 if peer else None)
+    rows = dl.run(backends=("FLASHINFER", "TORCH_SDPA"), points=((8, 1024),), sides=sides)
+    peer, ours = "peer" in sides, "ours" in sides
+    assert calls == ["peer"] * peer + ["FLASHINFER", "TORCH_SDPA"] * ours
+    assert [r["side"] for r in rows] == ["peer"] * peer + ["ours", "ours"] * ours
+    assert all(r.get("vs peer") == (0.8 if peer else None) for r in rows if r["side"] == "ours")
+    with pytest.raises(ValueError, match="sides must be"):
+        dl.run(points=((8, 1024),), sides=("theirs",))

@@ -22,6 +22,7 @@ with a synchronize after every step ("synced", the latency an interactive user s
 (weight bytes + live KV bytes read) / step time / nominal HBM bandwidth.
 
     python -m compiled_attn.bench.decode_loop [--quick] [--point 1x1024 ...] [--backend FLASHINFER ...]
+        [--side peer|ours]
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ REPEATS = 5  # timed loops per point; the median is reported
 QUICK_REPEATS = 3
 BLOCK_SIZE = 16
 BACKENDS = ("FLASHINFER", "TORCH_SDPA")
+SIDES = ("peer", "ours")
 QUICK_POINTS = ((1, 1024), (64, 1024))
 GRID = tuple((b, c) for c in (1024, 4096) for b in (1, 8, 64, 256))
 FP8_POINTS = ((64, 4096),)  # backends with fp8 caches (FLASHINFER): e4m3, against the bf16 peer
@@ -347,15 +349,19 @@ def build_8b(backend: str, kv_cache_dtype: str = "auto") -> Llama:
 def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
         points: tuple[tuple[int, int], ...] | None = None, peer_compiles: int | None = None,
         variants: tuple[str, ...] = ("compile",), on_row: Callable[[dict], None] = lambda row: None,
-        ours_compiles: int = 1, peer: bool = True) -> list[dict]:
+        ours_compiles: int = 1, sides: tuple[str, ...] = SIDES) -> list[dict]:
     """Rows per (batch, ctx): the peer (with the first available backend's model), then ours per
     backend and variant (quick: the first available backend only, fewer timed loops, one peer
     compile), each side the best of its compiles (`fresh_draws`); the full grid (no `points`, not
     quick) ends with the fp8 rows at FP8_POINTS (the "fp8" variant measures them at given points).
     Points whose KV caches do not fit the card are reported as skipped. `on_row` sees each row as
-    it is measured (a run cut short keeps what it printed). `peer=False`: ours only (no ratios;
-    for a point whose peer was measured by an earlier call on the same machine)."""
-    fp8_at_end = points is None and not quick
+    it is measured (a run cut short keeps what it printed). `sides`: "peer", "ours" or both; one
+    side alone splits a point across two processes (or device calls) on the same machine, the
+    ratio then taken from their rows."""
+    unknown = set(sides) - set(SIDES)
+    if unknown or not sides:
+        raise ValueError(f"sides must be some of {SIDES}, got {sides}")
+    fp8_at_end = points is None and not quick and "ours" in sides
     points = points or (QUICK_POINTS if quick else GRID)
     peer_compiles = peer_compiles or (1 if quick else 2)
     repeats = QUICK_REPEATS if quick else REPEATS
@@ -365,7 +371,7 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
         rows.append(row)
         on_row(row)
 
-    with_peer = peer  # the peer runs once, on the first backend that builds
+    with_peer = "peer" in sides  # the peer runs once, on the first backend that builds
     for name in backends:
         try:
             model = build_8b(name)
@@ -379,7 +385,7 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
             if with_peer:
                 add(measure_peer(model, batch, ctx, peer_compiles, repeats))
                 peer_ms[batch, ctx] = rows[-1]["ms/step"]
-            for variant in (v for v in variants if VARIANT_BACKEND.get(v, name) == name):
+            for variant in (v for v in variants if VARIANT_BACKEND.get(v, name) == name and "ours" in sides):
                 # "fp8": the model with e4m3 layers and caches, against the bf16 peer
                 ours = build_8b(name, kv_cache_dtype="fp8") if variant == "fp8" else model
                 add(with_ratio(measure_ours(ours, batch, ctx, variant, repeats, ours_compiles), peer_ms))
@@ -387,7 +393,7 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
         del model
         torch.cuda.empty_cache()
         with_peer = False
-        if quick:  # each backend costs two coordinate-descent-tuned 8B compiles
+        if quick or "ours" not in sides:  # quick: each backend costs two coordinate-descent-tuned 8B compiles
             break
     for name in backends if fp8_at_end else ():
         if "fp8" in BACKEND_CLASSES()[name.upper()].supported_kv_cache_dtypes:
@@ -420,12 +426,13 @@ def main() -> None:
     parser.add_argument("--peer-compiles", type=int, default=None, help="default 2 (--quick: 1)")
     parser.add_argument("--ours-compiles", type=int, default=1)
     parser.add_argument("--variant", action="append", choices=VARIANTS, default=None)
-    parser.add_argument("--no-peer", action="store_true", help="ours only (the peer measured by an earlier call)")
+    parser.add_argument("--side", action="append", choices=SIDES, default=None,
+                        help="measure only this side (repeatable; default both)")
     args = parser.parse_args()
     points = tuple(tuple(int(n) for n in p.split("x")) for p in args.point) if args.point else None
     print_table(run(args.quick, tuple(args.backend or BACKENDS), points, args.peer_compiles,
                     tuple(args.variant or ("compile",)), on_row=lambda row: print(row, flush=True),
-                    ours_compiles=args.ours_compiles, peer=not args.no_peer))
+                    ours_compiles=args.ours_compiles, sides=tuple(args.side or SIDES)))
 
 
 if __name__ == "__main__":
