@@ -1,7 +1,7 @@
 """Builder logic every backend shares: validation, slot mapping, block tables, query_start_loc.
 
-All of it runs on the host over python lists and numpy, then moves to the device in a handful
-of copies. Backends subclass `CommonMetadata` / `CommonMetadataBuilder` to add their own inputs
+All of it runs on the host over python lists and numpy, then moves to the device in one copy
+(`upload`). Backends subclass `CommonMetadata` / `CommonMetadataBuilder` to add their own inputs
 (FlashInfer's indptr, SDPA's padded gather indices, ...).
 """
 
@@ -237,6 +237,9 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
     allocator keeps the buffer from reuse until the copy has run, so it may be dropped at once,
     and building step t+1 overlaps step t on the GPU.
     """
+    for name, a in arrays.items():
+        if a.dtype not in _TORCH_DTYPES:
+            raise TypeError(f"device field {name} must be an int32 or int64 array, got {a.dtype}")
     if device.type == "cpu":
         return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
     return packed_copy(arrays, lambda host: host.to(device, non_blocking=True), pin=device.type == "cuda")

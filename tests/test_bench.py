@@ -188,15 +188,19 @@ def test_several_compiles_are_fresh_tuning_draws():
 @pytest.mark.parametrize("sides", [("peer", "ours"), ("ours",), ("peer",)])
 def test_decode_loop_measures_the_sides_it_is_told(monkeypatch, sides):
     calls = []
-    monkeypatch.setattr(dl, "build_8b", lambda name, kv_cache_dtype="auto": name)
+    monkeypatch.setattr(dl, "build_8b", lambda name, kv_cache_dtype="auto": calls.append(f"build {name}") or name)
     monkeypatch.setattr(dl, "fits", lambda model, batch, ctx: True)
     monkeypatch.setattr(dl, "measure_peer", lambda model, b, c, compiles, repeats: calls.append("peer") or
                         {"batch": b, "ctx": c, "side": "peer", "ms/step": 4.0})
     monkeypatch.setattr(dl, "measure_ours", lambda model, b, c, variant, repeats, compiles: calls.append(model) or
                         {"batch": b, "ctx": c, "side": "ours", "ms/step": 5.0})
-    rows = dl.run(backends=("FLASHINFER", "TORCH_SDPA"), points=((8, 1024),), sides=sides)
+    monkeypatch.setattr(dl, "fp8_rows", lambda name, peer_ms: calls.append(f"fp8 {name}") or [])
+    monkeypatch.setattr(dl, "GRID", ((8, 1024),))
+    rows = dl.run(backends=("FLASHINFER", "TORCH_SDPA"), sides=sides)  # the grid: fp8 rows at its end
     peer, ours = "peer" in sides, "ours" in sides
-    assert calls == ["peer"] * peer + ["FLASHINFER", "TORCH_SDPA"] * ours
+    want = (["build FLASHINFER"] + ["peer"] * peer + ["FLASHINFER"] * ours
+            + ["build TORCH_SDPA", "TORCH_SDPA", "fp8 FLASHINFER"] * ours)
+    assert calls == want
     assert [r["side"] for r in rows] == ["peer"] * peer + ["ours", "ours"] * ours
     assert all(r.get("vs peer") == (0.8 if peer else None) for r in rows if r["side"] == "ours")
     with pytest.raises(ValueError, match="sides must be"):

@@ -389,6 +389,12 @@ def test_packed_copy_views_every_array_back_from_one_aligned_copy():
     assert packed_copy({}, lambda host: pytest.fail("copied nothing")) == {}
 
 
+def test_upload_refuses_other_dtypes_on_every_device():
+    for device in ("cpu", "meta"):
+        with pytest.raises(TypeError, match="device field mask must be an int32 or int64 array, got bool"):
+            upload({"ok": np.zeros(2, np.int32), "mask": np.zeros(2, bool)}, torch.device(device))
+
+
 def test_upload_copies_to_other_devices_and_shares_cpu_arrays():
     a, b = np.arange(5, dtype=np.int32), np.arange(6, dtype=np.int64).reshape(2, 3)
     meta = upload({"a": a, "b": b}, torch.device("meta"))
@@ -421,3 +427,54 @@ def test_every_device_field_of_a_step_comes_from_one_copy(backend_name, fields, 
     assert all(getattr(md, name).device.type == "meta" for name in common + fields)
     if backend_name == "FLASHINFER":
         assert md.paged_kv_indices.shape == (5,)  # the pages read: 3 + 2, not the table's 6
+
+
+def test_flashinfer_page_list_of_full_tables_is_the_table_itself(monkeypatch):
+    copies = []
+
+    def spy(arrays, copy, **kw):
+        copies.append(list(arrays))
+        return packed_copy(arrays, copy, **kw)
+
+    monkeypatch.setattr(ca.metadata, "packed_copy", spy)
+    for device in ("meta", "cpu"):
+        spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
+                                dtype=torch.bfloat16, device=device)
+        b = ca.registry.BACKEND_CLASSES()["FLASHINFER"].get_builder_cls()(spec)
+        md = b.build([2 * BS, 2 * BS - 1], [1, 1], [[4, 9], [17, 2]])  # every entry read
+        assert md.paged_kv_indices.shape == (4,)
+        if device == "cpu":
+            assert md.paged_kv_indices.data_ptr() == md.block_tables.data_ptr()
+            assert md.paged_kv_indices.tolist() == [4, 9, 17, 2]
+    assert len(copies) == 1 and "paged_kv_indices" not in copies[0]  # meta only: CPU does not copy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["TORCH_SDPA", "FLASHINFER", "XFORMERS"])
+def test_cuda_fields_equal_cpu_fields_from_one_pinned_copy(backend_name):
+    from torch.profiler import ProfilerActivity, profile
+
+    bs = 64 if backend_name == "XFORMERS" else BS
+    specs = [ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=bs, num_blocks=NB,
+                              dtype=torch.bfloat16, device=device) for device in ("cpu", "cuda")]
+    builders = [ca.registry.BACKEND_CLASSES()[backend_name].get_builder_cls()(spec) for spec in specs]
+    rng = np.random.default_rng(5)
+    seq = np.array([2 * bs + 3, 3 * bs, bs + 1])
+    table = rng.permutation(NB)[:12].reshape(3, 4).astype(np.int32)  # entries past each need: a page list
+    query = np.array([5, 1, 1])
+    want = builders[0].build(seq, query, table)
+    builders[1].build(seq, query, table)  # allocations and lazy set-up outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        got = builders[1].build(seq, query, table)
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if e.name.startswith("Memcpy HtoD")]
+    # XFORMERS copies its own fields once more: this step has a prefill with a cached prefix
+    assert copies == ["Memcpy HtoD (Pinned -> Device)"] * (2 if backend_name == "XFORMERS" else 1), copies
+    fields = [f for f, v in vars(want).items()
+              if isinstance(v, torch.Tensor) and isinstance(getattr(got, f), torch.Tensor) and getattr(got, f).is_cuda]
+    assert {"slot_mapping", "block_tables", "seq_lens_tensor", "query_start_loc"} <= set(fields)
+    for f in fields:
+        t = getattr(got, f)
+        assert t.data_ptr() % UPLOAD_ALIGN == 0, f
+        assert torch.equal(t.cpu(), getattr(want, f)), f

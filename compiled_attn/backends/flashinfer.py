@@ -14,9 +14,11 @@ The pinned-buffer race (vLLM #32799): every FlashInfer wrapper owns one pinned h
 fence. Re-planning the wrapper before the GPU has executed that memcpy overwrites bytes the GPU
 has not read yet. Each wrapper here carries a CUDA event recorded right after its plan; before
 the next plan of that wrapper the host waits on it (`_Slot.plan`). Eager steps alternate
-between two wrappers per kind, so a host that runs one step ahead of the GPU never waits; our
-own index tensors are fresh pageable tensors per step, so the other half of #32799 (pinned
-input tensors reused across steps) cannot happen.
+between two wrappers per kind, so a host that runs one step ahead of the GPU never waits. The
+other half of #32799 (pinned input tensors reused across steps) cannot happen to ours: the index
+tensors plan() reads on the host are fresh per step, and the device ones come from a pinned
+buffer per step (`metadata.upload`) that PyTorch's caching host allocator does not hand out again
+before the copy that read it has run.
 """
 
 from __future__ import annotations

@@ -210,7 +210,8 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
         return md
 
     def add_gather_fields(self, md: XFormersMetadata) -> None:
-        """Host work for the fields xFormers' kernels need beyond the common ones (one copy per dtype)."""
+        """Host work for the fields xFormers' kernels need beyond the common ones, in one copy of
+        their own (none for a decode-only step without a window or ALiBi)."""
         spec, p, bs = self.spec, md.num_prefills, self.spec.block_size
         uses_cache = spec.attn_type not in CACHELESS_TYPES
         pre_seq, pre_q = md.seq_lens[:p], md.query_lens[:p]
