@@ -205,3 +205,12 @@ def test_decode_loop_measures_the_sides_it_is_told(monkeypatch, sides):
     assert all(r.get("vs peer") == (0.8 if peer else None) for r in rows if r["side"] == "ours")
     with pytest.raises(ValueError, match="sides must be"):
         dl.run(points=((8, 1024),), sides=("theirs",))
+
+
+def test_overhead_copy_rows_time_both_copy_forms_and_build():
+    from compiled_attn.bench import overhead
+
+    rows = overhead.copy_rows(iters=2, device="meta", batch=4, ctx=64)  # meta: a device copy on a CPU machine
+    assert [r["what"].split(": ", 1)[1] for r in rows] == [
+        "one pinned copy (upload)", "one pageable copy per array", "build(), tables as array"]
+    assert all(r["us/call"] > 0 for r in rows)

@@ -16,11 +16,13 @@ import itertools
 import sys
 import unittest.mock
 
+import numpy as np
 import torch
 
 import compiled_attn as ca
 from compiled_attn.bench.timing import card_name, eager_time_us
 from compiled_attn.capabilities import smallest_block_size
+from compiled_attn.metadata import upload
 from compiled_attn.ops.cache import write_kv_cache
 from compiled_attn.ops.common import checked_step
 from compiled_attn.ops.library import ATTENTION_SIGNATURE, python_kernel
@@ -70,7 +72,7 @@ def run(quick: bool = False) -> list[dict]:
     for backend_name, backend in BACKEND_CLASSES().items():
         if backend.unavailable_reason() is None:
             rows += backend_rows(backend_name, backend, device, iters)
-    return rows + build_rows(quick)
+    return rows + build_rows(quick) + (copy_rows(iters) if device == "cuda" else [])
 
 
 # Decode steps whose host work `build()` does each step: (requests, tokens each).
@@ -84,8 +86,6 @@ def build_rows(quick: bool) -> list[dict]:
     again: from the second call the builder's kept block check finds nothing new), and (array
     only) a decode loop's steps, lengths staggered over a block and each one token longer per
     call."""
-    import numpy as np
-
     rows, iters = [], 10 if quick else 50
     for batch, ctx in BUILD_POINTS:
         width = -(-(ctx + 1) // 16)
@@ -109,6 +109,36 @@ def build_rows(quick: bool) -> list[dict]:
                 us = eager_time_us(lambda b=builder, t=tables, ln=lens: b.build(*next(ln), t), iters=iters)
                 rows.append({"card": "host CPU", "what": f"{backend_name}: build() {batch} decodes x {ctx} tokens, "
                              f"tables as {form}", "us/call": us})
+    return rows
+
+
+def copy_rows(iters: int, device: str = "cuda", batch: int = 64, ctx: int = 1024) -> list[dict]:
+    """Host time of a FLASHINFER decode step's metadata copies to `device` (no synchronize: what
+    `build()` pays): its arrays in `upload`'s one pinned copy, against one pageable copy per
+    array (`build()` before the fifteenth session), and `build()` itself on a spec of `device`."""
+    width = -(-(ctx + 16) // 16)
+    specs = [ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, num_blocks=batch * width,
+                              dtype=torch.bfloat16, device=d) for d in ("cpu", device)]
+    builders = [BACKEND_CLASSES()["FLASHINFER"].get_builder_cls()(spec) for spec in specs]
+    rng = np.random.default_rng(0)
+    table = rng.permutation(batch * width).reshape(batch, width).astype(np.int32)
+    seq_lens, query_lens = ctx + 1 - rng.integers(0, 16, batch), np.ones(batch, dtype=np.int64)  # staggered
+    md = builders[0].build(seq_lens, query_lens, table)
+    arrays = {**md.host_arrays(), "block_tables": md.block_tables_host,
+              "paged_kv_indices": md.needed_block_ids().astype(np.int32)}
+    target = torch.device(device)
+    rows = []
+    for what, fn in (
+        ("one pinned copy (upload)", lambda: upload(arrays, target)),
+        ("one pageable copy per array",
+         lambda: [torch.from_numpy(a).to(target, non_blocking=True) for a in arrays.values()]),
+        ("build(), tables as array", lambda: builders[1].build(seq_lens, query_lens, table)),
+    ):
+        us = eager_time_us(fn, iters=iters, host_only=True)
+        if target.type == "cuda":
+            torch.cuda.synchronize()
+        rows.append({"card": card_name(), "what": f"FLASHINFER decode step {batch} x {ctx}, to {device}: {what}",
+                     "us/call": us})
     return rows
 
 
