@@ -7,6 +7,9 @@ replay: this matters for eager serving and for the first (planning) call only.
 An op's overhead is what it adds to its raw kernel: the dispatcher, the layer and forward-context
 lookups and the step checks (`ops.common.checked_step`, which checks in full only the first call
 of a kind: `validation.check_layer_call`).
+
+Host work per step besides the ops: `build()` on CPU specs (`build_rows`) and, on a GPU, a decode
+step's metadata copies in their two forms and `build()` on a CUDA spec (`copy_rows`).
 """
 
 from __future__ import annotations
