@@ -9,6 +9,7 @@ import torch
 
 import compiled_attn as ca
 from compiled_attn import block_ids
+from compiled_attn.bench.kernel_table import cuda_kernels
 from compiled_attn.block_ids import BlockIdCheck
 from compiled_attn.metadata import UPLOAD_ALIGN, packed_copy, upload
 from compiled_attn.validation import check_block_ids, needed_table, rolled_blocks
@@ -468,7 +469,7 @@ def test_cuda_fields_equal_cpu_fields_from_one_pinned_copy(backend_name):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         got = builders[1].build(seq, query, table)
         torch.cuda.synchronize()
-    copies = [e.name for e in prof.events() if e.name.startswith("Memcpy HtoD")]
+    copies = [k.name for k in cuda_kernels(prof) if k.name.startswith("Memcpy HtoD")]
     # XFORMERS copies its own fields once more: this step has a prefill with a cached prefix
     assert copies == ["Memcpy HtoD (Pinned -> Device)"] * (2 if backend_name == "XFORMERS" else 1), copies
     fields = [f for f, v in vars(want).items()
