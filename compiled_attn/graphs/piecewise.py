@@ -120,9 +120,8 @@ class EagerOps:
     whose first dimension is the (padded) token count are cut to the step's tokens."""
 
     def __init__(self, module: fx.GraphModule, token_args: tuple[int, ...], control: GraphControl) -> None:
-        self.module = module
-        # its generated code, called directly: GraphModule's __call__ wraps it in ~3 us of error
-        # handling and module hooks per call, once per layer and step
+        # the group's generated code, called directly: GraphModule's __call__ wraps it in ~3 us of
+        # error handling and module hooks per call, once per layer and step
         self._forward = module.forward
         self.token_args = token_args
         self.control = control
