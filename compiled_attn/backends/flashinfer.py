@@ -73,8 +73,17 @@ NO_SPLIT_KV_MIN_PAIRS = 512
 # graph pays once at capture.
 CUDNN_DECODE_CAPABILITY = (9, 0)
 CUDNN_DECODE_HEAD_SIZES = (128,)
-# "auto" (the rule above), "flashinfer" or "cudnn" (refused, naming why, where cuDNN cannot serve)
+# Graphed decode of few (request, KV head) pairs through our own split-KV Triton kernel
+# (ops/triton_decode.py) instead of cuDNN's: where the grid is small, cuDNN's split and merge
+# launches cost more than the cache read. The same specs as cuDNN (CUDNN_DECODE_CAPABILITY's
+# comment); up to TRITON_DECODE_MAX_PAIRS pairs per graph (provisional until measured), cuDNN's
+# above (FlashInfer's own kernel where the cudnn-frontend package is missing: Triton then serves
+# every size).
+TRITON_DECODE_MAX_PAIRS = 64
+# "auto" (the rules above), "flashinfer", "cudnn" or "triton" (the last two refused, naming why,
+# where they cannot serve)
 GRAPH_DECODE_ENV = "COMPILED_ATTN_FLASHINFER_GRAPH_DECODE"
+GRAPH_DECODE_CHOICES = ("auto", "flashinfer", "cudnn", "triton")
 # Prefill through FlashInfer's FA2 kernels on every card: FA3 lacks ALiBi and fp8 KV with 16-bit
 # queries, and each FA3 variant is a separate multi-minute JIT build.
 PREFILL_BACKEND = "fa2"
@@ -241,25 +250,32 @@ def decode_split_options(spec: AttentionSpec, num_decodes: int) -> dict[str, Any
     return {}
 
 
-def cudnn_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None, has_frontend: bool) -> str | None:
-    """Why graphed decode of `spec` cannot run on cuDNN's paged SDPA (CUDNN_DECODE_CAPABILITY's
-    comment), or None. `capability`: the card's (major, minor), None off CUDA."""
+def table_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None) -> str | None:
+    """Why graphed decode of `spec` cannot run on a kernel over the State's lengths and block
+    tables (cuDNN's or our Triton one: CUDNN_DECODE_CAPABILITY's comment), or None. `capability`:
+    the card's (major, minor), None off CUDA."""
     if capability is None:
-        return "cuDNN decode runs on CUDA devices only"
+        return "table decode kernels run on CUDA devices only"
     if tuple(capability) != CUDNN_DECODE_CAPABILITY:
-        return f"cuDNN decode was measured on sm90 only, this card is sm{capability[0]}{capability[1]}"
+        return f"table decode kernels were measured on sm90 only, this card is sm{capability[0]}{capability[1]}"
     if spec.cache_dtype != spec.dtype:
-        return f"cuDNN decode reads a {spec.dtype} cache, not {spec.kv_cache_dtype}"
+        return f"table decode kernels read a {spec.dtype} cache, not {spec.kv_cache_dtype}"
     if spec.alibi_slopes is not None or spec.logits_soft_cap is not None:
-        return "cuDNN's decode graph applies neither ALiBi nor a logits soft-cap"
+        return "table decode kernels apply neither ALiBi nor a logits soft-cap"
     if spec.sliding_window is not None:
-        return "cuDNN decode with a sliding window was not measured"
+        return "table decode kernels with a sliding window were not measured"
     if spec.head_size not in CUDNN_DECODE_HEAD_SIZES:
-        return f"cuDNN decode was measured at head size {CUDNN_DECODE_HEAD_SIZES}, not {spec.head_size}"
-    if not has_frontend:
+        return f"table decode kernels were measured at head size {CUDNN_DECODE_HEAD_SIZES}, not {spec.head_size}"
+    return None
+
+
+def cudnn_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None, has_frontend: bool) -> str | None:
+    """Why graphed decode of `spec` cannot run on cuDNN's paged SDPA, or None."""
+    reason = table_decode_reason(spec, capability)
+    if reason is None and not has_frontend:
         return ("FlashInfer's cuDNN decode is unavailable: the cudnn-frontend package does not import (pip install "
                 "nvidia-cudnn-frontend), or this FlashInfer has no prepare_cudnn_batch_decode")
-    return None
+    return reason
 
 
 @functools.cache
@@ -273,21 +289,33 @@ def cudnn_decode_available() -> bool:
     return bool(CUDNN_AVAILABLE)
 
 
-def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
-    """The kernel family of `spec`'s graphed decode: "cudnn" or "flashinfer". `choice` (default:
-    the GRAPH_DECODE_ENV variable, else "auto") picks cuDNN wherever `cudnn_decode_reason` allows
-    ("auto"), never ("flashinfer") or always ("cudnn": NotImplementedError where it cannot)."""
+def graph_decode_choice(choice: str | None = None) -> str:
+    """`choice`, else the GRAPH_DECODE_ENV variable, else "auto"; checked against GRAPH_DECODE_CHOICES."""
     choice = choice or os.environ.get(GRAPH_DECODE_ENV) or "auto"
-    if choice not in ("auto", "flashinfer", "cudnn"):
-        raise ValueError(f"{GRAPH_DECODE_ENV}={choice!r}: use auto, flashinfer or cudnn")
+    if choice not in GRAPH_DECODE_CHOICES:
+        raise ValueError(f"{GRAPH_DECODE_ENV}={choice!r}: use auto, flashinfer, cudnn or triton")
+    return choice
+
+
+def graph_decode_kernel(spec: AttentionSpec, batch_size: int, choice: str | None = None) -> str:
+    """The kernel of `spec`'s graphed decode at `batch_size`: "triton", "cudnn" or "flashinfer".
+    `choice` (`graph_decode_choice`): "auto" picks Triton up to TRITON_DECODE_MAX_PAIRS (request,
+    KV head) pairs and cuDNN above wherever `table_decode_reason` allows, else FlashInfer's;
+    "triton" / "cudnn" at every size (NotImplementedError where they cannot serve); "flashinfer"."""
+    choice = graph_decode_choice(choice)
     if choice == "flashinfer":
         return choice
     device = torch.device(spec.device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    reason = cudnn_decode_reason(spec, capability, capability is not None and cudnn_decode_available())
-    if reason is not None and choice == "cudnn":
-        raise NotImplementedError(f"{GRAPH_DECODE_ENV}=cudnn: {reason}")
-    return "flashinfer" if reason else "cudnn"
+    table = table_decode_reason(spec, capability)
+    cudnn = cudnn_decode_reason(spec, capability, table is None and cudnn_decode_available())
+    if choice != "auto" and (table if choice == "triton" else cudnn) is not None:
+        raise NotImplementedError(f"{GRAPH_DECODE_ENV}={choice}: {table if choice == 'triton' else cudnn}")
+    if choice != "auto":
+        return choice
+    if table is not None:
+        return "flashinfer"
+    return "triton" if cudnn is not None or batch_size * spec.num_kv_heads <= TRITON_DECODE_MAX_PAIRS else "cudnn"
 
 
 def plan_options(spec: AttentionSpec) -> dict[str, Any]:
@@ -566,6 +594,24 @@ class CudnnGraphDecode:
         prepared.run(q, k, v, out, None, self._workspace, **self._bound)
 
 
+class TritonGraphDecode:
+    """The decode wrapper of a graph that our Triton kernel serves (`graph_decode_kernel`): like
+    `CudnnGraphDecode` it binds the State's lengths and block-table buffers, so a replay plans
+    nothing; it owns its batch size's split buffers (`ops/triton_decode.py`)."""
+
+    def __init__(self, spec: AttentionSpec, seq_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
+        from compiled_attn.ops import triton_decode  # Triton: CUDA machines only
+
+        self.spec = spec
+        self._seq_lens, self._tables = seq_lens, block_tables
+        batch = seq_lens.shape[0]
+        config = triton_decode.default_config(batch, spec.num_kv_heads, seq_lens.device)
+        self._decode = triton_decode.PagedDecode(batch, spec.num_heads, spec.head_size, config, seq_lens.device)
+
+    def run(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], *, out: torch.Tensor) -> None:
+        self._decode.run(q, cache[0], cache[1], self._tables, self._seq_lens, out, self.spec.softmax_scale)
+
+
 class FlashInferState(GraphState):
     """GraphState plus FlashInfer's page CSR buffers and one `use_cuda_graph=True` decode wrapper
     per captured batch size (`make_for_batch`), planned by `begin_forward` before each replay.
@@ -579,9 +625,10 @@ class FlashInferState(GraphState):
     most. A pad row is one page of SCRATCH_BLOCK holding one token: valid for FlashInfer (every
     length >= 1). Planning waits on the wrapper's event (`_Slot.plan`): the pinned-buffer fence.
 
-    Where `decode_kernel` is "cudnn" (`graph_decode_kernel`), each size's wrapper is a
-    `CudnnGraphDecode` over the common seq_lens_tensor / block_tables buffers instead: the page
-    CSR is neither allocated nor refilled, and nothing is planned per step.
+    Where the spec's graphs read block tables (`table_decode_reason`), each size's wrapper is a
+    `TritonGraphDecode` or `CudnnGraphDecode` (`graph_decode_kernel`, per size: `decode_kernels`)
+    over the common seq_lens_tensor / block_tables buffers instead: the page CSR is neither
+    allocated nor refilled, and nothing is planned per step.
     """
 
     backend_cls = FlashInferBackend
@@ -590,12 +637,15 @@ class FlashInferState(GraphState):
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
         self._workspace: torch.Tensor | None = None  # shared by the graph wrappers of every size
-        self.decode_kernel = graph_decode_kernel(spec)
-        self.decodes_on_eager_kernel = self.decode_kernel != "cudnn"  # eager steps run FlashInfer's
+        self.decode_choice = graph_decode_choice()
+        # the family is the spec's (Triton and cuDNN read the same buffers); the kernel is per size
+        self.reads_tables = graph_decode_kernel(spec, 1, self.decode_choice) != "flashinfer"
+        self.decode_kernels: dict[int, str] = {}  # batch size -> its graphs' kernel (make_for_batch)
+        self.decodes_on_eager_kernel = not self.reads_tables  # eager steps run FlashInfer's
 
     def allocate_extra(self, max_batch_size: int) -> dict[str, torch.Tensor]:
-        if self.decode_kernel == "cudnn":
-            return {}  # cuDNN reads the common lengths and tables, not FlashInfer's page CSR
+        if self.reads_tables:
+            return {}  # Triton and cuDNN read the common lengths and tables, not FlashInfer's page CSR
         dev, i32 = self.spec.device, torch.int32
         # Pages of a full batch: each request holds up to max_blocks_per_seq table entries. Not
         # capped at spec.num_blocks: requests sharing prefix blocks list them once each.
@@ -610,10 +660,12 @@ class FlashInferState(GraphState):
         if self._workspace is None:  # zero-filled: FlashInfer requires it for first use
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.spec.device)
         b = self._buffers
-        if self.decode_kernel == "cudnn":
-            decode = CudnnGraphDecode(self.spec, self._workspace, b["seq_lens_tensor"][:batch_size],
-                                      b["block_tables"][:batch_size])
-            return _Slot(decode, self.spec.device)
+        kernel = self.decode_kernels[batch_size] = graph_decode_kernel(self.spec, batch_size, self.decode_choice)
+        lens, tables = b["seq_lens_tensor"][:batch_size], b["block_tables"][:batch_size]
+        if kernel == "cudnn":
+            return _Slot(CudnnGraphDecode(self.spec, self._workspace, lens, tables), self.spec.device)
+        if kernel == "triton":
+            return _Slot(TritonGraphDecode(self.spec, lens, tables), self.spec.device)
         wrapper = _flashinfer().BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=decode_uses_tensor_cores(self.spec),
             paged_kv_indptr_buffer=b["paged_kv_indptr"][: batch_size + 1],
@@ -626,7 +678,7 @@ class FlashInferState(GraphState):
         b, n = self._buffers, batch_size
         md.qo_indptr = torch.arange(n + 1, dtype=torch.int32)
         md.step_plan = GraphStepPlan(self.spec, self._slots[n])
-        if self.decode_kernel == "cudnn":
+        if self.reads_tables:
             return
         md.paged_kv_indptr = b["paged_kv_indptr"][: n + 1]
         md.paged_kv_indices = b["paged_kv_indices"][: n * self.max_blocks_per_seq]
@@ -634,12 +686,12 @@ class FlashInferState(GraphState):
 
     def host_rows(self, md: FlashInferMetadata) -> dict[str, np.ndarray]:
         rows = super().host_rows(md)
-        if self.decode_kernel == "cudnn":
+        if self.reads_tables:
             return rows
         return {**rows, "paged_kv_last_page_len": md.paged_kv_last_page_len.numpy()}
 
     def copy_extra(self, host: dict[str, np.ndarray], md: FlashInferMetadata | None, batch_size: int) -> None:
-        if self.decode_kernel == "cudnn":
+        if self.reads_tables:
             return
         indptr, indices = host["paged_kv_indptr"], host["paged_kv_indices"]
         n = 0 if md is None else md.num_seqs
@@ -654,7 +706,7 @@ class FlashInferState(GraphState):
         indices[nnz : nnz + pads] = SCRATCH_BLOCK
 
     def plan(self, md: FlashInferMetadata | None, batch_size: int) -> None:
-        if self.decode_kernel == "cudnn":
+        if self.reads_tables:
             return  # cuDNN reads the lengths and tables the step's upload wrote
         spec = self.spec
         # split-kv by the graph's size, not the live rows: capture and every replay plan one grid

@@ -117,7 +117,71 @@ def _cudnn_own_table(spec: ca.AttentionSpec, md, q, kv_cache, out, widen: int = 
     return _direct(spec, md, q, kv_cache, out, tensor_cores=True, backend="cudnn", block_tables=table)
 
 
+def _triton(spec: ca.AttentionSpec, md, q, kv_cache, out, config=None) -> Callable[[], object]:
+    """Our split-KV Triton decode (ops/triton_decode.py) over the [batch, pages] table, at
+    `config` (default: what the graphs use, `default_config`)."""
+    from compiled_attn.ops.triton_decode import PagedDecode, default_config
+
+    batch = q.shape[0]
+    table = md.paged_kv_indices.view(batch, -1)
+    config = config or default_config(batch, NUM_KV_HEADS, q.device)
+    decode = PagedDecode(batch, NUM_HEADS, HEAD_SIZE, config, q.device)
+    lens = md.seq_lens_tensor
+    return lambda: decode.run(q, kv_cache[0], kv_cache[1], table, lens, out, spec.softmax_scale)
+
+
+# The Triton kernel's launch shapes timed against each other (`triton_sweep_rows`): splits as a
+# multiple of the default's, tile, warps, stages.
+TRITON_SWEEP = tuple((mult, block_n, warps, stages) for mult in (0.5, 1, 2) for block_n in (32, 64, 128)
+                     for warps, stages in ((4, 2), (4, 3), (8, 3)))
+
+
+def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
+    """Each TRITON_SWEEP launch shape at each VARIANT_POINT (page 16), checked against cuDNN's
+    SDPA over the same pages gathered contiguous before it is timed; cuDNN's paged decode beside."""
+    from compiled_attn.ops.triton_decode import DecodeConfig, default_config
+
+    peak, rows = nominal_bandwidth(), []
+    for batch, ctx in VARIANT_POINTS:
+        spec, md, kv_cache, q, out = _decode_case(batch, ctx, BLOCK_SIZE)
+        cache_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * kv_cache.element_size()
+        table = md.paged_kv_indices.view(batch, -1).long()
+        k, v = (kv_cache[i][table].flatten(1, 2).transpose(1, 2) for i in (0, 1))  # [B, kv_heads, ctx, D]
+        want = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True).squeeze(2)
+        del k, v
+        base = default_config(batch, NUM_KV_HEADS, q.device).num_splits
+        seen = set()
+        for mult, block_n, warps, stages in TRITON_SWEEP:
+            splits = max(1, min(64, round(base * mult)))
+            cfg = DecodeConfig(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+            if cfg in seen:
+                continue
+            seen.add(cfg)
+            name = f"triton s{splits} n{block_n} w{warps} st{stages}"
+            try:
+                fn = _triton(spec, md, q, kv_cache, out, cfg)
+                fn()
+                err = (out.float() - want.float()).abs().max().item()
+                row = _row("triton_sweep", name, batch, ctx, BLOCK_SIZE, graph_time_us(fn, replays=replays),
+                           cache_bytes, peak)
+                row["max_err"] = round(err, 4)
+            except Exception as e:
+                row = {"suite": "triton_sweep", "card": card_name(), "impl": name, "batch": batch, "ctx": ctx,
+                       "page": BLOCK_SIZE, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+            rows.append(row)
+            on_row(row)
+        if cudnn_decode_available():
+            rows.append(_row("triton_sweep", "cudnn", batch, ctx, BLOCK_SIZE,
+                             graph_time_us(_cudnn_own_table(spec, md, q, kv_cache, out), replays=replays),
+                             cache_bytes, peak))
+            on_row(rows[-1])
+        del kv_cache
+        torch.cuda.empty_cache()
+    return rows
+
+
 VARIANTS: dict[str, Callable[..., Callable[[], object]]] = {
+    "triton": _triton,
     "tensor-core": functools.partial(_direct, tensor_cores=True),
     "tensor-core, no split-kv": functools.partial(_direct, tensor_cores=True, disable_split_kv=True),
     "cuda-core": functools.partial(_direct, tensor_cores=False),
@@ -233,9 +297,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--variants", action="store_true", help="only the kernel / plan-option table")
+    parser.add_argument("--triton-sweep", action="store_true", help="only the Triton kernel's launch shapes")
     args = parser.parse_args()
     print(f"{'impl':<26}{'batch':>6}{'ctx':>7}{'page':>5}{'us':>10}{'HBM frac':>10}  ({card_name()})", flush=True)
-    if args.variants:
+    if args.triton_sweep:
+        triton_sweep_rows(on_row=_print_row)
+    elif args.variants:
         variant_rows(on_row=_print_row)
     else:
         for r in run(args.quick):
@@ -247,7 +314,8 @@ def _print_row(r: dict) -> None:
     if "error" in r:
         print(f"{head}  {r['error']}", flush=True)
     else:
-        print(f"{head}{r['us']:>10.1f}{r['hbm_frac'] or 0:>10.3f}", flush=True)
+        err = f"  max_err {r['max_err']}" if "max_err" in r else ""
+        print(f"{head}{r['us']:>10.1f}{r['hbm_frac'] or 0:>10.3f}{err}", flush=True)
 
 
 if __name__ == "__main__":

@@ -298,20 +298,23 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
             "peer compiles ms": [round(t[0], 3) for t in times]}
 
 
-VARIANTS = ("compile", "dynamic", "fp8", "flashinfer-decode", "gather-decode")
+VARIANTS = ("compile", "dynamic", "fp8", "flashinfer-decode", "cudnn-decode", "triton-decode", "gather-decode")
 # the environment each variant's States are made under
 VARIANT_ENV = {"flashinfer-decode": {FLASHINFER_GRAPH_DECODE_ENV: "flashinfer"},
+               "cudnn-decode": {FLASHINFER_GRAPH_DECODE_ENV: "cudnn"},
+               "triton-decode": {FLASHINFER_GRAPH_DECODE_ENV: "triton"},
                "gather-decode": {SDPA_GRAPH_DECODE_ENV: "gather"}}
 # ... and the one backend each of those variants means anything for
-VARIANT_BACKEND = {"flashinfer-decode": "FLASHINFER", "gather-decode": "TORCH_SDPA"}
+VARIANT_BACKEND = {"flashinfer-decode": "FLASHINFER", "cudnn-decode": "FLASHINFER", "triton-decode": "FLASHINFER",
+                   "gather-decode": "TORCH_SDPA"}
 
 
 def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> PagedLoop:
     """Ours through the runner, captured; variant "compile": `CUDAGraphRunner(compile=True)`;
     "dynamic": the README's `torch.compile(model, fullgraph=True, dynamic=True)` handed
     to the runner; "fp8": compile, on a model whose layers and caches are fp8 (e4m3; a row the peer
-    cannot have); "flashinfer-decode": compile, with FLASHINFER's graphed decode on FlashInfer's own
-    kernels where it would run cuDNN's; "gather-decode": compile, with TORCH_SDPA's graphed decode
+    cannot have); "flashinfer-decode" / "cudnn-decode" / "triton-decode": compile, with FLASHINFER's
+    graphed decode on that kernel at every size (auto picks per size); "gather-decode": compile, with TORCH_SDPA's graphed decode
     gathering each row's table where it would read the pages through FlexAttention (both
     `graph_decode_kernel`)."""
     backend = model.layers[0].attn.backend

@@ -1,0 +1,150 @@
+"""Split-KV paged decode in Triton: one query token per request, GQA groups read their KV head once.
+
+A CUDA graph fixes the launch grid, so the split count is chosen per captured batch size (enough
+programs to fill the card twice over) and each program takes its share of the request's live
+tiles at run time: a replay reads what is live, never the capture's maximum. Programs past the
+end of a request write an empty partial (lse -inf) that the merge weighs at zero.
+
+    grid (batch, kv_heads, splits): q rows of the group [BLOCK_H, D] against BLOCK_N cache rows
+    at a time, gathered through the block table; online softmax in fp32, exp2 domain.
+    merge (batch, heads): the splits' partial outputs weighed by their log-sum-exp.
+
+One split writes the output directly (no partials, no merge launch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of one captured batch size: splits per (request, KV head), tile, warps, stages."""
+
+    num_splits: int
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+    q_stride_t, q_stride_h, kv_stride_blk, kv_stride_tok, kv_stride_h, table_stride,
+    out_stride_t, out_stride_h, scale_log2,
+    num_splits,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    heads = kv_head * GROUP + h
+    h_mask = h < GROUP
+    q = tl.load(q_ptr + seq.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
+                mask=h_mask[:, None], other=0.0)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    table = table_ptr + seq.to(tl.int64) * table_stride
+    for tok0 in range(start, end, BLOCK_N):
+        tok = tok0 + tl.arange(0, BLOCK_N)
+        live = tok < end
+        block = tl.load(table + tok // PAGE, mask=live, other=0)
+        row = block.to(tl.int64) * kv_stride_blk + (tok % PAGE) * kv_stride_tok + kv_head * kv_stride_h
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    safe = tl.where(lsum > 0.0, lsum, 1.0)  # a split with no tokens: zeros, lse -inf
+    acc = acc / safe[:, None]
+    if DIRECT:
+        dst = out_ptr + seq.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h + d[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    else:
+        row_id = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [B, H, S]
+        tl.store(part_ptr + row_id[:, None] * D + d[None, :], acc, mask=h_mask[:, None])
+        tl.store(lse_ptr + row_id, m + tl.log2(lsum), mask=h_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr, lse_ptr, out_ptr, out_stride_t, out_stride_h, num_splits,
+    D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    first = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits
+    s_mask = s < num_splits
+    lse = tl.load(lse_ptr + first + s, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = tl.where(s_mask & (lse > float("-inf")), w, 0.0)
+    part = tl.load(part_ptr + (first + s)[:, None] * D + d[None, :], mask=s_mask[:, None], other=0.0)
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + seq.to(tl.int64) * out_stride_t + head * out_stride_h + d, o.to(out_ptr.dtype.element_ty))
+
+
+def default_config(batch_size: int, num_kv_heads: int, device: torch.device) -> DecodeConfig:
+    """Splits enough for two programs per SM over the graph's (request, KV head) pairs (at most 32)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return DecodeConfig(num_splits=max(1, min(32, math.ceil(2 * sms / (batch_size * num_kv_heads)))))
+
+
+class PagedDecode:
+    """One batch size's decode: the split buffers it owns and its launch, over any cache of the
+    shape it was made for. Capturable: two launches (one without splits), no allocation."""
+
+    def __init__(self, batch_size: int, num_heads: int, head_size: int, config: DecodeConfig,
+                 device: torch.device | str) -> None:
+        self.config = config
+        shape = (batch_size, num_heads, config.num_splits)
+        direct = config.num_splits == 1
+        self._lse = None if direct else torch.empty(shape, dtype=torch.float32, device=device)
+        self._partials = None if direct else torch.empty(*shape, head_size, dtype=torch.float32, device=device)
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        """q/out [batch, num_heads, head_size] (head_size contiguous); caches [num_blocks, page,
+        num_kv_heads, head_size] with equal strides; block_tables int32 [batch, >= pages];
+        seq_lens int32 [batch], each >= 1."""
+        batch, num_heads, head_size = q.shape
+        page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        cfg = self.config
+        direct = cfg.num_splits == 1
+        _split_kernel[(batch, num_kv_heads, cfg.num_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, out,
+            out if direct else self._partials, out if direct else self._lse,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, cfg.num_splits,
+            GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=head_size, PAGE=page,
+            BLOCK_N=cfg.block_n, DIRECT=direct, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if not direct:
+            _merge_kernel[(batch, num_heads)](
+                self._partials, self._lse, out, out.stride(0), out.stride(1), cfg.num_splits,
+                D=head_size, BLOCK_S=triton.next_power_of_2(cfg.num_splits), num_warps=4,
+            )
