@@ -23,6 +23,7 @@ Which specs a State captures is data on the backend class (`graph_attn_types`,
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -194,7 +195,7 @@ class GraphState(AttentionState):
         self._slots: dict[int, Any] = {}
         self._made: set[tuple[int, int]] = set()  # (batch size, table width) of each metadata made
         self._capturing = False
-        self._prepared: tuple[CommonMetadata, int] | None = None  # the step begin_forward may plan
+        self._prepared: tuple[weakref.ref[CommonMetadata], int] | None = None  # the step begin_forward may plan
 
     @property
     def _buffers(self) -> dict[str, torch.Tensor] | None:
@@ -344,7 +345,9 @@ class GraphState(AttentionState):
         batch_size = bufs["slot_mapping"].shape[0]
         self._check_step(md, bufs, batch_size)
         self._write_step(bufs, md)
-        self._prepared = (md, batch_size)
+        # weak: a clone per batch size would otherwise keep its last step's metadata (and the
+        # device buffer its fields view) alive until that size replays again
+        self._prepared = (weakref.ref(md), batch_size)
 
     def _check_step(self, md: CommonMetadata, bufs: dict[str, torch.Tensor], batch_size: int) -> None:
         name = self.backend_cls.get_name()
@@ -403,7 +406,7 @@ class GraphState(AttentionState):
 
     def begin_forward(self, attn_metadata: CommonMetadata) -> None:
         """Host-side planning for the replay of the step just prepared (outside any graph)."""
-        if self._prepared is None or self._prepared[0] is not attn_metadata:
+        if self._prepared is None or self._prepared[0]() is not attn_metadata:
             raise RuntimeError("call prepare_graph_input_buffers(bufs, md) before begin_forward(md)")
         self.plan(attn_metadata, self._prepared[1])
 

@@ -55,7 +55,8 @@ def test_decode_matches_the_float64_reference(shape, config):
     for i, n in enumerate(lens):
         pages = tables[i, : -(-n // page)].long().cuda()
         keys, values = (kv[h][pages].flatten(0, 1)[:n] for h in (0, 1))
-        ref = reference_attention(q[i : i + 1], keys, values, torch.tensor([n - 1]), causal=True, scale=scale)
+        ref = reference_attention(q[i : i + 1].cpu(), keys.cpu(), values.cpu(), torch.tensor([n - 1]), causal=True,
+                                  scale=scale)
         assert rel_err(out[i : i + 1], ref) <= BF16_TOL, (i, n)
 
 
@@ -86,6 +87,6 @@ def test_a_replayed_graph_follows_the_lengths_and_tables_it_reads():
         for i, n in enumerate(new):
             pages = tables[i, : -(-n // page)].long()
             keys, values = (kv[h][pages].flatten(0, 1)[:n] for h in (0, 1))
-            ref = reference_attention(q[i : i + 1], keys, values, torch.tensor([n - 1]), causal=True,
+            ref = reference_attention(q[i : i + 1].cpu(), keys.cpu(), values.cpu(), torch.tensor([n - 1]), causal=True,
                                       scale=head_size**-0.5)
             assert rel_err(out[i : i + 1], ref) <= BF16_TOL, (i, n)

@@ -314,8 +314,8 @@ def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> 
     "dynamic": the README's `torch.compile(model, fullgraph=True, dynamic=True)` handed
     to the runner; "fp8": compile, on a model whose layers and caches are fp8 (e4m3; a row the peer
     cannot have); "flashinfer-decode" / "cudnn-decode" / "triton-decode": compile, with FLASHINFER's
-    graphed decode on that kernel at every size (auto picks per size); "gather-decode": compile, with TORCH_SDPA's graphed decode
-    gathering each row's table where it would read the pages through FlexAttention (both
+    graphed decode on that kernel at every size (auto picks per size); "gather-decode": compile, with
+    TORCH_SDPA's graphed decode gathering each row's table where it would read the pages through FlexAttention (both
     `graph_decode_kernel`)."""
     backend = model.layers[0].attn.backend
     kw = {"compile": variant != "dynamic"}
