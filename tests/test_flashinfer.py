@@ -264,37 +264,38 @@ def test_cudnn_serves_graphed_decode_only_where_it_was_measured(over, reason):
 
 def test_graph_decode_kernel_choice_is_checked(monkeypatch):
     spec = spec_of(head_size=128)  # a CPU spec: neither table kernel can serve it
-    assert fib.graph_decode_kernel(spec, 1) == "flashinfer"
-    assert fib.graph_decode_kernel(spec, 1, "flashinfer") == "flashinfer"
+    assert fib.graph_decode_kernel(spec) == "flashinfer"
+    assert fib.graph_decode_kernel(spec, "flashinfer") == "flashinfer"
     for kernel in ("cudnn", "triton"):
         with pytest.raises(NotImplementedError, match=f"{fib.GRAPH_DECODE_ENV}={kernel}: .*CUDA devices"):
-            fib.graph_decode_kernel(spec, 1, kernel)
+            fib.graph_decode_kernel(spec, kernel)
     monkeypatch.setenv(fib.GRAPH_DECODE_ENV, "cudnn-fa")
     with pytest.raises(ValueError, match="auto, flashinfer, cudnn or triton"):
         FlashInferBackend.get_state_cls()(spec)
 
 
 @pytest.mark.parametrize("frontend", [True, False])
-def test_auto_graph_decode_is_triton_for_few_pairs_and_cudnn_above(frontend, monkeypatch):
-    """On sm90 a table-reading spec decodes on Triton up to TRITON_DECODE_MAX_PAIRS (request, KV
-    head) pairs and on cuDNN above; without the cudnn-frontend package on Triton at every size.
-    A spec neither serves (an fp8 cache) stays on FlashInfer's kernels, and naming a table kernel
-    for it is refused with the reason."""
+def test_auto_graph_decode_is_triton_where_a_table_kernel_serves(frontend, monkeypatch):
+    """On sm90 a spec of a 16-bit cache, head size 128, no ALiBi / soft-cap / window decodes on
+    Triton, with or without the cudnn-frontend package (which only cuDNN needs); a spec neither
+    serves (an fp8 cache) stays on FlashInfer's kernels, and naming a table kernel for it is
+    refused with the reason."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(fib, "cudnn_decode_available", lambda: frontend)
-    spec = spec_of(head_size=128, num_heads=8, num_kv_heads=2, device="cuda")
-    most = fib.TRITON_DECODE_MAX_PAIRS // spec.num_kv_heads  # the largest batch on Triton
-    assert fib.graph_decode_kernel(spec, 1) == fib.graph_decode_kernel(spec, most) == "triton"
-    assert fib.graph_decode_kernel(spec, most + 1) == ("cudnn" if frontend else "triton")
-    assert fib.graph_decode_kernel(spec, most + 1, "triton") == "triton"
-    assert fib.graph_decode_kernel(spec, 1, "flashinfer") == "flashinfer"
-    if not frontend:
+    spec = spec_of(head_size=128, device="cuda")
+    assert fib.graph_decode_kernel(spec) == fib.graph_decode_kernel(spec, "triton") == "triton"
+    assert fib.graph_decode_kernel(spec, "flashinfer") == "flashinfer"
+    if frontend:
+        assert fib.graph_decode_kernel(spec, "cudnn") == "cudnn"
+    else:
         with pytest.raises(NotImplementedError, match="cudnn: .*cudnn-frontend"):
-            fib.graph_decode_kernel(spec, 1, "cudnn")
+            fib.graph_decode_kernel(spec, "cudnn")
     fp8 = dataclasses.replace(spec, kv_cache_dtype="fp8")
-    assert fib.graph_decode_kernel(fp8, 1) == "flashinfer"
+    assert fib.graph_decode_kernel(fp8) == "flashinfer"
     with pytest.raises(NotImplementedError, match="triton: .*cache"):
-        fib.graph_decode_kernel(fp8, 1, "triton")
+        fib.graph_decode_kernel(fp8, "triton")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert fib.graph_decode_kernel(spec) == "flashinfer"  # measured on sm90 only
 
 
 class DenseCudnnDecode:
@@ -328,14 +329,13 @@ def test_cudnn_graph_decode_reads_the_states_lengths_and_tables(fake_flashinfer,
     """Where cuDNN serves graphed decode, a step needs no plan and no page CSR: the prepared graph
     reads the seq_lens and block-table buffers the step's upload wrote (pads: one token of SCRATCH_BLOCK). The op's
     output for the live rows matches the float64 reference over the cache; the graph is built once."""
-    monkeypatch.setattr(fib, "graph_decode_kernel", lambda spec, batch_size, choice=None: "cudnn")
+    monkeypatch.setattr(fib, "graph_decode_kernel", lambda spec: "cudnn")
     monkeypatch.setattr(fib, "_prepare_cudnn_decode", lambda: DenseCudnnDecode)
     monkeypatch.setattr(DenseCudnnDecode, "builds", 0)
     spec = spec_of(max_seq_len_to_capture=64)
     _, graphs = capture_state(spec, [4])
     md_bs, bufs, graph_state = graphs[4]
-    assert graph_state.reads_tables and graph_state.decode_kernels == {4: "cudnn"}
-    assert isinstance(graph_state._slots[4].wrapper, fib.CudnnGraphDecode)
+    assert graph_state.decode_kernel == "cudnn" and isinstance(graph_state._slots[4].wrapper, fib.CudnnGraphDecode)
     assert not any(name.startswith("paged_kv") for name in bufs)  # no page CSR to allocate or refill
     name, _keep = layer_of(spec)
     builder = FlashInferBackend.get_builder_cls()(spec)
@@ -369,14 +369,14 @@ def test_cudnn_graph_decode_reads_the_states_lengths_and_tables(fake_flashinfer,
 def test_graph_clone_keeps_the_states_decode_kernel(fake_flashinfer, monkeypatch):
     """A clone serves with what its State resolved when it was made, whatever the environment
     (or the rule) says by the time it is cloned."""
-    monkeypatch.setattr(fib, "graph_decode_kernel", lambda spec, batch_size, choice=None: "cudnn")
+    monkeypatch.setattr(fib, "graph_decode_kernel", lambda spec: "cudnn")
     spec = spec_of(max_seq_len_to_capture=64)
     state = FlashInferBackend.get_state_cls()(spec)
     with state.graph_capture(4):
         state.graph_capture_get_metadata_for_batch(4)
-        monkeypatch.setattr(fib, "graph_decode_kernel", lambda spec, batch_size, choice=None: "flashinfer")
+        monkeypatch.setattr(fib, "graph_decode_kernel", lambda spec: "flashinfer")
         clone = state.graph_clone(4)
-    assert clone.reads_tables and clone.decode_kernels[4] == "cudnn" and clone._slots[4] is state._slots[4]
+    assert clone.decode_kernel == "cudnn" and clone._slots[4] is state._slots[4]
 
 
 def test_cudnn_graph_decode_is_never_built_inside_a_capture(fake_flashinfer, monkeypatch):
@@ -735,7 +735,7 @@ def test_replayed_decode_equals_eager_for_100_steps(case, kernel, monkeypatch):
     shape = FlashInferBackend.get_kv_cache_shape(spec.num_blocks, 16, spec.num_kv_heads, spec.head_size)
     kv_cache = torch.randn(shape, device="cuda", dtype=spec.dtype)
     state = FlashInferBackend.get_state_cls()(spec)
-    assert state.decode_choice == kernel
+    assert state.decode_kernel == kernel
     graphs, q, k, v = capture(state, spec, impl, kv_cache, [8, 4])
     builder = FlashInferBackend.get_builder_cls()(spec)
     rng = random.Random(5)

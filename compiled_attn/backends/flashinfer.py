@@ -60,7 +60,8 @@ MAX_CUDA_CORE_GROUP = 3
 # measured and keep split-kv.
 NO_SPLIT_KV_MIN_PAIRS = 512
 # Graphed decode through cuDNN's paged SDPA (FlashInfer's "cudnn" decode backend; needs the
-# cudnn-frontend package) instead of FlashInfer's fastest own kernel. Measured on an H100 and an H200
+# cudnn-frontend package; GRAPH_DECODE_ENV=cudnn, the default before the Triton kernel below)
+# instead of FlashInfer's fastest own kernel. Measured on an H100 and an H200
 # in replayed graphs (`decode_flashinfer --variants`, 32 q / 8 kv heads, d 128, bf16, page 16, the
 # table as wide as the context): H100 8.2 vs 10.5 us at B=1 ctx 1024, 13.7 vs 16.3 at B=8, 96.3 vs
 # 98.4 at B=64, 360 vs 365 at B=256, 11.1 vs 12.5 at B=1 ctx 4096; faster at every B in {1, 8, 64,
@@ -73,17 +74,16 @@ NO_SPLIT_KV_MIN_PAIRS = 512
 # graph pays once at capture.
 CUDNN_DECODE_CAPABILITY = (9, 0)
 CUDNN_DECODE_HEAD_SIZES = (128,)
-# Graphed decode of few (request, KV head) pairs through our own split-KV Triton kernel
-# (ops/triton_decode.py) instead of cuDNN's: where the grid is small, cuDNN's split and merge
-# launches cost more than the cache read. The same specs as cuDNN (CUDNN_DECODE_CAPABILITY's
-# comment); up to TRITON_DECODE_MAX_PAIRS pairs per graph (provisional until measured), cuDNN's
-# above (FlashInfer's own kernel where the cudnn-frontend package is missing: Triton then serves
-# every size).
-TRITON_DECODE_MAX_PAIRS = 64
-# "auto" (the rules above), "flashinfer", "cudnn" or "triton" (the last two refused, naming why,
-# where they cannot serve)
+# Graphed decode through our own split-KV Triton kernel (ops/triton_decode.py) instead of cuDNN's,
+# for the same specs (CUDNN_DECODE_CAPABILITY's comment). Measured on an H200 (`decode_flashinfer
+# --triton-sweep`, replayed graphs, 32 q / 8 kv heads, d 128, bf16, page 16; Triton at the launch
+# shape `default_config` picks there, against cuDNN over the same pages): us 6.7 vs 8.1 at B=1 ctx
+# 1024, 11.9 vs 13.4 at B=8, 66.9 vs 71.6 at B=64, 252.9 vs 254.4 at B=256; 10.0 vs 11.0, 40.0 vs
+# 41.2, 246.7 vs 252.2 and 980.2 vs 968.6 at ctx 4096. Faster at 7 of the 8 points, 1.2 % slower at
+# B=256 ctx 4096. Its graphs plan nothing per step, as cuDNN's, and need no cudnn-frontend package.
+# "auto" (Triton where it serves, FlashInfer's kernels elsewhere), "flashinfer", "cudnn" or
+# "triton" (the last two refused, naming why, where they cannot serve)
 GRAPH_DECODE_ENV = "COMPILED_ATTN_FLASHINFER_GRAPH_DECODE"
-GRAPH_DECODE_CHOICES = ("auto", "flashinfer", "cudnn", "triton")
 # Prefill through FlashInfer's FA2 kernels on every card: FA3 lacks ALiBi and fp8 KV with 16-bit
 # queries, and each FA3 variant is a separate multi-minute JIT build.
 PREFILL_BACKEND = "fa2"
@@ -289,33 +289,26 @@ def cudnn_decode_available() -> bool:
     return bool(CUDNN_AVAILABLE)
 
 
-def graph_decode_choice(choice: str | None = None) -> str:
-    """`choice`, else the GRAPH_DECODE_ENV variable, else "auto"; checked against GRAPH_DECODE_CHOICES."""
+def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
+    """The kernel family of `spec`'s graphed decode: "triton", "cudnn" or "flashinfer". `choice`
+    (default: the GRAPH_DECODE_ENV variable, else "auto") picks Triton wherever
+    `table_decode_reason` allows, else FlashInfer's ("auto"); FlashInfer's always ("flashinfer");
+    Triton or cuDNN always ("triton", "cudnn": NotImplementedError where they cannot serve)."""
     choice = choice or os.environ.get(GRAPH_DECODE_ENV) or "auto"
-    if choice not in GRAPH_DECODE_CHOICES:
+    if choice not in ("auto", "flashinfer", "cudnn", "triton"):
         raise ValueError(f"{GRAPH_DECODE_ENV}={choice!r}: use auto, flashinfer, cudnn or triton")
-    return choice
-
-
-def graph_decode_kernel(spec: AttentionSpec, batch_size: int, choice: str | None = None) -> str:
-    """The kernel of `spec`'s graphed decode at `batch_size`: "triton", "cudnn" or "flashinfer".
-    `choice` (`graph_decode_choice`): "auto" picks Triton up to TRITON_DECODE_MAX_PAIRS (request,
-    KV head) pairs and cuDNN above wherever `table_decode_reason` allows, else FlashInfer's;
-    "triton" / "cudnn" at every size (NotImplementedError where they cannot serve); "flashinfer"."""
-    choice = graph_decode_choice(choice)
     if choice == "flashinfer":
         return choice
     device = torch.device(spec.device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    table = table_decode_reason(spec, capability)
-    cudnn = cudnn_decode_reason(spec, capability, table is None and cudnn_decode_available())
-    if choice != "auto" and (table if choice == "triton" else cudnn) is not None:
-        raise NotImplementedError(f"{GRAPH_DECODE_ENV}={choice}: {table if choice == 'triton' else cudnn}")
-    if choice != "auto":
-        return choice
-    if table is not None:
+    reason = table_decode_reason(spec, capability)
+    if choice == "cudnn":
+        reason = cudnn_decode_reason(spec, capability, reason is None and cudnn_decode_available())
+    if reason is not None and choice != "auto":
+        raise NotImplementedError(f"{GRAPH_DECODE_ENV}={choice}: {reason}")
+    if reason is not None:
         return "flashinfer"
-    return "triton" if cudnn is not None or batch_size * spec.num_kv_heads <= TRITON_DECODE_MAX_PAIRS else "cudnn"
+    return "triton" if choice == "auto" else choice
 
 
 def plan_options(spec: AttentionSpec) -> dict[str, Any]:
@@ -625,10 +618,9 @@ class FlashInferState(GraphState):
     most. A pad row is one page of SCRATCH_BLOCK holding one token: valid for FlashInfer (every
     length >= 1). Planning waits on the wrapper's event (`_Slot.plan`): the pinned-buffer fence.
 
-    Where the spec's graphs read block tables (`table_decode_reason`), each size's wrapper is a
-    `TritonGraphDecode` or `CudnnGraphDecode` (`graph_decode_kernel`, per size: `decode_kernels`)
-    over the common seq_lens_tensor / block_tables buffers instead: the page CSR is neither
-    allocated nor refilled, and nothing is planned per step.
+    Where `decode_kernel` is "triton" or "cudnn" (`graph_decode_kernel`), each size's wrapper is a
+    `TritonGraphDecode` or `CudnnGraphDecode` over the common seq_lens_tensor / block_tables
+    buffers instead: the page CSR is neither allocated nor refilled, and nothing is planned per step.
     """
 
     backend_cls = FlashInferBackend
@@ -637,10 +629,8 @@ class FlashInferState(GraphState):
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__(spec)
         self._workspace: torch.Tensor | None = None  # shared by the graph wrappers of every size
-        self.decode_choice = graph_decode_choice()
-        # the family is the spec's (Triton and cuDNN read the same buffers); the kernel is per size
-        self.reads_tables = graph_decode_kernel(spec, 1, self.decode_choice) != "flashinfer"
-        self.decode_kernels: dict[int, str] = {}  # batch size -> its graphs' kernel (make_for_batch)
+        self.decode_kernel = graph_decode_kernel(spec)
+        self.reads_tables = self.decode_kernel != "flashinfer"  # Triton and cuDNN: the common buffers
         self.decodes_on_eager_kernel = not self.reads_tables  # eager steps run FlashInfer's
 
     def allocate_extra(self, max_batch_size: int) -> dict[str, torch.Tensor]:
@@ -660,11 +650,10 @@ class FlashInferState(GraphState):
         if self._workspace is None:  # zero-filled: FlashInfer requires it for first use
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.spec.device)
         b = self._buffers
-        kernel = self.decode_kernels[batch_size] = graph_decode_kernel(self.spec, batch_size, self.decode_choice)
         lens, tables = b["seq_lens_tensor"][:batch_size], b["block_tables"][:batch_size]
-        if kernel == "cudnn":
+        if self.decode_kernel == "cudnn":
             return _Slot(CudnnGraphDecode(self.spec, self._workspace, lens, tables), self.spec.device)
-        if kernel == "triton":
+        if self.decode_kernel == "triton":
             return _Slot(TritonGraphDecode(self.spec, lens, tables), self.spec.device)
         wrapper = _flashinfer().BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=decode_uses_tensor_cores(self.spec),
