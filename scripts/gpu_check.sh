@@ -2,8 +2,9 @@
 # The one command the device tool runs: GPU-marked tests, then benchmarks; results under $OUT.
 #   device run:  source .whl/setup.sh && bash scripts/gpu_check.sh; save_jit_cache   (carry [".whl"])
 # PARTS selects what runs (default: "tests fuzz bench"; "loop" profiles the 8B decode loop against
-# gpt-fast's (B=64 then B=1, ctx 1024, one process each) and times FlashInfer's decode variants (FA3 among
-# them: a JIT build of a minute or more the first time, VARIANTS_TIMEOUT);
+# gpt-fast's (B=64 then B=1, ctx 1024, one process each), times FlashInfer's decode variants (FA3 among
+# them: a JIT build of a minute or more the first time, VARIANTS_TIMEOUT) and our Triton decode's
+# launch shapes (`decode_flashinfer --triton-sweep`, SWEEP_TIMEOUT);
 # "grid": the decode loop at GRID_POINTS, peer and ours in separate processes (below);
 # "flex": scripts/flex_paged_probe.py (FlexAttention's decode over the paged cache vs SDPA over a
 # contiguous one, then its kernels per call, profiled; FLEX_ARGS=--quick: no SPLIT_KV sweep);
@@ -70,6 +71,10 @@ if [[ " $PARTS " == *" loop "* ]]; then
   done
   timeout "${VARIANTS_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_flashinfer --variants 2>&1 | grep -v " - INFO - " \
     | tee "$OUT/decode-variants.log" | tail -40
+  # the Triton decode's launch shapes against cuDNN's paged decode (~40 s on an H200)
+  timeout "${SWEEP_TIMEOUT:-120}" python3 -m compiled_attn.bench.decode_flashinfer --triton-sweep 2>&1 \
+    | grep -v " - INFO - " > "$OUT/triton-sweep.log"
+  grep -E "^cudnn" "$OUT/triton-sweep.log"
 fi
 if [[ " $PARTS " == *" grid "* ]]; then
   # The decode loop's grid points (GRID_POINTS, default one of the H200 points not measured on the

@@ -207,10 +207,11 @@ def test_decode_loop_measures_the_sides_it_is_told(monkeypatch, sides):
         dl.run(points=((8, 1024),), sides=("theirs",))
 
 
-def test_overhead_copy_rows_time_both_copy_forms_and_build():
+def test_overhead_copy_rows_time_each_copy_form_and_build():
     from compiled_attn.bench import overhead
 
     rows = overhead.copy_rows(iters=2, device="meta", batch=4, ctx=64)  # meta: a device copy on a CPU machine
     assert [r["what"].split(": ", 1)[1] for r in rows] == [
-        "one pinned copy (upload)", "one pageable copy per array", "build(), tables as array"]
+        "one pinned copy (upload)", "one pageable copy per array", "one pageable copy, packed",
+        "build(), tables as array"]
     assert all(r["us/call"] > 0 for r in rows)

@@ -3,8 +3,8 @@
 Shapes: 32 query / 8 KV heads, head_size 128, bf16, block_size 16; every request holds `ctx`
 tokens. Each row reports the median time of one decode step (us) and the fraction of the card's
 nominal HBM bandwidth that reading the K/V cache once would take in that time. Our graphs decode
-through cuDNN where the backend picks it (`graph_decode_kernel`): the "flashinfer cudnn" row is
-that kernel called directly. A page-size sweep
+through our Triton kernel where the backend picks it (`graph_decode_kernel`; `--variants` times it
+beside FlashInfer's and cuDNN's kernels, `--triton-sweep` its launch shapes). A page-size sweep
 (our op only, pages 16 / 32 / 64 / 128) follows at the end-to-end bench's batch 8 / 64, ctx 1024.
 
     python -m compiled_attn.bench.decode_flashinfer [--quick]
@@ -250,7 +250,7 @@ def _point_rows(batch: int, ctx: int, block_size: int, replays: int, with_peers:
     """Our op (and with_peers: FlashInfer's own calls and SDPA) at one point, pages of block_size."""
     peak = nominal_bandwidth()
     spec, md, kv_cache, q, out = _decode_case(batch, ctx, block_size)
-    cases = {"ours (graph)": _our_op(spec, md, q, kv_cache, out)}  # on cuDNN where `graph_decode_kernel` picks it
+    cases = {"ours (graph)": _our_op(spec, md, q, kv_cache, out)}  # on Triton where `graph_decode_kernel` picks it
     if with_peers:
         cases["flashinfer cuda-core"] = _direct(spec, md, q, kv_cache, out, False)
         cases["flashinfer tensor-core"] = _direct(spec, md, q, kv_cache, out, True)

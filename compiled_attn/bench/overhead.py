@@ -25,7 +25,7 @@ import torch
 import compiled_attn as ca
 from compiled_attn.bench.timing import card_name, eager_time_us
 from compiled_attn.capabilities import smallest_block_size
-from compiled_attn.metadata import upload
+from compiled_attn.metadata import packed_copy, upload
 from compiled_attn.ops.cache import write_kv_cache
 from compiled_attn.ops.common import checked_step
 from compiled_attn.ops.library import ATTENTION_SIGNATURE, python_kernel
@@ -118,7 +118,8 @@ def build_rows(quick: bool) -> list[dict]:
 def copy_rows(iters: int, device: str = "cuda", batch: int = 64, ctx: int = 1024) -> list[dict]:
     """Host time of a FLASHINFER decode step's metadata copies to `device` (no synchronize: what
     `build()` pays): its arrays in `upload`'s one pinned copy, against one pageable copy per
-    array (`build()` before the fifteenth session), and `build()` itself on a spec of `device`."""
+    array (`build()` before the fifteenth session) and one pageable copy of the same packed
+    buffer, and `build()` itself on a spec of `device`."""
     width = -(-(ctx + 16) // 16)
     specs = [ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, num_blocks=batch * width,
                               dtype=torch.bfloat16, device=d) for d in ("cpu", device)]
@@ -135,6 +136,7 @@ def copy_rows(iters: int, device: str = "cuda", batch: int = 64, ctx: int = 1024
         ("one pinned copy (upload)", lambda: upload(arrays, target)),
         ("one pageable copy per array",
          lambda: [torch.from_numpy(a).to(target, non_blocking=True) for a in arrays.values()]),
+        ("one pageable copy, packed", lambda: packed_copy(arrays, lambda host: host.to(target, non_blocking=True))),
         ("build(), tables as array", lambda: builders[1].build(seq_lens, query_lens, table)),
     ):
         us = eager_time_us(fn, iters=iters, host_only=True)
