@@ -80,12 +80,14 @@ if [[ " $PARTS " == *" grid "* ]]; then
   # The decode loop's grid points (GRID_POINTS, default one of the H200 points not measured on the
   # current tree: a point takes ~250 s, so one or two fit a device call) one side per process, so
   # that a slow peer cannot starve ours of the call: the peer the best of two compiles
-  # (GRID_PEER_TIMEOUT: ~170 s on an H200), ours one (GRID_OURS_TIMEOUT: ~70 s).
+  # (GRID_PEER_TIMEOUT: ~170 s on an H200), ours one (GRID_OURS_TIMEOUT: ~70 s a variant;
+  # GRID_OURS_ARGS adds arguments, e.g. "--variant compile --variant wide-tuning").
   for point in ${GRID_POINTS:-64x4096}; do
     timeout -k 30 "${GRID_PEER_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
       --backend FLASHINFER --side peer --peer-compiles 2 > "$OUT/grid-$point-peer.log" 2>&1 || status=1
     timeout -k 30 "${GRID_OURS_TIMEOUT:-150}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
-      --backend FLASHINFER --side ours --ours-compiles "${GRID_OURS_COMPILES:-1}" > "$OUT/grid-$point-ours.log" 2>&1 \
+      --backend FLASHINFER --side ours --ours-compiles "${GRID_OURS_COMPILES:-1}" ${GRID_OURS_ARGS:-} \
+      > "$OUT/grid-$point-ours.log" 2>&1 \
       || status=1
     grep -h "^{" "$OUT/grid-$point-peer.log" "$OUT/grid-$point-ours.log" | cut -c1-240
   done

@@ -298,7 +298,13 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
             "peer compiles ms": [round(t[0], 3) for t in times]}
 
 
-VARIANTS = ("compile", "dynamic", "fp8", "flashinfer-decode", "cudnn-decode", "triton-decode", "gather-decode")
+VARIANTS = ("compile", "dynamic", "fp8", "flashinfer-decode", "cudnn-decode", "triton-decode", "gather-decode",
+            "wide-tuning")
+# Inductor settings a variant compiles under: "wide-tuning" has coordinate descent try every
+# direction at radius 2, not the first improving neighbour at radius 1 (at batch 1 the step's
+# matrix-vector reductions are its tuning; the draws between compiles exceed the paged layout's cost)
+VARIANT_INDUCTOR = {"wide-tuning": {"coordinate_descent_check_all_directions": True,
+                                    "coordinate_descent_search_radius": 2}}
 # the environment each variant's States are made under
 VARIANT_ENV = {"flashinfer-decode": {FLASHINFER_GRAPH_DECODE_ENV: "flashinfer"},
                "cudnn-decode": {FLASHINFER_GRAPH_DECODE_ENV: "cudnn"},
@@ -314,9 +320,10 @@ def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> 
     "dynamic": the README's `torch.compile(model, fullgraph=True, dynamic=True)` handed
     to the runner; "fp8": compile, on a model whose layers and caches are fp8 (e4m3; a row the peer
     cannot have); "flashinfer-decode" / "cudnn-decode" / "triton-decode": compile, with FLASHINFER's
-    graphed decode on that kernel at every size (auto picks per size); "gather-decode": compile, with
-    TORCH_SDPA's graphed decode gathering each row's table where it would read the pages through FlexAttention (both
-    `graph_decode_kernel`)."""
+    graphed decode on that kernel (`graph_decode_kernel`; "compile" takes its rule);
+    "gather-decode": compile, with TORCH_SDPA's graphed decode gathering each row's table where it
+    would read the pages through FlexAttention (`torch_sdpa.graph_decode_kernel`); "wide-tuning":
+    compile under VARIANT_INDUCTOR's settings (`measure_ours` applies them)."""
     backend = model.layers[0].attn.backend
     kw = {"compile": variant != "dynamic"}
     step_model = model if variant != "dynamic" else torch.compile(model, fullgraph=True, dynamic=True)
@@ -330,7 +337,7 @@ def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile", r
     """The row of `paged_loop(model, batch, ctx, variant)`, the best of `compiles` fresh compiles:
     loop times and host work per step."""
     draws = []
-    with torch._inductor.config.patch(fresh_draws(compiles)):
+    with torch._inductor.config.patch({**fresh_draws(compiles), **VARIANT_INDUCTOR.get(variant, {})}):
         for _ in range(compiles):
             reset_dynamo()  # a fresh trace and compile, as the peer's
             ours = paged_loop(model, batch, ctx, variant)
