@@ -3,8 +3,10 @@
 # - FlashInfer's XQA kernel sources (.whl/fi-xqa-src.tar.xz): the decode variants' "xqa" row
 #   (compiled_attn.bench.decode_flashinfer --variants) JIT-compiles them; scripts/gpu_check.sh
 #   unpacks them over the installed FlashInfer;
-# - the cudnn-frontend wheel: FLASHINFER's graphed decode runs cuDNN's paged SDPA through it where it
-#   is faster (backends/flashinfer.py, `graph_decode_kernel`); .whl/setup.sh installs every wheel.
+# - the cudnn-frontend wheel: FLASHINFER's graphed decode runs cuDNN's paged SDPA through it when
+#   chosen (COMPILED_ATTN_FLASHINFER_GRAPH_DECODE=cudnn; the default is our Triton kernel: backends/
+#   flashinfer.py, `graph_decode_kernel`), as the decode variants' cuDNN rows do; .whl/setup.sh
+#   installs every wheel.
 set -euo pipefail
 version=$(tar tJf .whl/flashinfer-*.tar.xz | sed -n 's|^flashinfer_python-\(.*\)\.dist-info/$|\1|p' | head -1)
 tmp=$(mktemp -d)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 import types
 import unittest.mock
 
@@ -20,6 +21,7 @@ from reference import alibi_slopes, captured, make_batch, reference_attention, r
 from test_differential import CI_LIMITS, FEATURE_CASES, cases, check_against_reference, differential_settings
 
 import compiled_attn as ca
+import compiled_attn.ops
 from compiled_attn.backends import flashinfer as fib
 from compiled_attn.backends.flashinfer import FlashInferBackend
 
@@ -277,9 +279,9 @@ def test_graph_decode_kernel_choice_is_checked(monkeypatch):
 @pytest.mark.parametrize("frontend", [True, False])
 def test_auto_graph_decode_is_triton_where_a_table_kernel_serves(frontend, monkeypatch):
     """On sm90 a spec of a 16-bit cache, head size 128, no ALiBi / soft-cap / window decodes on
-    Triton, with or without the cudnn-frontend package (which only cuDNN needs); a spec neither
-    serves (an fp8 cache) stays on FlashInfer's kernels, and naming a table kernel for it is
-    refused with the reason."""
+    Triton, with or without the cudnn-frontend package (which only cuDNN needs), and on cuDNN
+    where Triton is not installed; a spec neither serves (an fp8 cache) stays on FlashInfer's
+    kernels, and naming a table kernel for it is refused with the reason."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(fib, "cudnn_decode_available", lambda: frontend)
     spec = spec_of(head_size=128, device="cuda")
@@ -294,6 +296,10 @@ def test_auto_graph_decode_is_triton_where_a_table_kernel_serves(frontend, monke
     assert fib.graph_decode_kernel(fp8) == "flashinfer"
     with pytest.raises(NotImplementedError, match="triton: .*cache"):
         fib.graph_decode_kernel(fp8, "triton")
+    monkeypatch.setattr(fib, "triton_available", lambda: False)  # then cuDNN where it serves
+    assert fib.graph_decode_kernel(spec) == ("cudnn" if frontend else "flashinfer")
+    with pytest.raises(NotImplementedError, match="triton: .*pip install triton"):
+        fib.graph_decode_kernel(spec, "triton")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert fib.graph_decode_kernel(spec) == "flashinfer"  # measured on sm90 only
 
@@ -364,6 +370,59 @@ def test_cudnn_graph_decode_reads_the_states_lengths_and_tables(fake_flashinfer,
     with ca.set_forward_context(md_bs):
         torch.ops.compiled_attn.flashinfer_attention(**args)
     assert DenseCudnnDecode.builds == 2 and len(graph_state._slots[4].wrapper._prepared) == 2
+
+
+class DensePagedDecode:
+    """`ops.triton_decode.PagedDecode` computed by `reference_attention` from the lengths and
+    tables it is given: what is under test is the State's wiring, not the kernel."""
+
+    made: list[tuple] = []
+
+    def __init__(self, batch_size, num_heads, head_size, config, device) -> None:
+        DensePagedDecode.made.append((batch_size, num_heads, head_size, config))
+
+    def run(self, q, k_cache, v_cache, block_tables, seq_lens, out, scale) -> None:
+        page = k_cache.shape[1]
+        for i, n in enumerate(seq_lens.tolist()):
+            pages = block_tables[i, : -(-n // page)].long()
+            keys, values = (c[pages].flatten(0, 1)[:n] for c in (k_cache, v_cache))
+            out[i] = reference_attention(q[i : i + 1], keys, values, torch.tensor([n - 1]), causal=True,
+                                         scale=scale)[0].to(out.dtype)
+
+
+def test_triton_graph_decode_reads_the_states_lengths_and_tables(fake_flashinfer, monkeypatch):
+    """Where Triton serves graphed decode, each size's wrapper binds the State's seq_lens and
+    block-table buffers (no page CSR, no plan) and its own launch shape; each step's output for
+    the live rows matches the float64 reference over the cache, so the buffers it reads are the
+    ones each step's upload wrote."""
+    fake = types.SimpleNamespace(PagedDecode=DensePagedDecode,
+                                 default_config=lambda batch, kv_heads, device: ("config", batch, kv_heads))
+    monkeypatch.setitem(sys.modules, "compiled_attn.ops.triton_decode", fake)
+    monkeypatch.setattr(compiled_attn.ops, "triton_decode", fake, raising=False)
+    monkeypatch.setattr(fib, "graph_decode_kernel", lambda spec: "triton")
+    monkeypatch.setattr(DensePagedDecode, "made", [])
+    spec = spec_of(max_seq_len_to_capture=64)
+    _, graphs = capture_state(spec, [4, 2])
+    md_bs, bufs, graph_state = graphs[4]
+    assert graph_state.decode_kernel == "triton" and isinstance(graph_state._slots[4].wrapper, fib.TritonGraphDecode)
+    assert not any(name.startswith("paged_kv") for name in bufs)
+    assert DensePagedDecode.made == [(n, spec.num_heads, spec.head_size, ("config", n, spec.num_kv_heads))
+                                     for n in (4, 2)]
+    name, _keep = layer_of(spec)
+    builder = FlashInferBackend.get_builder_cls()(spec)
+    for seq_lens, tables in (([17, 3], [[5, 6], [7]]), ([33, 9, 16], [[9, 2, 4], [1], [3]])):
+        args = op_args(spec, 4, "cpu", name)
+        md = builder.build(seq_lens, [1] * len(seq_lens), tables)
+        graph_state.prepare_graph_input_buffers(bufs, md)
+        graph_state.begin_forward(md)
+        with ca.set_forward_context(md_bs):
+            torch.ops.compiled_attn.flashinfer_attention(**args)
+        k_cache, v_cache = args["kv_cache"]
+        for i, (n, table) in enumerate(zip(seq_lens, tables, strict=True)):
+            keys, values = (c[table].flatten(0, 1)[:n] for c in (k_cache, v_cache))
+            ref = reference_attention(args["query"][i : i + 1], keys, values, torch.tensor([n - 1]), causal=True,
+                                      scale=spec.softmax_scale)
+            assert rel_err(args["output"][i : i + 1], ref) <= BF16_TOL
 
 
 def test_graph_clone_keeps_the_states_decode_kernel(fake_flashinfer, monkeypatch):

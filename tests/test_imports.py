@@ -22,6 +22,10 @@ PACKAGE = "compiled_attn"
 LAZY_ALLOWED = {
     ("compiled_attn.ops.cache", "compiled_attn.ops.triton_cache"):
         "triton_cache imports triton at module level; triton exists only where CUDA does",
+    ("compiled_attn.backends.flashinfer", "compiled_attn.ops.triton_decode"):
+        "triton_decode imports triton at module level; triton exists only where CUDA does",
+    ("compiled_attn.bench.decode_flashinfer", "compiled_attn.ops.triton_decode"):
+        "triton_decode imports triton at module level; triton exists only where CUDA does",
 }
 
 

@@ -1,8 +1,13 @@
-"""Our split-KV Triton paged decode (ops/triton_decode.py) against the float64 reference, on CUDA."""
+"""Our split-KV Triton paged decode (ops/triton_decode.py) against the float64 reference: on CUDA,
+and on the CPU through Triton's interpreter (fp16 / fp32: the interpreter has no bf16)."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +37,9 @@ def test_decode_matches_the_float64_reference(shape, config):
     QKV projection, and table entries past each request's pages that would fault if read."""
     td = _decode_module()
     num_heads, num_kv_heads, head_size, page, dtype = shape
-    rng = random.Random(hash((shape, config)) % 1000)
+    seed = SHAPES.index(shape) * len(CONFIGS) + CONFIGS.index(config)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
     lens = [1, page, page + 1, rng.randint(2, 700), rng.randint(700, 1500), 3 * page - 1]
     batch, width = len(lens), 1600 // page
     num_blocks = sum(-(-n // page) for n in lens) + 1
@@ -65,6 +72,7 @@ def test_a_replayed_graph_follows_the_lengths_and_tables_it_reads():
     """Captured once, replayed over new lengths and pages written into the same buffers: each
     replay equals the reference for what is live then, longer and shorter than at capture."""
     td = _decode_module()
+    torch.manual_seed(2)
     num_heads, num_kv_heads, head_size, page, batch = 32, 8, 128, 16, 4
     kv = torch.randn(2, 400, page, num_kv_heads, head_size, dtype=torch.bfloat16, device="cuda")
     lens = torch.ones(batch, dtype=torch.int32, device="cuda")
@@ -90,3 +98,85 @@ def test_a_replayed_graph_follows_the_lengths_and_tables_it_reads():
             ref = reference_attention(q[i : i + 1].cpu(), keys.cpu(), values.cpu(), torch.tensor([n - 1]), causal=True,
                                       scale=head_size**-0.5)
             assert rel_err(out[i : i + 1], ref) <= BF16_TOL, (i, n)
+
+
+def interpreter_cases() -> None:
+    """Run by `test_interpreter_matches_the_float64_reference` in a process with TRITON_INTERPRET=1
+    (Triton reads it when the kernels are defined): small shapes, each path of the kernels."""
+    from compiled_attn.ops import triton_decode as td
+
+    torch.manual_seed(0)
+    # (heads, kv heads, head size, page, dtype, splits, tile): group 4 / 3 / 1, a page of 8, the
+    # direct path, splits left empty, a tile smaller and larger than a page
+    cases = [(8, 2, 32, 16, torch.float16, 1, 32), (12, 4, 32, 8, torch.float32, 3, 16),
+             (4, 4, 16, 16, torch.float16, 8, 64)]
+    for num_heads, num_kv_heads, head_size, page, dtype, splits, block_n in cases:
+        lens = [1, page, page + 1, 3 * page - 1, 97]
+        batch, width = len(lens), 128 // page
+        num_blocks = sum(-(-n // page) for n in lens) + 1
+        kv = torch.randn(2, num_blocks, page, num_kv_heads, head_size).to(dtype)
+        blocks = (torch.randperm(num_blocks - 1) + 1).tolist()
+        tables = torch.full((batch, width), 2**30, dtype=torch.int32)  # past each request's pages: never read
+        at = 0
+        for i, n in enumerate(lens):
+            tables[i, : -(-n // page)] = torch.tensor(blocks[at : at + -(-n // page)])
+            at += -(-n // page)
+        q = torch.randn(batch, num_heads + 2 * num_kv_heads, head_size).to(dtype)[:, :num_heads]  # a fused QKV slice
+        out = torch.full_like(q, float("nan"))
+        decode = td.PagedDecode(batch, num_heads, head_size, td.DecodeConfig(splits, block_n), "cpu")
+        decode.run(q, kv[0], kv[1], tables, torch.tensor(lens, dtype=torch.int32), out, head_size**-0.5)
+        for i, n in enumerate(lens):
+            pages = tables[i, : -(-n // page)].long()
+            keys, values = (kv[h][pages].flatten(0, 1)[:n] for h in (0, 1))
+            ref = reference_attention(q[i : i + 1], keys, values, torch.tensor([n - 1]), causal=True,
+                                      scale=head_size**-0.5)
+            err = rel_err(out[i : i + 1], ref)
+            assert err <= (2e-3 if dtype == torch.float16 else 1e-5), (num_heads, num_kv_heads, splits, i, n, err)
+
+
+def test_interpreter_matches_the_float64_reference():
+    """The kernels' indexing, masks, splits and merge, run by Triton's interpreter on the CPU."""
+    pytest.importorskip("triton")
+    tests = Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    done = subprocess.run([sys.executable, "-c", "import test_triton_decode as t; t.interpreter_cases()"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_what_the_kernels_addressing_assumes_is_refused_before_a_launch():
+    """A head size the kernel cannot tile, more rows than the split buffers hold, caches of
+    different layouts, heads not a multiple of the KV heads, a strided head dimension: each a
+    ValueError naming it, before anything is launched (these run on the CPU)."""
+    td = pytest.importorskip("compiled_attn.ops.triton_decode")
+    cfg = td.DecodeConfig(num_splits=2)
+    with pytest.raises(ValueError, match="power-of-two head size >= 16, not 48"):
+        td.PagedDecode(2, 8, 48, cfg, "cpu")
+    decode = td.PagedDecode(2, 8, 32, cfg, "cpu")
+    kv = torch.randn(2, 4, 16, 2, 32)
+    tables, lens = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    q = torch.randn(3, 8, 32)
+    cases = [
+        (dict(q=q, out=torch.empty_like(q)), "up to 2 rows of 8 heads x 32"),
+        (dict(k=kv[0][:, :, :1]), "views of one layout"),
+        (dict(q=torch.randn(2, 6, 32), out=torch.empty(2, 6, 32)), "up to 2 rows of 8 heads"),
+        (dict(k=torch.randn(4, 16, 3, 32), v=torch.randn(4, 16, 3, 32)), "not a multiple of 3 KV heads"),
+        (dict(q=torch.randn(2, 32, 8).transpose(1, 2)), "contiguous head dimension"),
+    ]
+    for over, message in cases:
+        args = {**dict(q=q[:2], k=kv[0], v=kv[1], out=torch.empty(2, 8, 32)), **over}
+        with pytest.raises(ValueError, match=message):
+            decode.run(args["q"], args["k"], args["v"], tables, lens, args["out"], 0.1)
+
+
+@pytest.mark.gpu
+def test_a_first_launch_inside_a_capture_raises():
+    """Triton compiles at a kernel's first launch: that must happen before capture."""
+    td = _decode_module()
+    kv = torch.randn(2, 4, 16, 2, 64, dtype=torch.float16, device="cuda")
+    tables = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
+    lens = torch.ones(2, dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 8, 64, dtype=torch.float16, device="cuda")
+    decode = td.PagedDecode(2, 8, 64, td.DecodeConfig(num_splits=2), "cuda")
+    with pytest.raises(RuntimeError, match="run it once before capturing"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        decode.run(q, kv[0], kv[1], tables, lens, torch.empty_like(q), 0.125)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
 import os
 import weakref
@@ -66,12 +67,13 @@ NO_SPLIT_KV_MIN_PAIRS = 512
 # table as wide as the context): H100 8.2 vs 10.5 us at B=1 ctx 1024, 13.7 vs 16.3 at B=8, 96.3 vs
 # 98.4 at B=64, 360 vs 365 at B=256, 11.1 vs 12.5 at B=1 ctx 4096; faster at every B in {1, 8, 64,
 # 256} x ctx in {1024, 4096} on both cards but B=64 ctx 4096 (0.1-0.4 % slower). At B=1 a table 8x
-# the context costs cuDNN 2 us (H200: 10.4 us, FlashInfer's 10.3); from B=8 nothing. Chosen for
-# sm90, 16-bit queries over a cache of the same dtype, head size 128, no ALiBi / soft-cap (cuDNN's
-# decode graph has neither) and no window: the measured case, widened to fp16, other GQA groups and
-# page sizes (the same kernel, not timed); windows and other head sizes were not measured. Eager
-# steps stay on FlashInfer's wrappers: cuDNN builds a graph per shape (milliseconds), which a CUDA
-# graph pays once at capture.
+# the context costs cuDNN 2 us (H200: 10.4 us, FlashInfer's 10.3); from B=8 nothing. The specs
+# a kernel over block tables (cuDNN's, then Triton's below) serves (`table_decode_reason`): sm90,
+# 16-bit queries over a cache of the same dtype, head size 128, no ALiBi / soft-cap (cuDNN's decode
+# graph has neither) and no window: the measured case, widened to fp16, other GQA groups and page
+# sizes (not timed; Triton compiles a variant for each); windows and other head sizes were not
+# measured. Eager steps stay on FlashInfer's wrappers: cuDNN builds a graph per shape
+# (milliseconds), which a CUDA graph pays once at capture.
 CUDNN_DECODE_CAPABILITY = (9, 0)
 CUDNN_DECODE_HEAD_SIZES = (128,)
 # Graphed decode through our own split-KV Triton kernel (ops/triton_decode.py) instead of cuDNN's,
@@ -81,7 +83,7 @@ CUDNN_DECODE_HEAD_SIZES = (128,)
 # 1024, 11.9 vs 13.4 at B=8, 66.9 vs 71.6 at B=64, 252.9 vs 254.4 at B=256; 10.0 vs 11.0, 40.0 vs
 # 41.2, 246.7 vs 252.2 and 980.2 vs 968.6 at ctx 4096. Faster at 7 of the 8 points, 1.2 % slower at
 # B=256 ctx 4096. Its graphs plan nothing per step, as cuDNN's, and need no cudnn-frontend package.
-# "auto" (Triton where it serves, FlashInfer's kernels elsewhere), "flashinfer", "cudnn" or
+# "auto" (Triton where it serves, else cuDNN, else FlashInfer's kernels), "flashinfer", "cudnn" or
 # "triton" (the last two refused, naming why, where they cannot serve)
 GRAPH_DECODE_ENV = "COMPILED_ATTN_FLASHINFER_GRAPH_DECODE"
 # Prefill through FlashInfer's FA2 kernels on every card: FA3 lacks ALiBi and fp8 KV with 16-bit
@@ -289,10 +291,24 @@ def cudnn_decode_available() -> bool:
     return bool(CUDNN_AVAILABLE)
 
 
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton is installed (it comes with PyTorch's CUDA builds)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None, has_triton: bool) -> str | None:
+    """Why graphed decode of `spec` cannot run on our Triton kernel, or None."""
+    reason = table_decode_reason(spec, capability)
+    if reason is None and not has_triton:
+        return "our Triton decode needs the triton package (pip install triton)"
+    return reason
+
+
 def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
     """The kernel family of `spec`'s graphed decode: "triton", "cudnn" or "flashinfer". `choice`
-    (default: the GRAPH_DECODE_ENV variable, else "auto") picks Triton wherever
-    `table_decode_reason` allows, else FlashInfer's ("auto"); FlashInfer's always ("flashinfer");
+    (default: the GRAPH_DECODE_ENV variable, else "auto") picks the first of Triton and cuDNN
+    that can serve the spec, else FlashInfer's ("auto"); FlashInfer's always ("flashinfer");
     Triton or cuDNN always ("triton", "cudnn": NotImplementedError where they cannot serve)."""
     choice = choice or os.environ.get(GRAPH_DECODE_ENV) or "auto"
     if choice not in ("auto", "flashinfer", "cudnn", "triton"):
@@ -301,14 +317,17 @@ def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
         return choice
     device = torch.device(spec.device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    reason = table_decode_reason(spec, capability)
-    if choice == "cudnn":
-        reason = cudnn_decode_reason(spec, capability, reason is None and cudnn_decode_available())
-    if reason is not None and choice != "auto":
-        raise NotImplementedError(f"{GRAPH_DECODE_ENV}={choice}: {reason}")
-    if reason is not None:
-        return "flashinfer"
-    return "triton" if choice == "auto" else choice
+    table = table_decode_reason(spec, capability)
+    reasons = {  # lazily: each availability check imports a package
+        "triton": lambda: triton_decode_reason(spec, capability, table is None and triton_available()),
+        "cudnn": lambda: cudnn_decode_reason(spec, capability, table is None and cudnn_decode_available()),
+    }
+    if choice != "auto":
+        reason = reasons[choice]()
+        if reason is not None:
+            raise NotImplementedError(f"{GRAPH_DECODE_ENV}={choice}: {reason}")
+        return choice
+    return next((kernel for kernel, reason in reasons.items() if reason() is None), "flashinfer")
 
 
 def plan_options(spec: AttentionSpec) -> dict[str, Any]:
@@ -696,7 +715,7 @@ class FlashInferState(GraphState):
 
     def plan(self, md: FlashInferMetadata | None, batch_size: int) -> None:
         if self.reads_tables:
-            return  # cuDNN reads the lengths and tables the step's upload wrote
+            return  # Triton and cuDNN read the lengths and tables the step's upload wrote
         spec = self.spec
         # split-kv by the graph's size, not the live rows: capture and every replay plan one grid
         split = decode_split_options(spec, batch_size)

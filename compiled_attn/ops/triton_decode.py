@@ -103,17 +103,18 @@ def _merge_kernel(
     w = tl.exp2(lse - tl.max(lse, 0))
     w = tl.where(s_mask & (lse > float("-inf")), w, 0.0)
     part = tl.load(part_ptr + (first + s)[:, None] * D + d[None, :], mask=s_mask[:, None], other=0.0)
-    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    o = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # no live token: zeros, as one split
     tl.store(out_ptr + seq.to(tl.int64) * out_stride_t + head * out_stride_h + d, o.to(out_ptr.dtype.element_ty))
 
 
 def default_config(batch_size: int, num_kv_heads: int, device: torch.device) -> DecodeConfig:
     """Splits enough for two programs per SM over the graph's (request, KV head) pairs (at most
-    32); tiles of 128 tokens where that leaves each split several of them, else 64; 4 warps, 3
-    stages. The fastest of the 27 launch shapes timed on an H200 (`decode_flashinfer
-    --triton-sweep`: splits x {1/2, 1, 2}, tiles {32, 64, 128}, warps/stages {4/2, 4/3, 8/3}) at
-    B=8 and B=64 (ctx 1024 and 4096) and at B=256 ctx 1024; 0.4 / 0.7 us from it at B=1 (ctx 1024
-    / 4096), 2.5 us at B=256 ctx 4096. Other batch sizes were not timed (32 q / 8 kv heads)."""
+    32); tiles of 128 tokens between 3 and 31 splits, else 64; 4 warps, 3 stages. The fastest of
+    the 27 launch shapes timed on an H200 (`decode_flashinfer --triton-sweep`: splits x {1/2, 1,
+    2}, tiles {32, 64, 128}, warps/stages {4/2, 4/3, 8/3}) at B=8 and B=64 (ctx 1024 and 4096) and
+    at B=256 ctx 1024; 0.4 / 0.7 us from it at B=1 (ctx 1024 / 4096), 2.5 us at B=256 ctx 4096.
+    Other batch sizes were not timed (32 q / 8 kv heads)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = max(1, min(32, math.ceil(2 * sms / (batch_size * num_kv_heads))))
     return DecodeConfig(num_splits=splits, block_n=128 if 2 < splits < 32 else 64, num_stages=3)
@@ -121,11 +122,16 @@ def default_config(batch_size: int, num_kv_heads: int, device: torch.device) -> 
 
 class PagedDecode:
     """One batch size's decode: the split buffers it owns and its launch, over any cache of the
-    shape it was made for. Capturable: two launches (one without splits), no allocation."""
+    shape it was made for. Capturable once it has run (Triton compiles at the first launch): two
+    launches (one without splits), no allocation."""
 
     def __init__(self, batch_size: int, num_heads: int, head_size: int, config: DecodeConfig,
                  device: torch.device | str) -> None:
+        if head_size < 16 or head_size & (head_size - 1):
+            raise ValueError(f"the Triton decode takes a power-of-two head size >= 16, not {head_size}")
         self.config = config
+        self._rows = (batch_size, num_heads, head_size)
+        self._launched = False
         shape = (batch_size, num_heads, config.num_splits)
         direct = config.num_splits == 1
         self._lse = None if direct else torch.empty(shape, dtype=torch.float32, device=device)
@@ -136,6 +142,10 @@ class PagedDecode:
         """q/out [batch, num_heads, head_size] (head_size contiguous); caches [num_blocks, page,
         num_kv_heads, head_size] with equal strides; block_tables int32 [batch, >= pages];
         seq_lens int32 [batch], each >= 1."""
+        self._check(q, k_cache, v_cache, out)
+        if not self._launched and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the Triton decode compiles at its first launch: run it once before capturing it")
+        self._launched = True
         batch, num_heads, head_size = q.shape
         page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -154,3 +164,17 @@ class PagedDecode:
                 self._partials, self._lse, out, out.stride(0), out.stride(1), cfg.num_splits,
                 D=head_size, BLOCK_S=triton.next_power_of_2(cfg.num_splits), num_warps=4,
             )
+
+    def _check(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+        """What the kernel's addressing assumes (it runs at warm-up and capture, not per replay)."""
+        batch, num_heads, head_size = self._rows
+        if q.shape != out.shape or q.shape[0] > batch or q.shape[1:] != (num_heads, head_size):
+            raise ValueError(f"query {tuple(q.shape)} / output {tuple(out.shape)}: this decode was made for "
+                             f"up to {batch} rows of {num_heads} heads x {head_size}")
+        if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.shape[3] != head_size:
+            raise ValueError("the key and value caches must be [num_blocks, page, num_kv_heads, head_size] "
+                             "views of one layout")
+        if num_heads % k_cache.shape[2]:
+            raise ValueError(f"{num_heads} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+        if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1:
+            raise ValueError("query, output and caches need a contiguous head dimension")
