@@ -280,8 +280,8 @@ def test_graph_decode_kernel_choice_is_checked(monkeypatch):
 def test_auto_graph_decode_is_triton_where_a_table_kernel_serves(frontend, monkeypatch):
     """On sm90 a spec of a 16-bit cache, head size 128, no ALiBi / soft-cap / window decodes on
     Triton, with or without the cudnn-frontend package (which only cuDNN needs), and on cuDNN
-    where Triton is not installed; a spec neither serves (an fp8 cache) stays on FlashInfer's
-    kernels, and naming a table kernel for it is refused with the reason."""
+    where Triton is not installed. An fp8 cache stays on FlashInfer's kernels unless Triton is
+    named; a spec neither serves (a window) is refused with the reason when one is named."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(fib, "cudnn_decode_available", lambda: frontend)
     spec = spec_of(head_size=128, device="cuda")
@@ -293,9 +293,13 @@ def test_auto_graph_decode_is_triton_where_a_table_kernel_serves(frontend, monke
         with pytest.raises(NotImplementedError, match="cudnn: .*cudnn-frontend"):
             fib.graph_decode_kernel(spec, "cudnn")
     fp8 = dataclasses.replace(spec, kv_cache_dtype="fp8")
-    assert fib.graph_decode_kernel(fp8) == "flashinfer"
-    with pytest.raises(NotImplementedError, match="triton: .*cache"):
-        fib.graph_decode_kernel(fp8, "triton")
+    assert fib.graph_decode_kernel(fp8) == "flashinfer"  # Triton reads fp8 caches only when named
+    assert fib.graph_decode_kernel(fp8, "triton") == "triton"
+    with pytest.raises(NotImplementedError, match="cudnn: .*cache"):
+        fib.graph_decode_kernel(fp8, "cudnn")
+    windowed = dataclasses.replace(spec, sliding_window=64)
+    with pytest.raises(NotImplementedError, match="triton: .*window"):
+        fib.graph_decode_kernel(windowed, "triton")
     monkeypatch.setattr(fib, "triton_available", lambda: False)  # then cuDNN where it serves
     assert fib.graph_decode_kernel(spec) == ("cudnn" if frontend else "flashinfer")
     with pytest.raises(NotImplementedError, match="triton: .*pip install triton"):
@@ -381,7 +385,8 @@ class DensePagedDecode:
     def __init__(self, batch_size, num_heads, head_size, config, device) -> None:
         DensePagedDecode.made.append((batch_size, num_heads, head_size, config))
 
-    def run(self, q, k_cache, v_cache, block_tables, seq_lens, out, scale) -> None:
+    def run(self, q, k_cache, v_cache, block_tables, seq_lens, out, scale, k_scale, v_scale) -> None:
+        assert k_scale == v_scale == 1.0  # a 16-bit cache
         page = k_cache.shape[1]
         for i, n in enumerate(seq_lens.tolist()):
             pages = block_tables[i, : -(-n // page)].long()
@@ -779,8 +784,9 @@ def capture(state, spec, impl, kv_cache, sizes):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case, kernel", [(FEATURE_CASES[1], "flashinfer"), (FEATURE_CASES[0], "flashinfer"),
-                                          (FEATURE_CASES[0], "cudnn"), (FEATURE_CASES[0], "triton")],
-                         ids=["cuda_core", "tensor_core", "cudnn", "triton"])
+                                          (FEATURE_CASES[0], "cudnn"), (FEATURE_CASES[0], "triton"),
+                                          (FEATURE_CASES[6], "triton")],
+                         ids=["cuda_core", "tensor_core", "cudnn", "triton", "triton_fp8"])
 def test_replayed_decode_equals_eager_for_100_steps(case, kernel, monkeypatch):
     """Graph replays (FlashInfer's graph wrappers, or cuDNN's / our Triton paged decode where they
     serve the spec) against the eager step (FlashInfer's wrappers) over the same cache."""
@@ -788,7 +794,8 @@ def test_replayed_decode_equals_eager_for_100_steps(case, kernel, monkeypatch):
         skip_unless_cudnn_decode()
     monkeypatch.setenv(fib.GRAPH_DECODE_ENV, kernel)
     spec = case_spec(case, num_blocks=1200, max_seq_len_to_capture=1024)
-    if kernel == "triton" and (reason := fib.table_decode_reason(spec, torch.cuda.get_device_capability())):
+    if kernel == "triton" and (reason := fib.triton_decode_reason(spec, torch.cuda.get_device_capability(),
+                                                                  fp8_cache=True)):
         pytest.skip(reason)
     impl = impl_for(spec)
     shape = FlashInferBackend.get_kv_cache_shape(spec.num_blocks, 16, spec.num_kv_heads, spec.head_size)

@@ -106,15 +106,19 @@ def interpreter_cases() -> None:
     from compiled_attn.ops import triton_decode as td
 
     torch.manual_seed(0)
-    # (heads, kv heads, head size, page, dtype, splits, tile): group 4 / 3 / 1, a page of 8, the
-    # direct path, splits left empty, a tile smaller and larger than a page
-    cases = [(8, 2, 32, 16, torch.float16, 1, 32), (12, 4, 32, 8, torch.float32, 3, 16),
-             (4, 4, 16, 16, torch.float16, 8, 64)]
-    for num_heads, num_kv_heads, head_size, page, dtype, splits, block_n in cases:
+    # (heads, kv heads, head size, page, dtype, splits, tile, cache dtype): group 4 / 3 / 1, a page
+    # of 8, the direct path, splits left empty, a tile smaller and larger than a page, fp8 caches
+    fp8 = torch.float8_e4m3fn
+    cases = [(8, 2, 32, 16, torch.float16, 1, 32, None), (12, 4, 32, 8, torch.float32, 3, 16, None),
+             (4, 4, 16, 16, torch.float16, 8, 64, None), (8, 2, 32, 16, torch.float16, 3, 32, fp8),
+             (8, 2, 32, 16, torch.float16, 1, 64, torch.float8_e5m2)]
+    for num_heads, num_kv_heads, head_size, page, dtype, splits, block_n, cache_dtype in cases:
         lens = [1, page, page + 1, 3 * page - 1, 97]
         batch, width = len(lens), 128 // page
         num_blocks = sum(-(-n // page) for n in lens) + 1
-        kv = torch.randn(2, num_blocks, page, num_kv_heads, head_size).to(dtype)
+        k_scale, v_scale = (0.5, 2.0) if cache_dtype else (1.0, 1.0)
+        kv = torch.randn(2, num_blocks, page, num_kv_heads, head_size)
+        kv = torch.stack([kv[0] / k_scale, kv[1] / v_scale]).to(cache_dtype or dtype)  # what the cache stores
         blocks = (torch.randperm(num_blocks - 1) + 1).tolist()
         tables = torch.full((batch, width), 2**30, dtype=torch.int32)  # past each request's pages: never read
         at = 0
@@ -124,10 +128,11 @@ def interpreter_cases() -> None:
         q = torch.randn(batch, num_heads + 2 * num_kv_heads, head_size).to(dtype)[:, :num_heads]  # a fused QKV slice
         out = torch.full_like(q, float("nan"))
         decode = td.PagedDecode(batch, num_heads, head_size, td.DecodeConfig(splits, block_n), "cpu")
-        decode.run(q, kv[0], kv[1], tables, torch.tensor(lens, dtype=torch.int32), out, head_size**-0.5)
+        decode.run(q, kv[0], kv[1], tables, torch.tensor(lens, dtype=torch.int32), out, head_size**-0.5,
+                   k_scale, v_scale)
         for i, n in enumerate(lens):
             pages = tables[i, : -(-n // page)].long()
-            keys, values = (kv[h][pages].flatten(0, 1)[:n] for h in (0, 1))
+            keys, values = (kv[h][pages].flatten(0, 1)[:n].double() * sc for h, sc in ((0, k_scale), (1, v_scale)))
             ref = reference_attention(q[i : i + 1], keys, values, torch.tensor([n - 1]), causal=True,
                                       scale=head_size**-0.5)
             err = rel_err(out[i : i + 1], ref)

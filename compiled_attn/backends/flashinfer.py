@@ -252,16 +252,17 @@ def decode_split_options(spec: AttentionSpec, num_decodes: int) -> dict[str, Any
     return {}
 
 
-def table_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None) -> str | None:
+def table_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None, *,
+                        fp8_cache: bool = False) -> str | None:
     """Why graphed decode of `spec` cannot run on a kernel over the State's lengths and block
     tables (cuDNN's or our Triton one: CUDNN_DECODE_CAPABILITY's comment), or None. `capability`:
-    the card's (major, minor), None off CUDA."""
+    the card's (major, minor), None off CUDA; `fp8_cache`: fp8 caches too (Triton reads them)."""
     if capability is None:
         return "table decode kernels run on CUDA devices only"
     if tuple(capability) != CUDNN_DECODE_CAPABILITY:
         return f"table decode kernels were measured on sm90 only, this card is sm{capability[0]}{capability[1]}"
-    if spec.cache_dtype != spec.dtype:
-        return f"table decode kernels read a {spec.dtype} cache, not {spec.kv_cache_dtype}"
+    if spec.cache_dtype != spec.dtype and not (fp8_cache and spec.cache_dtype.itemsize == 1):
+        return f"this table decode kernel reads a {spec.dtype} cache, not {spec.kv_cache_dtype}"
     if spec.alibi_slopes is not None or spec.logits_soft_cap is not None:
         return "table decode kernels apply neither ALiBi nor a logits soft-cap"
     if spec.sliding_window is not None:
@@ -297,10 +298,11 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def triton_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None, has_triton: bool) -> str | None:
-    """Why graphed decode of `spec` cannot run on our Triton kernel, or None."""
-    reason = table_decode_reason(spec, capability)
-    if reason is None and not has_triton:
+def triton_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None, *, fp8_cache: bool) -> str | None:
+    """Why graphed decode of `spec` cannot run on our Triton kernel, or None. fp8 caches only
+    with `fp8_cache` (GRAPH_DECODE_ENV=triton: not yet timed against FlashInfer's fp8 decode)."""
+    reason = table_decode_reason(spec, capability, fp8_cache=fp8_cache)
+    if reason is None and not triton_available():
         return "our Triton decode needs the triton package (pip install triton)"
     return reason
 
@@ -309,7 +311,8 @@ def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
     """The kernel family of `spec`'s graphed decode: "triton", "cudnn" or "flashinfer". `choice`
     (default: the GRAPH_DECODE_ENV variable, else "auto") picks the first of Triton and cuDNN
     that can serve the spec, else FlashInfer's ("auto"); FlashInfer's always ("flashinfer");
-    Triton or cuDNN always ("triton", "cudnn": NotImplementedError where they cannot serve)."""
+    Triton or cuDNN always ("triton", "cudnn": NotImplementedError where they cannot serve).
+    "triton" also takes fp8 caches, which "auto" leaves on FlashInfer's kernels (not yet timed)."""
     choice = choice or os.environ.get(GRAPH_DECODE_ENV) or "auto"
     if choice not in ("auto", "flashinfer", "cudnn", "triton"):
         raise ValueError(f"{GRAPH_DECODE_ENV}={choice!r}: use auto, flashinfer, cudnn or triton")
@@ -318,8 +321,8 @@ def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
     device = torch.device(spec.device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     table = table_decode_reason(spec, capability)
-    reasons = {  # lazily: each availability check imports a package
-        "triton": lambda: triton_decode_reason(spec, capability, table is None and triton_available()),
+    reasons = {  # lazily: each availability check looks for a package
+        "triton": lambda: triton_decode_reason(spec, capability, fp8_cache=choice == "triton"),
         "cudnn": lambda: cudnn_decode_reason(spec, capability, table is None and cudnn_decode_available()),
     }
     if choice != "auto":
@@ -620,8 +623,11 @@ class TritonGraphDecode:
         config = triton_decode.default_config(batch, spec.num_kv_heads, seq_lens.device)
         self._decode = triton_decode.PagedDecode(batch, spec.num_heads, spec.head_size, config, seq_lens.device)
 
-    def run(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], *, out: torch.Tensor) -> None:
-        self._decode.run(q, cache[0], cache[1], self._tables, self._seq_lens, out, self.spec.softmax_scale)
+    def run(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], *, out: torch.Tensor,
+            k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """k_scale / v_scale: an fp8 cache's (the op passes them for fp8 caches only)."""
+        self._decode.run(q, cache[0], cache[1], self._tables, self._seq_lens, out, self.spec.softmax_scale,
+                         k_scale, v_scale)
 
 
 class FlashInferState(GraphState):

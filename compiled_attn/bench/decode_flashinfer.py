@@ -196,7 +196,7 @@ VARIANTS: dict[str, Callable[..., Callable[[], object]]] = {
     "cudnn, [batch, pages] table": _cudnn_own_table,
     "cudnn, table 8x the context": functools.partial(_cudnn_own_table, widen=8),
 }
-FP8_VARIANTS = ("tensor-core, no split-kv", "xqa")
+FP8_VARIANTS = ("tensor-core, no split-kv", "xqa", "triton")
 
 
 def variant_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:

@@ -298,8 +298,8 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
             "peer compiles ms": [round(t[0], 3) for t in times]}
 
 
-VARIANTS = ("compile", "dynamic", "fp8", "flashinfer-decode", "cudnn-decode", "triton-decode", "gather-decode",
-            "wide-tuning")
+VARIANTS = ("compile", "dynamic", "fp8", "fp8-triton", "flashinfer-decode", "cudnn-decode", "triton-decode",
+            "gather-decode", "wide-tuning")
 # Inductor settings a variant compiles under: "wide-tuning" has coordinate descent try every
 # direction at radius 2, not the first improving neighbour at radius 1 (at batch 1 the step's
 # matrix-vector reductions are its tuning; the draws between compiles exceed the paged layout's cost)
@@ -309,17 +309,19 @@ VARIANT_INDUCTOR = {"wide-tuning": {"coordinate_descent_check_all_directions": T
 VARIANT_ENV = {"flashinfer-decode": {FLASHINFER_GRAPH_DECODE_ENV: "flashinfer"},
                "cudnn-decode": {FLASHINFER_GRAPH_DECODE_ENV: "cudnn"},
                "triton-decode": {FLASHINFER_GRAPH_DECODE_ENV: "triton"},
+               "fp8-triton": {FLASHINFER_GRAPH_DECODE_ENV: "triton"},
                "gather-decode": {SDPA_GRAPH_DECODE_ENV: "gather"}}
 # ... and the one backend each of those variants means anything for
 VARIANT_BACKEND = {"flashinfer-decode": "FLASHINFER", "cudnn-decode": "FLASHINFER", "triton-decode": "FLASHINFER",
-                   "gather-decode": "TORCH_SDPA"}
+                   "fp8-triton": "FLASHINFER", "gather-decode": "TORCH_SDPA"}
 
 
 def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> PagedLoop:
     """Ours through the runner, captured; variant "compile": `CUDAGraphRunner(compile=True)`;
     "dynamic": the README's `torch.compile(model, fullgraph=True, dynamic=True)` handed
     to the runner; "fp8": compile, on a model whose layers and caches are fp8 (e4m3; a row the peer
-    cannot have); "flashinfer-decode" / "cudnn-decode" / "triton-decode": compile, with FLASHINFER's
+    cannot have); "fp8-triton": fp8 with FLASHINFER's graphed decode on our Triton kernel;
+    "flashinfer-decode" / "cudnn-decode" / "triton-decode": compile, with FLASHINFER's
     graphed decode on that kernel (`graph_decode_kernel`; "compile" takes its rule);
     "gather-decode": compile, with TORCH_SDPA's graphed decode gathering each row's table where it
     would read the pages through FlexAttention (`torch_sdpa.graph_decode_kernel`); "wide-tuning":
@@ -397,7 +399,7 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
                 peer_ms[batch, ctx] = rows[-1]["ms/step"]
             for variant in (v for v in variants if VARIANT_BACKEND.get(v, name) == name and "ours" in sides):
                 # "fp8": the model with e4m3 layers and caches, against the bf16 peer
-                ours = build_8b(name, kv_cache_dtype="fp8") if variant == "fp8" else model
+                ours = build_8b(name, kv_cache_dtype="fp8") if variant.startswith("fp8") else model
                 add(with_ratio(measure_ours(ours, batch, ctx, variant, repeats, ours_compiles), peer_ms))
                 del ours
         del model

@@ -6,7 +6,9 @@ tiles at run time: a replay reads what is live, never the capture's maximum. Pro
 end of a request write an empty partial (lse -inf) that the merge weighs at zero.
 
     grid (batch, kv_heads, splits): q rows of the group [BLOCK_H, D] against BLOCK_N cache rows
-    at a time, gathered through the block table; online softmax in fp32, exp2 domain.
+    at a time, gathered through the block table; online softmax in fp32, exp2 domain. An fp8
+    cache is read as stored and widened to the query's dtype (exact for e4m3 and e5m2), its
+    k_scale folded into the score scale and its v_scale into the output's normalization.
     merge (batch, heads): the splits' partial outputs weighed by their log-sum-exp.
 
 One split writes the output directly (no partials, no merge launch).
@@ -38,7 +40,7 @@ class DecodeConfig:
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     q_stride_t, q_stride_h, kv_stride_blk, kv_stride_tok, kv_stride_h, table_stride,
-    out_stride_t, out_stride_h, scale_log2,
+    out_stride_t, out_stride_h, qk_scale, v_scale,
     num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
@@ -68,17 +70,17 @@ def _split_kernel(
         row = block.to(tl.int64) * kv_stride_blk + (tok % PAGE) * kv_stride_tok + kv_head * kv_stride_h
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
         v = tl.load(v_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         lsum = lsum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
 
     safe = tl.where(lsum > 0.0, lsum, 1.0)  # a split with no tokens: zeros, lse -inf
-    acc = acc / safe[:, None]
+    acc = acc * (v_scale / safe)[:, None]
     if DIRECT:
         dst = out_ptr + seq.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h + d[None, :]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
@@ -138,10 +140,11 @@ class PagedDecode:
         self._partials = None if direct else torch.empty(*shape, head_size, dtype=torch.float32, device=device)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            seq_lens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+            seq_lens: torch.Tensor, out: torch.Tensor, scale: float, k_scale: float = 1.0,
+            v_scale: float = 1.0) -> None:
         """q/out [batch, num_heads, head_size] (head_size contiguous); caches [num_blocks, page,
-        num_kv_heads, head_size] with equal strides; block_tables int32 [batch, >= pages];
-        seq_lens int32 [batch], each >= 1."""
+        num_kv_heads, head_size] with equal strides, of q's dtype or fp8 (storing K / k_scale and
+        V / v_scale); block_tables int32 [batch, >= pages]; seq_lens int32 [batch], each >= 1."""
         self._check(q, k_cache, v_cache, out)
         if not self._launched and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the Triton decode compiles at its first launch: run it once before capturing it")
@@ -155,7 +158,7 @@ class PagedDecode:
             q, k_cache, v_cache, block_tables, seq_lens, out,
             out if direct else self._partials, out if direct else self._lse,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0), out.stride(0), out.stride(1), scale * LOG2E, cfg.num_splits,
+            block_tables.stride(0), out.stride(0), out.stride(1), scale * k_scale * LOG2E, v_scale, cfg.num_splits,
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=head_size, PAGE=page,
             BLOCK_N=cfg.block_n, DIRECT=direct, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -174,6 +177,8 @@ class PagedDecode:
         if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.shape[3] != head_size:
             raise ValueError("the key and value caches must be [num_blocks, page, num_kv_heads, head_size] "
                              "views of one layout")
+        if k_cache.dtype != q.dtype and k_cache.element_size() != 1:
+            raise ValueError(f"a {k_cache.dtype} cache for {q.dtype} queries: caches hold the queries' dtype or fp8")
         if num_heads % k_cache.shape[2]:
             raise ValueError(f"{num_heads} query heads are not a multiple of {k_cache.shape[2]} KV heads")
         if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1:
