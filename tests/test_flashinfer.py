@@ -381,39 +381,45 @@ class DensePagedDecode:
     tables it is given: what is under test is the State's wiring, not the kernel."""
 
     made: list[tuple] = []
+    scales: list[tuple[float, float]] = []
 
     def __init__(self, batch_size, num_heads, head_size, config, device) -> None:
         DensePagedDecode.made.append((batch_size, num_heads, head_size, config))
 
     def run(self, q, k_cache, v_cache, block_tables, seq_lens, out, scale, k_scale, v_scale) -> None:
-        assert k_scale == v_scale == 1.0  # a 16-bit cache
+        DensePagedDecode.scales.append((k_scale, v_scale))
         page = k_cache.shape[1]
         for i, n in enumerate(seq_lens.tolist()):
             pages = block_tables[i, : -(-n // page)].long()
-            keys, values = (c[pages].flatten(0, 1)[:n] for c in (k_cache, v_cache))
+            keys, values = (c[pages].flatten(0, 1)[:n].double() * sc
+                            for c, sc in ((k_cache, k_scale), (v_cache, v_scale)))
             out[i] = reference_attention(q[i : i + 1], keys, values, torch.tensor([n - 1]), causal=True,
                                          scale=scale)[0].to(out.dtype)
 
 
-def test_triton_graph_decode_reads_the_states_lengths_and_tables(fake_flashinfer, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_triton_graph_decode_reads_the_states_lengths_and_tables(kv_cache_dtype, fake_flashinfer, monkeypatch):
     """Where Triton serves graphed decode, each size's wrapper binds the State's seq_lens and
     block-table buffers (no page CSR, no plan) and its own launch shape; each step's output for
     the live rows matches the float64 reference over the cache, so the buffers it reads are the
-    ones each step's upload wrote."""
+    ones each step's upload wrote. An fp8 cache's layer scales reach the kernel; a 16-bit one's
+    are 1."""
     fake = types.SimpleNamespace(PagedDecode=DensePagedDecode,
                                  default_config=lambda batch, kv_heads, device: ("config", batch, kv_heads))
     monkeypatch.setitem(sys.modules, "compiled_attn.ops.triton_decode", fake)
     monkeypatch.setattr(compiled_attn.ops, "triton_decode", fake, raising=False)
     monkeypatch.setattr(fib, "graph_decode_kernel", lambda spec: "triton")
     monkeypatch.setattr(DensePagedDecode, "made", [])
-    spec = spec_of(max_seq_len_to_capture=64)
+    monkeypatch.setattr(DensePagedDecode, "scales", [])
+    spec = spec_of(max_seq_len_to_capture=64, kv_cache_dtype=kv_cache_dtype)
+    scales = (0.5, 3.0) if kv_cache_dtype != "auto" else (1.0, 1.0)
     _, graphs = capture_state(spec, [4, 2])
     md_bs, bufs, graph_state = graphs[4]
     assert graph_state.decode_kernel == "triton" and isinstance(graph_state._slots[4].wrapper, fib.TritonGraphDecode)
     assert not any(name.startswith("paged_kv") for name in bufs)
     assert DensePagedDecode.made == [(n, spec.num_heads, spec.head_size, ("config", n, spec.num_kv_heads))
                                      for n in (4, 2)]
-    name, _keep = layer_of(spec)
+    name, _keep = layer_of(spec, *scales)
     builder = FlashInferBackend.get_builder_cls()(spec)
     for seq_lens, tables in (([17, 3], [[5, 6], [7]]), ([33, 9, 16], [[9, 2, 4], [1], [3]])):
         args = op_args(spec, 4, "cpu", name)
@@ -424,10 +430,12 @@ def test_triton_graph_decode_reads_the_states_lengths_and_tables(fake_flashinfer
             torch.ops.compiled_attn.flashinfer_attention(**args)
         k_cache, v_cache = args["kv_cache"]
         for i, (n, table) in enumerate(zip(seq_lens, tables, strict=True)):
-            keys, values = (c[table].flatten(0, 1)[:n] for c in (k_cache, v_cache))
+            keys, values = (c[table].flatten(0, 1)[:n].double() * sc for c, sc in ((k_cache, scales[0]),
+                                                                                   (v_cache, scales[1])))
             ref = reference_attention(args["query"][i : i + 1], keys, values, torch.tensor([n - 1]), causal=True,
                                       scale=spec.softmax_scale)
             assert rel_err(args["output"][i : i + 1], ref) <= BF16_TOL
+    assert DensePagedDecode.scales == [scales, scales]
 
 
 def test_graph_clone_keeps_the_states_decode_kernel(fake_flashinfer, monkeypatch):
@@ -756,17 +764,24 @@ def skip_unless_cudnn_decode() -> None:
 def impl_for(spec):
     return FlashInferBackend.get_impl_cls()(
         spec.num_heads, spec.head_size, spec.softmax_scale, num_kv_heads=spec.num_kv_heads,
-        sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap)
+        sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap, kv_cache_dtype=spec.kv_cache_dtype)
+
+
+def fp8_scales(spec) -> tuple[float, float]:
+    """The layer's k / v scales: 1 for a 16-bit cache; for fp8 two that are not each other's
+    inverse, so that a kernel swapping or inverting them cannot pass."""
+    return (0.5, 3.0) if spec.cache_dtype.itemsize == 1 else (1.0, 1.0)
 
 
 def capture(state, spec, impl, kv_cache, sizes):
-    """Capture one decode step per batch size; returns {bs: (graph, bufs, graph_state, q, k, v, out)}."""
+    """Capture one decode step per batch size (the layer's scales: `fp8_scales`); returns
+    {bs: (graph, bufs, graph_state, q, k, v, out)}."""
     hq, hkv, d, top = spec.num_heads, spec.num_kv_heads, spec.head_size, max(sizes)
     q = torch.randn(top, hq * d, device="cuda", dtype=spec.dtype)
     k = torch.randn(top, hkv * d, device="cuda", dtype=spec.dtype)
     v = torch.randn_like(k)
     graphs = {}
-    name, keep = impl.register(1.0, 1.0, KINDS.DECODER)
+    name, keep = impl.register(*fp8_scales(spec), KINDS.DECODER)
     with state.graph_capture(top):
         for bs in sizes:
             md_bs = state.graph_capture_get_metadata_for_batch(bs)
@@ -799,7 +814,7 @@ def test_replayed_decode_equals_eager_for_100_steps(case, kernel, monkeypatch):
         pytest.skip(reason)
     impl = impl_for(spec)
     shape = FlashInferBackend.get_kv_cache_shape(spec.num_blocks, 16, spec.num_kv_heads, spec.head_size)
-    kv_cache = torch.randn(shape, device="cuda", dtype=spec.dtype)
+    kv_cache = torch.randn(shape, device="cuda", dtype=spec.dtype).to(spec.cache_dtype)
     state = FlashInferBackend.get_state_cls()(spec)
     assert state.decode_kernel == kernel
     graphs, q, k, v = capture(state, spec, impl, kv_cache, [8, 4])
@@ -823,7 +838,7 @@ def test_replayed_decode_equals_eager_for_100_steps(case, kernel, monkeypatch):
         graph_state.prepare_graph_input_buffers(bufs, md)
         graph_state.begin_forward(md)
         graph.replay()
-        eager = impl.forward(q[:n], k[:n], v[:n], kv_cache, md)
+        eager = impl.forward(q[:n], k[:n], v[:n], kv_cache, md, *fp8_scales(spec))
         torch.testing.assert_close(out[:n], eager, atol=2e-2, rtol=2e-2)
         assert torch.equal(kv_cache[:, fib.SCRATCH_BLOCK], scratch), "a pad row wrote into the cache"
 

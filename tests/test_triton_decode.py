@@ -106,17 +106,18 @@ def interpreter_cases() -> None:
     from compiled_attn.ops import triton_decode as td
 
     torch.manual_seed(0)
-    # (heads, kv heads, head size, page, dtype, splits, tile, cache dtype): group 4 / 3 / 1, a page
-    # of 8, the direct path, splits left empty, a tile smaller and larger than a page, fp8 caches
+    # (heads, kv heads, head size, page, dtype, splits, tile, cache dtype): group 4 / 3 / 1, pages
+    # of 8 and 32, the direct path, splits left empty, a tile smaller and larger than a page, fp8
+    # caches (scales that are not each other's inverse)
     fp8 = torch.float8_e4m3fn
     cases = [(8, 2, 32, 16, torch.float16, 1, 32, None), (12, 4, 32, 8, torch.float32, 3, 16, None),
-             (4, 4, 16, 16, torch.float16, 8, 64, None), (8, 2, 32, 16, torch.float16, 3, 32, fp8),
+             (4, 4, 16, 32, torch.float16, 8, 16, None), (8, 2, 32, 16, torch.float16, 3, 64, fp8),
              (8, 2, 32, 16, torch.float16, 1, 64, torch.float8_e5m2)]
     for num_heads, num_kv_heads, head_size, page, dtype, splits, block_n, cache_dtype in cases:
-        lens = [1, page, page + 1, 3 * page - 1, 97]
+        lens = [1, page, page + 1, 3 * page - 1, 97, 0]  # 0: no live token, zeros
         batch, width = len(lens), 128 // page
         num_blocks = sum(-(-n // page) for n in lens) + 1
-        k_scale, v_scale = (0.5, 2.0) if cache_dtype else (1.0, 1.0)
+        k_scale, v_scale = (0.5, 3.0) if cache_dtype else (1.0, 1.0)
         kv = torch.randn(2, num_blocks, page, num_kv_heads, head_size)
         kv = torch.stack([kv[0] / k_scale, kv[1] / v_scale]).to(cache_dtype or dtype)  # what the cache stores
         blocks = (torch.randperm(num_blocks - 1) + 1).tolist()
@@ -130,7 +131,8 @@ def interpreter_cases() -> None:
         decode = td.PagedDecode(batch, num_heads, head_size, td.DecodeConfig(splits, block_n), "cpu")
         decode.run(q, kv[0], kv[1], tables, torch.tensor(lens, dtype=torch.int32), out, head_size**-0.5,
                    k_scale, v_scale)
-        for i, n in enumerate(lens):
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+        for i, n in enumerate(lens[:-1]):
             pages = tables[i, : -(-n // page)].long()
             keys, values = (kv[h][pages].flatten(0, 1)[:n].double() * sc for h, sc in ((0, k_scale), (1, v_scale)))
             ref = reference_attention(q[i : i + 1], keys, values, torch.tensor([n - 1]), causal=True,
@@ -143,7 +145,8 @@ def test_interpreter_matches_the_float64_reference():
     """The kernels' indexing, masks, splits and merge, run by Triton's interpreter on the CPU."""
     pytest.importorskip("triton")
     tests = Path(__file__).parent
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    path = [str(tests), str(tests.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run([sys.executable, "-c", "import test_triton_decode as t; t.interpreter_cases()"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -151,8 +154,9 @@ def test_interpreter_matches_the_float64_reference():
 
 def test_what_the_kernels_addressing_assumes_is_refused_before_a_launch():
     """A head size the kernel cannot tile, more rows than the split buffers hold, caches of
-    different layouts, heads not a multiple of the KV heads, a strided head dimension: each a
-    ValueError naming it, before anything is launched (these run on the CPU)."""
+    different layouts, heads not a multiple of the KV heads, a strided head dimension, a cache
+    of integers or of two fp8 formats: each a ValueError naming it, before anything is launched
+    (these run on the CPU)."""
     td = pytest.importorskip("compiled_attn.ops.triton_decode")
     cfg = td.DecodeConfig(num_splits=2)
     with pytest.raises(ValueError, match="power-of-two head size >= 16, not 48"):
@@ -167,6 +171,8 @@ def test_what_the_kernels_addressing_assumes_is_refused_before_a_launch():
         (dict(q=torch.randn(2, 6, 32), out=torch.empty(2, 6, 32)), "up to 2 rows of 8 heads"),
         (dict(k=torch.randn(4, 16, 3, 32), v=torch.randn(4, 16, 3, 32)), "not a multiple of 3 KV heads"),
         (dict(q=torch.randn(2, 32, 8).transpose(1, 2)), "contiguous head dimension"),
+        (dict(k=kv[0].to(torch.uint8), v=kv[1].to(torch.uint8)), "the queries' dtype or one fp8 format"),
+        (dict(k=kv[0].to(torch.float8_e4m3fn), v=kv[1].to(torch.float8_e5m2)), "one fp8 format"),
     ]
     for over, message in cases:
         args = {**dict(q=q[:2], k=kv[0], v=kv[1], out=torch.empty(2, 8, 32)), **over}

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
 import os
 import weakref
@@ -72,8 +71,9 @@ NO_SPLIT_KV_MIN_PAIRS = 512
 # 16-bit queries over a cache of the same dtype, head size 128, no ALiBi / soft-cap (cuDNN's decode
 # graph has neither) and no window: the measured case, widened to fp16, other GQA groups and page
 # sizes (not timed; Triton compiles a variant for each); windows and other head sizes were not
-# measured. Eager steps stay on FlashInfer's wrappers: cuDNN builds a graph per shape
-# (milliseconds), which a CUDA graph pays once at capture.
+# measured. Triton also reads fp8 caches when named (`triton_decode_reason`), untimed. Eager
+# steps stay on FlashInfer's wrappers: cuDNN builds a graph per shape (milliseconds), which a CUDA
+# graph pays once at capture.
 CUDNN_DECODE_CAPABILITY = (9, 0)
 CUDNN_DECODE_HEAD_SIZES = (128,)
 # Graphed decode through our own split-KV Triton kernel (ops/triton_decode.py) instead of cuDNN's,
@@ -294,8 +294,13 @@ def cudnn_decode_available() -> bool:
 
 @functools.cache
 def triton_available() -> bool:
-    """Whether Triton is installed (it comes with PyTorch's CUDA builds)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether Triton imports (it comes with PyTorch's CUDA builds; one found that fails to
+    import counts as absent)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def triton_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None, *, fp8_cache: bool) -> str | None:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # widened exactly to 16 bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,11 +145,11 @@ class PagedDecode:
             v_scale: float = 1.0) -> None:
         """q/out [batch, num_heads, head_size] (head_size contiguous); caches [num_blocks, page,
         num_kv_heads, head_size] with equal strides, of q's dtype or fp8 (storing K / k_scale and
-        V / v_scale); block_tables int32 [batch, >= pages]; seq_lens int32 [batch], each >= 1."""
+        V / v_scale); block_tables int32 [batch, >= pages]; seq_lens int32 [batch] (a row of
+        length 0 gets zeros)."""
         self._check(q, k_cache, v_cache, out)
         if not self._launched and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the Triton decode compiles at its first launch: run it once before capturing it")
-        self._launched = True
         batch, num_heads, head_size = q.shape
         page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -167,6 +168,7 @@ class PagedDecode:
                 self._partials, self._lse, out, out.stride(0), out.stride(1), cfg.num_splits,
                 D=head_size, BLOCK_S=triton.next_power_of_2(cfg.num_splits), num_warps=4,
             )
+        self._launched = True
 
     def _check(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
         """What the kernel's addressing assumes (it runs at warm-up and capture, not per replay)."""
@@ -177,8 +179,9 @@ class PagedDecode:
         if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.shape[3] != head_size:
             raise ValueError("the key and value caches must be [num_blocks, page, num_kv_heads, head_size] "
                              "views of one layout")
-        if k_cache.dtype != q.dtype and k_cache.element_size() != 1:
-            raise ValueError(f"a {k_cache.dtype} cache for {q.dtype} queries: caches hold the queries' dtype or fp8")
+        if k_cache.dtype not in (q.dtype, *FP8_CACHE_DTYPES) or v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"{k_cache.dtype} / {v_cache.dtype} caches for {q.dtype} queries: both hold the "
+                             "queries' dtype or one fp8 format")
         if num_heads % k_cache.shape[2]:
             raise ValueError(f"{num_heads} query heads are not a multiple of {k_cache.shape[2]} KV heads")
         if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1:
