@@ -300,10 +300,12 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
 
 VARIANTS = ("compile", "dynamic", "fp8", "fp8-triton", "flashinfer-decode", "cudnn-decode", "triton-decode",
             "gather-decode", "wide-tuning")
-# Inductor settings a variant compiles under: "wide-tuning" has coordinate descent try every
-# direction at radius 2, not the first improving neighbour at radius 1 (at batch 1 the step's
-# matrix-vector reductions are its tuning; the draws between compiles exceed the paged layout's cost)
-VARIANT_INDUCTOR = {"wide-tuning": {"coordinate_descent_check_all_directions": True,
+# Inductor settings a variant compiles under: "wide-tuning" starts coordinate descent from the
+# best of more reduction configs (`max_autotune_pointwise`) and has it try every direction at
+# radius 2, not the first improving neighbour at radius 1. At batch 1 the step's matrix-vector
+# reductions are its tuning: the same down projection took 34-57 us a layer across compiles
+# (BENCHMARKS.md), more than the paged layout costs.
+VARIANT_INDUCTOR = {"wide-tuning": {"max_autotune_pointwise": True, "coordinate_descent_check_all_directions": True,
                                     "coordinate_descent_search_radius": 2}}
 # the environment each variant's States are made under
 VARIANT_ENV = {"flashinfer-decode": {FLASHINFER_GRAPH_DECODE_ENV: "flashinfer"},
