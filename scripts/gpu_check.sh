@@ -3,8 +3,9 @@
 #   device run:  source .whl/setup.sh && bash scripts/gpu_check.sh; save_jit_cache   (carry [".whl"])
 # PARTS selects what runs (default: "tests fuzz bench"; "loop" profiles the 8B decode loop against
 # gpt-fast's (B=64 then B=1, ctx 1024, one process each), times FlashInfer's decode variants (FA3 among
-# them: a JIT build of a minute or more the first time, VARIANTS_TIMEOUT) and our Triton decode's
-# launch shapes (`decode_flashinfer --triton-sweep`, SWEEP_TIMEOUT);
+# them: a JIT build of a minute or more the first time, VARIANTS_TIMEOUT), our Triton decode's
+# launch shapes (`decode_flashinfer --triton-sweep`, SWEEP_TIMEOUT) and the Triton kernels of a
+# batch-1 layer, ours and the peer's (scripts/inductor_layer_kernels.py);
 # "grid": the decode loop at GRID_POINTS, peer and ours in separate processes (below);
 # "flex": scripts/flex_paged_probe.py (FlexAttention's decode over the paged cache vs SDPA over a
 # contiguous one, then its kernels per call, profiled; FLEX_ARGS=--quick: no SPLIT_KV sweep);
@@ -75,6 +76,9 @@ if [[ " $PARTS " == *" loop "* ]]; then
   timeout "${SWEEP_TIMEOUT:-120}" python3 -m compiled_attn.bench.decode_flashinfer --triton-sweep 2>&1 \
     | grep -v " - INFO - " > "$OUT/triton-sweep.log"
   grep -E "^cudnn" "$OUT/triton-sweep.log"
+  # which Triton kernels a layer of ours and of the peer compiles to at batch 1 (~60 s)
+  timeout "${KERNELS_TIMEOUT:-200}" python3 scripts/inductor_layer_kernels.py --batch 1 --out "$OUT" > /dev/null 2>&1 \
+    || status=1
 fi
 if [[ " $PARTS " == *" grid "* ]]; then
   # The decode loop's grid points (GRID_POINTS, default one of the H200 points not measured on the
