@@ -13,6 +13,8 @@ import pytest
 import torch
 from reference import reference_attention, rel_err
 
+import compiled_attn as ca
+
 BF16_TOL = 1e-2
 # (num_heads, num_kv_heads, head_size, page, dtype): GQA groups 1 / 4 / 8 / 3, pages 16 and 32
 SHAPES = [(8, 8, 64, 16, torch.float16), (32, 8, 128, 16, torch.bfloat16), (8, 1, 128, 32, torch.bfloat16),
@@ -141,14 +143,54 @@ def interpreter_cases() -> None:
             assert err <= (2e-3 if dtype == torch.float16 else 1e-5), (num_heads, num_kv_heads, splits, i, n, err)
 
 
+def interpreter_state_case() -> None:
+    """A FLASHINFER State's Triton graph decode end to end on the CPU (Triton's interpreter, no
+    FlashInfer: its wrappers are never made on this path): the State's own lengths and block-table
+    buffers as each step's upload wrote them, the op's call, an fp8 layer's scales."""
+    from compiled_attn.backends import flashinfer as fib
+    from compiled_attn.ops import triton_decode as td
+
+    td.default_config = lambda batch, kv_heads, device: td.DecodeConfig(num_splits=3, block_n=16)  # no CUDA here
+    fib.graph_decode_kernel = lambda spec: "triton"
+    torch.manual_seed(1)
+    for kv_cache_dtype, scales in (("auto", (1.0, 1.0)), ("fp8_e4m3", (0.5, 3.0))):
+        spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, num_blocks=24,
+                                dtype=torch.float16, device="cpu", max_seq_len_to_capture=96,
+                                kv_cache_dtype=kv_cache_dtype)
+        state = fib.FlashInferBackend.get_state_cls()(spec)
+        with state.graph_capture(4):
+            md_bs = state.graph_capture_get_metadata_for_batch(4)
+            bufs = state.get_graph_input_buffers(md_bs)
+            graph_state = state.graph_clone(4)
+        impl = fib.FlashInferBackend.get_impl_cls()(8, 64, spec.softmax_scale, num_kv_heads=2,
+                                                    kv_cache_dtype=kv_cache_dtype)
+        name, _keep = impl.register(*scales, ca.AttentionType.DECODER)
+        builder = fib.FlashInferBackend.get_builder_cls()(spec)
+        cache = torch.randn(2, 24, 16, 2, 64).to(spec.cache_dtype)
+        for seq_lens, tables in (([17, 3], [[5, 6], [7]]), ([40, 9, 96], [[9, 2, 4], [1], [3, 8, 10, 11, 12, 13]])):
+            md = builder.build(seq_lens, [1] * len(seq_lens), tables)
+            graph_state.prepare_graph_input_buffers(bufs, md)
+            graph_state.begin_forward(md)
+            q = torch.randn(4, 8, 64, dtype=torch.float16)
+            out = torch.full_like(q, float("nan"))
+            with ca.set_forward_context(md_bs):
+                fib.FlashInferBackend.attention_op(q, None, None, cache, out, name)
+            for i, (n, table) in enumerate(zip(seq_lens, tables, strict=True)):
+                keys, values = (cache[h][table].flatten(0, 1)[:n].double() * scales[h] for h in (0, 1))
+                ref = reference_attention(q[i : i + 1], keys, values, torch.tensor([n - 1]), causal=True,
+                                          scale=spec.softmax_scale)
+                assert rel_err(out[i : i + 1], ref) <= 2e-3, (kv_cache_dtype, i, n)
+
+
 def test_interpreter_matches_the_float64_reference():
-    """The kernels' indexing, masks, splits and merge, run by Triton's interpreter on the CPU."""
+    """The kernels' indexing, masks, splits and merge, run by Triton's interpreter on the CPU,
+    alone and behind a FLASHINFER State's graph decode."""
     pytest.importorskip("triton")
     tests = Path(__file__).parent
     path = [str(tests), str(tests.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(path)}
-    done = subprocess.run([sys.executable, "-c", "import test_triton_decode as t; t.interpreter_cases()"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    script = "import test_triton_decode as t; t.interpreter_cases(); t.interpreter_state_case()"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
