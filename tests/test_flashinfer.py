@@ -254,14 +254,16 @@ def test_graph_step_of_metadata_made_by_replace_refills_the_same_pages(fake_flas
     (dict(logits_soft_cap=30.0), "soft-cap"),
     (dict(alibi_slopes=alibi_slopes(8)), "ALiBi"),
 ])
-def test_cudnn_serves_graphed_decode_only_where_it_was_measured(over, reason):
+def test_cudnn_serves_graphed_decode_only_where_it_was_measured(over, reason, monkeypatch):
     spec = spec_of(**{"head_size": 128, **over})
-    got = fib.cudnn_decode_reason(spec, (9, 0), has_frontend=True)
+    monkeypatch.setattr(fib, "cudnn_decode_available", lambda: True)
+    got = fib.cudnn_decode_reason(spec, (9, 0))
     assert got is None if reason is None else reason in got
-    assert "sm100" in fib.cudnn_decode_reason(spec, (10, 0), has_frontend=True)
-    assert "CUDA" in fib.cudnn_decode_reason(spec, None, has_frontend=True)
+    assert "sm100" in fib.cudnn_decode_reason(spec, (10, 0))
+    assert "CUDA" in fib.cudnn_decode_reason(spec, None)
     if reason is None:
-        assert "pip install nvidia-cudnn-frontend" in fib.cudnn_decode_reason(spec, (9, 0), has_frontend=False)
+        monkeypatch.setattr(fib, "cudnn_decode_available", lambda: False)
+        assert "pip install nvidia-cudnn-frontend" in fib.cudnn_decode_reason(spec, (9, 0))
 
 
 def test_graph_decode_kernel_choice_is_checked(monkeypatch):

@@ -272,10 +272,10 @@ def table_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None,
     return None
 
 
-def cudnn_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None, has_frontend: bool) -> str | None:
+def cudnn_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None) -> str | None:
     """Why graphed decode of `spec` cannot run on cuDNN's paged SDPA, or None."""
     reason = table_decode_reason(spec, capability)
-    if reason is None and not has_frontend:
+    if reason is None and not cudnn_decode_available():
         return ("FlashInfer's cuDNN decode is unavailable: the cudnn-frontend package does not import (pip install "
                 "nvidia-cudnn-frontend), or this FlashInfer has no prepare_cudnn_batch_decode")
     return reason
@@ -325,10 +325,9 @@ def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
         return choice
     device = torch.device(spec.device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    table = table_decode_reason(spec, capability)
     reasons = {  # lazily: each availability check looks for a package
         "triton": lambda: triton_decode_reason(spec, capability, fp8_cache=choice == "triton"),
-        "cudnn": lambda: cudnn_decode_reason(spec, capability, table is None and cudnn_decode_available()),
+        "cudnn": lambda: cudnn_decode_reason(spec, capability),
     }
     if choice != "auto":
         reason = reasons[choice]()
@@ -660,8 +659,13 @@ class FlashInferState(GraphState):
         super().__init__(spec)
         self._workspace: torch.Tensor | None = None  # shared by the graph wrappers of every size
         self.decode_kernel = graph_decode_kernel(spec)
-        self.reads_tables = self.decode_kernel != "flashinfer"  # Triton and cuDNN: the common buffers
         self.decodes_on_eager_kernel = not self.reads_tables  # eager steps run FlashInfer's
+
+    @property
+    def reads_tables(self) -> bool:
+        """Whether the graphs decode over the common lengths and tables (Triton, cuDNN), not
+        FlashInfer's page CSR."""
+        return self.decode_kernel != "flashinfer"
 
     def allocate_extra(self, max_batch_size: int) -> dict[str, torch.Tensor]:
         if self.reads_tables:
