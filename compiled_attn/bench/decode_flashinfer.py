@@ -137,14 +137,14 @@ TRITON_SWEEP = tuple((mult, block_n, warps, stages) for mult in (0.5, 1, 2) for 
 
 
 def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
-    """Each TRITON_SWEEP launch shape at each VARIANT_POINT (page 16), checked against cuDNN's
+    """Each TRITON_SWEEP launch shape at each VARIANT_POINT (page 16), checked against torch's
     SDPA over the same pages gathered contiguous before it is timed; cuDNN's paged decode beside."""
     from compiled_attn.ops.triton_decode import DecodeConfig, default_config
 
     peak, rows = nominal_bandwidth(), []
     for batch, ctx in VARIANT_POINTS:
         spec, md, kv_cache, q, out = _decode_case(batch, ctx, BLOCK_SIZE)
-        cache_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * kv_cache.element_size()
+        cache_bytes = _cache_bytes(batch, ctx, kv_cache.element_size())
         table = md.paged_kv_indices.view(batch, -1).long()
         k, v = (kv_cache[i][table].flatten(1, 2).transpose(1, 2) for i in (0, 1))  # [B, kv_heads, ctx, D]
         want = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True).squeeze(2)
@@ -166,8 +166,7 @@ def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda
                            cache_bytes, peak)
                 row["max_err"] = round(err, 4)
             except Exception as e:
-                row = {"suite": "triton_sweep", "card": card_name(), "impl": name, "batch": batch, "ctx": ctx,
-                       "page": BLOCK_SIZE, "error": f"{type(e).__name__}: {str(e)[:120]}"}
+                row = _error_row("triton_sweep", name, batch, ctx, BLOCK_SIZE, e)
             rows.append(row)
             on_row(row)
         if cudnn_decode_available():
@@ -209,7 +208,7 @@ def variant_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda row:
     cases += [(batch, ctx, "fp8", FP8_VARIANTS) for batch, ctx in FP8_VARIANT_POINTS]
     for batch, ctx, kv_cache_dtype, names in cases:
         spec, md, kv_cache, q, out = _decode_case(batch, ctx, BLOCK_SIZE, kv_cache_dtype)
-        cache_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * kv_cache.element_size()
+        cache_bytes = _cache_bytes(batch, ctx, kv_cache.element_size())
         suffix = "" if kv_cache_dtype == "auto" else f", {kv_cache_dtype} cache"
         for name in names:
             try:
@@ -217,8 +216,7 @@ def variant_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda row:
                 rows.append(_row("decode_variants", name + suffix, batch, ctx, BLOCK_SIZE,
                                  graph_time_us(fn, replays=replays), cache_bytes, peak))
             except Exception as e:  # a backend this machine lacks (cuDNN frontend, ...) is a result too
-                rows.append({"suite": "decode_variants", "card": card_name(), "impl": name + suffix, "batch": batch,
-                             "ctx": ctx, "page": BLOCK_SIZE, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                rows.append(_error_row("decode_variants", name + suffix, batch, ctx, BLOCK_SIZE, e))
             fn = None
             on_row(rows[-1])
         del kv_cache
@@ -257,7 +255,7 @@ def _point_rows(batch: int, ctx: int, block_size: int, replays: int, with_peers:
         if cudnn_decode_available():  # without it FlashInfer fetches cubins over the network
             cases["flashinfer cudnn"] = _cudnn_own_table(spec, md, q, kv_cache, out)
     del kv_cache  # the closures hold it; SDPA gets its own contiguous copy below
-    cache_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * spec.dtype.itemsize
+    cache_bytes = _cache_bytes(batch, ctx, spec.dtype.itemsize)
     suite = "decode_flashinfer" if with_peers else "page_sweep_flashinfer"
     rows = [_row(suite, impl, batch, ctx, block_size, graph_time_us(fn, replays=replays), cache_bytes, peak)
             for impl, fn in cases.items()]
@@ -284,6 +282,17 @@ def _decode_case(batch: int, ctx: int, block_size: int, kv_cache_dtype: str = "a
     ).to(spec.cache_dtype)
     q = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=spec.dtype, device="cuda")
     return spec, md, kv_cache, q, torch.empty_like(q)
+
+
+def _cache_bytes(batch: int, ctx: int, itemsize: int) -> int:
+    """Bytes of K and V a decode step of `batch` requests at `ctx` tokens reads once."""
+    return 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * itemsize
+
+
+def _error_row(suite: str, impl: str, batch: int, ctx: int, page: int, e: Exception) -> dict:
+    """The row of a variant this build or machine cannot run: why, in place of a time."""
+    return {"suite": suite, "card": card_name(), "impl": impl, "batch": batch, "ctx": ctx, "page": page,
+            "error": f"{type(e).__name__}: {str(e)[:120]}"}
 
 
 def _row(suite: str, impl: str, batch: int, ctx: int, page: int | None, us: float, cache_bytes: int,

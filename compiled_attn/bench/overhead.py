@@ -9,7 +9,7 @@ lookups and the step checks (`ops.common.checked_step`, which checks in full onl
 of a kind: `validation.check_layer_call`).
 
 Host work per step besides the ops: `build()` on CPU specs (`build_rows`) and, on a GPU, a decode
-step's metadata copies in their two forms and `build()` on a CUDA spec (`copy_rows`).
+step's metadata copies in their three forms and `build()` on a CUDA spec (`copy_rows`).
 """
 
 from __future__ import annotations
