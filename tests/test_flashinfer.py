@@ -310,6 +310,28 @@ def test_auto_graph_decode_is_triton_where_a_table_kernel_serves(frontend, monke
     assert fib.graph_decode_kernel(spec) == "flashinfer"  # measured on sm90 only
 
 
+def table_decode_steps(spec, graph_state, bufs, md_bs, name, scales=(1.0, 1.0)):
+    """Two decode steps through a graph State's buffers (prepare, begin_forward, the op on the
+    graph metadata): each step's live rows equal the float64 reference over the cache (stored
+    as K / k_scale and V / v_scale). Yields each step's lengths once it is checked."""
+    builder = FlashInferBackend.get_builder_cls()(spec)
+    for seq_lens, tables in (([17, 3], [[5, 6], [7]]), ([33, 9, 16], [[9, 2, 4], [1], [3]])):
+        args = op_args(spec, 4, "cpu", name)
+        md = builder.build(seq_lens, [1] * len(seq_lens), tables)
+        graph_state.prepare_graph_input_buffers(bufs, md)
+        graph_state.begin_forward(md)
+        with ca.set_forward_context(md_bs):
+            torch.ops.compiled_attn.flashinfer_attention(**args)
+        k_cache, v_cache = args["kv_cache"]
+        for i, (n, table) in enumerate(zip(seq_lens, tables, strict=True)):
+            keys, values = (c[table].flatten(0, 1)[:n].double() * sc for c, sc in ((k_cache, scales[0]),
+                                                                                   (v_cache, scales[1])))
+            ref = reference_attention(args["query"][i : i + 1], keys, values, torch.tensor([n - 1]), causal=True,
+                                      scale=spec.softmax_scale)
+            assert rel_err(args["output"][i : i + 1], ref) <= BF16_TOL
+        yield seq_lens
+
+
 class DenseCudnnDecode:
     """cuDNN's prepared paged decode (`prepare_cudnn_batch_decode`), computed by
     `reference_attention` from the lengths and block table bound to it and the [pages, kv_heads,
@@ -350,23 +372,10 @@ def test_cudnn_graph_decode_reads_the_states_lengths_and_tables(fake_flashinfer,
     assert graph_state.decode_kernel == "cudnn" and isinstance(graph_state._slots[4].wrapper, fib.CudnnGraphDecode)
     assert not any(name.startswith("paged_kv") for name in bufs)  # no page CSR to allocate or refill
     name, _keep = layer_of(spec)
-    builder = FlashInferBackend.get_builder_cls()(spec)
-    for seq_lens, tables in (([17, 3], [[5, 6], [7]]), ([33, 9, 16], [[9, 2, 4], [1], [3]])):
-        args = op_args(spec, 4, "cpu", name)
-        md = builder.build(seq_lens, [1] * len(seq_lens), tables)
-        graph_state.prepare_graph_input_buffers(bufs, md)
-        graph_state.begin_forward(md)
-        with ca.set_forward_context(md_bs):
-            torch.ops.compiled_attn.flashinfer_attention(**args)
+    for seq_lens in table_decode_steps(spec, graph_state, bufs, md_bs, name):
         n = len(seq_lens)
         assert bufs["seq_lens_tensor"].tolist() == seq_lens + [1] * (4 - n)
         assert bufs["block_tables"][n:, 0].tolist() == [fib.SCRATCH_BLOCK] * (4 - n)
-        k_cache, v_cache = args["kv_cache"]
-        for i, (s, table) in enumerate(zip(seq_lens, tables, strict=True)):
-            keys, values = (c[table].flatten(0, 1)[:s] for c in (k_cache, v_cache))
-            ref = reference_attention(args["query"][i : i + 1], keys, values, torch.tensor([s - 1]), causal=True,
-                                      scale=spec.softmax_scale)
-            assert rel_err(args["output"][i : i + 1], ref) <= BF16_TOL
     assert DenseCudnnDecode.builds == 1  # one layout: built at the first call, kept
     # a query of another layout (a slice of a fused QKV projection) gets a graph of its own; the
     # first stays, as a captured graph may still read it
@@ -422,21 +431,7 @@ def test_triton_graph_decode_reads_the_states_lengths_and_tables(kv_cache_dtype,
     assert DensePagedDecode.made == [(n, spec.num_heads, spec.head_size, ("config", n, spec.num_kv_heads))
                                      for n in (4, 2)]
     name, _keep = layer_of(spec, *scales)
-    builder = FlashInferBackend.get_builder_cls()(spec)
-    for seq_lens, tables in (([17, 3], [[5, 6], [7]]), ([33, 9, 16], [[9, 2, 4], [1], [3]])):
-        args = op_args(spec, 4, "cpu", name)
-        md = builder.build(seq_lens, [1] * len(seq_lens), tables)
-        graph_state.prepare_graph_input_buffers(bufs, md)
-        graph_state.begin_forward(md)
-        with ca.set_forward_context(md_bs):
-            torch.ops.compiled_attn.flashinfer_attention(**args)
-        k_cache, v_cache = args["kv_cache"]
-        for i, (n, table) in enumerate(zip(seq_lens, tables, strict=True)):
-            keys, values = (c[table].flatten(0, 1)[:n].double() * sc for c, sc in ((k_cache, scales[0]),
-                                                                                   (v_cache, scales[1])))
-            ref = reference_attention(args["query"][i : i + 1], keys, values, torch.tensor([n - 1]), causal=True,
-                                      scale=spec.softmax_scale)
-            assert rel_err(args["output"][i : i + 1], ref) <= BF16_TOL
+    assert len(list(table_decode_steps(spec, graph_state, bufs, md_bs, name, scales))) == 2
     assert DensePagedDecode.scales == [scales, scales]
 
 
