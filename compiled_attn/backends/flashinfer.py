@@ -659,13 +659,8 @@ class FlashInferState(GraphState):
         super().__init__(spec)
         self._workspace: torch.Tensor | None = None  # shared by the graph wrappers of every size
         self.decode_kernel = graph_decode_kernel(spec)
+        self.reads_tables = self.decode_kernel != "flashinfer"  # Triton and cuDNN: the common buffers
         self.decodes_on_eager_kernel = not self.reads_tables  # eager steps run FlashInfer's
-
-    @property
-    def reads_tables(self) -> bool:
-        """Whether the graphs decode over the common lengths and tables (Triton, cuDNN), not
-        FlashInfer's page CSR."""
-        return self.decode_kernel != "flashinfer"
 
     def allocate_extra(self, max_batch_size: int) -> dict[str, torch.Tensor]:
         if self.reads_tables:
