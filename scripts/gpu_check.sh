@@ -75,7 +75,7 @@ if [[ " $PARTS " == *" loop "* ]]; then
   # the Triton decode's launch shapes against cuDNN's paged decode (~40 s on an H200)
   timeout "${SWEEP_TIMEOUT:-120}" python3 -m compiled_attn.bench.decode_flashinfer --triton-sweep 2>&1 \
     | grep -v " - INFO - " > "$OUT/triton-sweep.log"
-  grep -E "^cudnn" "$OUT/triton-sweep.log"
+  grep -E "^(cudnn|ours)" "$OUT/triton-sweep.log"
   # which Triton kernels a layer of ours and of the peer compiles to at batch 1 (~60 s)
   timeout "${KERNELS_TIMEOUT:-200}" python3 scripts/inductor_layer_kernels.py --batch 1 --out "$OUT" > /dev/null 2>&1 \
     || status=1

@@ -4,8 +4,9 @@ Shapes: 32 query / 8 KV heads, head_size 128, bf16, block_size 16; every request
 tokens. Each row reports the median time of one decode step (us) and the fraction of the card's
 nominal HBM bandwidth that reading the K/V cache once would take in that time. Our graphs decode
 through our Triton kernel where the backend picks it (`graph_decode_kernel`; `--variants` times it
-beside FlashInfer's and cuDNN's kernels, `--triton-sweep` its launch shapes). A page-size sweep
-(our op only, pages 16 / 32 / 64 / 128) follows at the end-to-end bench's batch 8 / 64, ctx 1024.
+beside FlashInfer's and cuDNN's kernels, `--triton-sweep` its launch shapes, with e4m3 caches too).
+A page-size sweep (our op only, pages 16 / 32 / 64 / 128) follows at the end-to-end bench's batch
+8 / 64, ctx 1024.
 
     python -m compiled_attn.bench.decode_flashinfer [--quick]
 """
@@ -54,7 +55,8 @@ def _our_op(spec: ca.AttentionSpec, md, q, kv_cache, out) -> Callable[[], None]:
         graph_state = state.graph_clone(batch)
     graph_state.prepare_graph_input_buffers(bufs, md)
     graph_state.begin_forward(md)
-    impl = FlashInferBackend.get_impl_cls()(NUM_HEADS, HEAD_SIZE, spec.softmax_scale, num_kv_heads=NUM_KV_HEADS)
+    impl = FlashInferBackend.get_impl_cls()(NUM_HEADS, HEAD_SIZE, spec.softmax_scale, num_kv_heads=NUM_KV_HEADS,
+                                            kv_cache_dtype=spec.kv_cache_dtype)
     name, layer = impl.register(1.0, 1.0, ca.AttentionType.DECODER)
 
     def step() -> None:
@@ -138,15 +140,21 @@ TRITON_SWEEP = tuple((mult, block_n, warps, stages) for mult in (0.5, 1, 2) for 
 
 def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
     """Each TRITON_SWEEP launch shape at each VARIANT_POINT (page 16), checked against torch's
-    SDPA over the same pages gathered contiguous before it is timed; cuDNN's paged decode beside."""
+    SDPA over the same pages gathered contiguous before it is timed; cuDNN's paged decode beside.
+    Then the same at FP8_VARIANT_POINTS with e4m3 caches, beside our op as the graphs run fp8
+    today (FlashInfer's kernels: "auto" leaves fp8 off Triton until a shape there is faster)."""
     from compiled_attn.ops.triton_decode import DecodeConfig, default_config
 
     peak, rows = nominal_bandwidth(), []
-    for batch, ctx in VARIANT_POINTS:
-        spec, md, kv_cache, q, out = _decode_case(batch, ctx, BLOCK_SIZE)
+    cases = [(batch, ctx, "auto") for batch, ctx in VARIANT_POINTS]
+    cases += [(batch, ctx, "fp8") for batch, ctx in FP8_VARIANT_POINTS]
+    for batch, ctx, kv_cache_dtype in cases:
+        spec, md, kv_cache, q, out = _decode_case(batch, ctx, BLOCK_SIZE, kv_cache_dtype)
         cache_bytes = _cache_bytes(batch, ctx, kv_cache.element_size())
+        suffix = "" if kv_cache_dtype == "auto" else f", {kv_cache_dtype} cache"
         table = md.paged_kv_indices.view(batch, -1).long()
-        k, v = (kv_cache[i][table].flatten(1, 2).transpose(1, 2) for i in (0, 1))  # [B, kv_heads, ctx, D]
+        # [B, kv_heads, ctx, D], widened to the query's dtype (exact for fp8: scales are 1 here)
+        k, v = (kv_cache[i][table].flatten(1, 2).transpose(1, 2).to(q.dtype) for i in (0, 1))
         want = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True).squeeze(2)
         del k, v
         base = default_config(batch, NUM_KV_HEADS, q.device).num_splits
@@ -157,7 +165,7 @@ def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda
             if cfg in seen:
                 continue
             seen.add(cfg)
-            name = f"triton s{splits} n{block_n} w{warps} st{stages}"
+            name = f"triton s{splits} n{block_n} w{warps} st{stages}{suffix}"
             try:
                 fn = _triton(spec, md, q, kv_cache, out, cfg)
                 fn()
@@ -169,10 +177,14 @@ def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda
                 row = _error_row("triton_sweep", name, batch, ctx, BLOCK_SIZE, e)
             rows.append(row)
             on_row(row)
-        if cudnn_decode_available():
-            rows.append(_row("triton_sweep", "cudnn", batch, ctx, BLOCK_SIZE,
-                             graph_time_us(_cudnn_own_table(spec, md, q, kv_cache, out), replays=replays),
-                             cache_bytes, peak))
+        if kv_cache_dtype != "auto":
+            beside = ("ours (graph)" + suffix, _our_op)
+        else:
+            beside = ("cudnn", _cudnn_own_table) if cudnn_decode_available() else None
+        if beside is not None:
+            name, make = beside
+            rows.append(_row("triton_sweep", name, batch, ctx, BLOCK_SIZE,
+                             graph_time_us(make(spec, md, q, kv_cache, out), replays=replays), cache_bytes, peak))
             on_row(rows[-1])
         del kv_cache
         torch.cuda.empty_cache()
