@@ -304,7 +304,8 @@ VARIANTS = ("compile", "dynamic", "fp8", "fp8-triton", "flashinfer-decode", "cud
 # best of more reduction configs (`max_autotune_pointwise`) and has it try every direction at
 # radius 2, not the first improving neighbour at radius 1. At batch 1 the step's matrix-vector
 # reductions are its tuning: the same down projection took 34-57 us a layer across compiles
-# (BENCHMARKS.md), more than the paged layout costs.
+# (BENCHMARKS.md), more than the paged layout costs. Its 8B compile takes more than 150 s on an
+# H200 (about 70 s for "compile"): give `--side ours` room for it.
 VARIANT_INDUCTOR = {"wide-tuning": {"max_autotune_pointwise": True, "coordinate_descent_check_all_directions": True,
                                     "coordinate_descent_search_radius": 2}}
 # the environment each variant's States are made under
