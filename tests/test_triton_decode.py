@@ -19,8 +19,10 @@ BF16_TOL = 1e-2
 # (num_heads, num_kv_heads, head_size, page, dtype): GQA groups 1 / 4 / 8 / 3, pages 16 and 32
 SHAPES = [(8, 8, 64, 16, torch.float16), (32, 8, 128, 16, torch.bfloat16), (8, 1, 128, 32, torch.bfloat16),
           (12, 4, 64, 16, torch.float16)]
-# (splits, tile, warps, stages): the direct path, splits that leave programs empty, other tiles
-CONFIGS = [(1, 64, 4, 2), (3, 32, 4, 3), (8, 64, 8, 3), (32, 128, 4, 2)]
+# (splits, tile, warps, stages, swap_ab): the direct path, splits that leave programs empty, other
+# tiles, each product orientation (a 32-token tile swapped: too few rows for a warpgroup MMA)
+CONFIGS = [(1, 64, 4, 2, False), (3, 32, 4, 3, False), (8, 64, 8, 3, False), (32, 128, 4, 2, False),
+           (1, 64, 4, 3, True), (3, 32, 4, 2, True), (8, 128, 8, 3, True)]
 
 
 def _decode_module():
@@ -33,7 +35,7 @@ def _decode_module():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}p{s[3]}")
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"s{c[0]}n{c[1]}w{c[2]}st{c[3]}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"s{c[0]}n{c[1]}w{c[2]}st{c[3]}" + "-swap" * c[4])
 def test_decode_matches_the_float64_reference(shape, config):
     """Random lengths (1, a page's edge, long ones), shuffled pages, a query sliced from a fused
     QKV projection, and table entries past each request's pages that would fault if read."""
@@ -56,8 +58,8 @@ def test_decode_matches_the_float64_reference(shape, config):
     fused = torch.randn(batch, num_heads + 2 * num_kv_heads, head_size, dtype=dtype, device="cuda")
     q = fused[:, :num_heads]
     out = torch.full_like(q, float("nan"))
-    splits, block_n, warps, stages = config
-    cfg = td.DecodeConfig(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+    splits, block_n, warps, stages, swap_ab = config
+    cfg = td.DecodeConfig(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, swap_ab=swap_ab)
     decode = td.PagedDecode(batch, num_heads, head_size, cfg, "cuda")
     scale = head_size**-0.5
     decode.run(q, kv[0], kv[1], tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda"), out, scale)
@@ -108,14 +110,16 @@ def interpreter_cases() -> None:
     from compiled_attn.ops import triton_decode as td
 
     torch.manual_seed(0)
-    # (heads, kv heads, head size, page, dtype, splits, tile, cache dtype): group 4 / 3 / 1, pages
-    # of 8 and 32, the direct path, splits left empty, a tile smaller and larger than a page, fp8
-    # caches (scales that are not each other's inverse)
+    # (heads, kv heads, head size, page, dtype, splits, tile, cache dtype, swap_ab): group 4 / 3 /
+    # 1, pages of 8 and 32, the direct path, splits left empty, a tile smaller and larger than a
+    # page, fp8 caches (scales that are not each other's inverse), each product orientation
     fp8 = torch.float8_e4m3fn
-    cases = [(8, 2, 32, 16, torch.float16, 1, 32, None), (12, 4, 32, 8, torch.float32, 3, 16, None),
-             (4, 4, 16, 32, torch.float16, 8, 16, None), (8, 2, 32, 16, torch.float16, 3, 64, fp8),
-             (8, 2, 32, 16, torch.float16, 1, 64, torch.float8_e5m2)]
-    for num_heads, num_kv_heads, head_size, page, dtype, splits, block_n, cache_dtype in cases:
+    cases = [(8, 2, 32, 16, torch.float16, 1, 32, None, False), (12, 4, 32, 8, torch.float32, 3, 16, None, False),
+             (4, 4, 16, 32, torch.float16, 8, 16, None, False), (8, 2, 32, 16, torch.float16, 3, 64, fp8, False),
+             (8, 2, 32, 16, torch.float16, 1, 64, torch.float8_e5m2, False),
+             (8, 2, 32, 16, torch.float16, 1, 32, None, True), (12, 4, 32, 8, torch.float32, 3, 16, None, True),
+             (8, 2, 32, 16, torch.float16, 3, 64, fp8, True)]
+    for num_heads, num_kv_heads, head_size, page, dtype, splits, block_n, cache_dtype, swap_ab in cases:
         lens = [1, page, page + 1, 3 * page - 1, 97, 0]  # 0: no live token, zeros
         batch, width = len(lens), 128 // page
         num_blocks = sum(-(-n // page) for n in lens) + 1
@@ -130,7 +134,7 @@ def interpreter_cases() -> None:
             at += -(-n // page)
         q = torch.randn(batch, num_heads + 2 * num_kv_heads, head_size).to(dtype)[:, :num_heads]  # a fused QKV slice
         out = torch.full_like(q, float("nan"))
-        decode = td.PagedDecode(batch, num_heads, head_size, td.DecodeConfig(splits, block_n), "cpu")
+        decode = td.PagedDecode(batch, num_heads, head_size, td.DecodeConfig(splits, block_n, swap_ab=swap_ab), "cpu")
         decode.run(q, kv[0], kv[1], tables, torch.tensor(lens, dtype=torch.int32), out, head_size**-0.5,
                    k_scale, v_scale)
         assert torch.equal(out[-1], torch.zeros_like(out[-1]))
@@ -140,7 +144,8 @@ def interpreter_cases() -> None:
             ref = reference_attention(q[i : i + 1], keys, values, torch.tensor([n - 1]), causal=True,
                                       scale=head_size**-0.5)
             err = rel_err(out[i : i + 1], ref)
-            assert err <= (2e-3 if dtype == torch.float16 else 1e-5), (num_heads, num_kv_heads, splits, i, n, err)
+            assert err <= (2e-3 if dtype == torch.float16 else 1e-5), (num_heads, num_kv_heads, splits, swap_ab, i, n,
+                                                                        err)
 
 
 def interpreter_state_case() -> None:

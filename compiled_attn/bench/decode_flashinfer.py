@@ -133,9 +133,9 @@ def _triton(spec: ca.AttentionSpec, md, q, kv_cache, out, config=None) -> Callab
 
 
 # The Triton kernel's launch shapes timed against each other (`triton_sweep_rows`): splits as a
-# multiple of the default's, tile, warps, stages.
-TRITON_SWEEP = tuple((mult, block_n, warps, stages) for mult in (0.5, 1, 2) for block_n in (32, 64, 128)
-                     for warps, stages in ((4, 2), (4, 3), (8, 3)))
+# multiple of the default's, tile, warps, stages, product orientation (`swap_ab`).
+TRITON_SWEEP = tuple((mult, block_n, warps, stages, swap_ab) for mult in (0.5, 1, 2) for block_n in (32, 64, 128)
+                     for warps, stages in ((4, 2), (4, 3), (8, 3)) for swap_ab in (False, True))
 
 
 def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
@@ -159,13 +159,14 @@ def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda
         del k, v
         base = default_config(batch, NUM_KV_HEADS, q.device).num_splits
         seen = set()
-        for mult, block_n, warps, stages in TRITON_SWEEP:
+        for mult, block_n, warps, stages, swap_ab in TRITON_SWEEP:
             splits = max(1, min(64, round(base * mult)))
-            cfg = DecodeConfig(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
+            cfg = DecodeConfig(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages,
+                               swap_ab=swap_ab)
             if cfg in seen:
                 continue
             seen.add(cfg)
-            name = f"triton s{splits} n{block_n} w{warps} st{stages}{suffix}"
+            name = f"triton s{splits} n{block_n} w{warps} st{stages}{' swap' * swap_ab}{suffix}"
             try:
                 fn = _triton(spec, md, q, kv_cache, out, cfg)
                 fn()

@@ -6,7 +6,10 @@ tiles at run time: a replay reads what is live, never the capture's maximum. Pro
 end of a request write an empty partial (lse -inf) that the merge weighs at zero.
 
     grid (batch, kv_heads, splits): q rows of the group [BLOCK_H, D] against BLOCK_N cache rows
-    at a time, gathered through the block table; online softmax in fp32, exp2 domain. An fp8
+    at a time, gathered through the block table; online softmax in fp32, exp2 domain. With
+    `swap_ab` the products run transposed (scores K q^T [BLOCK_N, BLOCK_H], output V^T P), so
+    the cache tile is each MMA's M dimension: 64 or more rows, which Hopper's warpgroup MMA
+    needs and the 16-row GQA group is not. An fp8
     cache is read as stored and widened to the query's dtype (exact for e4m3 and e5m2), its
     k_scale folded into the score scale and its v_scale into the output's normalization.
     merge (batch, heads): the splits' partial outputs weighed by their log-sum-exp.
@@ -29,12 +32,14 @@ FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # widened exactly t
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Launch shape of one captured batch size: splits per (request, KV head), tile, warps, stages."""
+    """Launch shape of one captured batch size: splits per (request, KV head), tile, warps, stages,
+    and whether the products run transposed (`swap_ab`: the cache tile as the MMAs' rows)."""
 
     num_splits: int
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    swap_ab: bool = False
 
 
 @triton.jit
@@ -44,7 +49,7 @@ def _split_kernel(
     out_stride_t, out_stride_h, qk_scale, v_scale,
     num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -62,7 +67,10 @@ def _split_kernel(
                 mask=h_mask[:, None], other=0.0)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    if SWAP_AB:
+        acc_t = tl.zeros([D, BLOCK_H], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
     table = table_ptr + seq.to(tl.int64) * table_stride
     for tok0 in range(start, end, BLOCK_N):
         tok = tok0 + tl.arange(0, BLOCK_N)
@@ -71,15 +79,26 @@ def _split_kernel(
         row = block.to(tl.int64) * kv_stride_blk + (tok % PAGE) * kv_stride_tok + kv_head * kv_stride_h
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
         v = tl.load(v_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        if SWAP_AB:
+            s_t = tl.dot(k.to(q.dtype), tl.trans(q)) * qk_scale  # [BLOCK_N, BLOCK_H]
+            s_t = tl.where(live[:, None], s_t, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s_t, 0))
+            alpha = tl.exp2(m - m_new)
+            p_t = tl.exp2(s_t - m_new[None, :])
+            lsum = lsum * alpha + tl.sum(p_t, 0)
+            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v.to(q.dtype)), p_t.to(q.dtype))
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+            s = tl.where(live[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            lsum = lsum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
 
+    if SWAP_AB:
+        acc = tl.trans(acc_t)
     safe = tl.where(lsum > 0.0, lsum, 1.0)  # a split with no tokens: zeros, lse -inf
     acc = acc * (v_scale / safe)[:, None]
     if DIRECT:
@@ -117,7 +136,8 @@ def default_config(batch_size: int, num_kv_heads: int, device: torch.device) -> 
     the 27 launch shapes timed on an H200 (`decode_flashinfer --triton-sweep`: splits x {1/2, 1,
     2}, tiles {32, 64, 128}, warps/stages {4/2, 4/3, 8/3}) at B=8 and B=64 (ctx 1024 and 4096) and
     at B=256 ctx 1024; 0.4 / 0.7 us from it at B=1 (ctx 1024 / 4096), 2.5 us at B=256 ctx 4096.
-    Other batch sizes were not timed (32 q / 8 kv heads)."""
+    Other batch sizes were not timed (32 q / 8 kv heads). Products unswapped: `swap_ab` joined the
+    sweep after that run and is not yet timed."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = max(1, min(32, math.ceil(2 * sms / (batch_size * num_kv_heads))))
     return DecodeConfig(num_splits=splits, block_n=128 if 2 < splits < 32 else 64, num_stages=3)
@@ -161,7 +181,8 @@ class PagedDecode:
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1), scale * k_scale * LOG2E, v_scale, cfg.num_splits,
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=head_size, PAGE=page,
-            BLOCK_N=cfg.block_n, DIRECT=direct, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_N=cfg.block_n, DIRECT=direct, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
         if not direct:
             _merge_kernel[(batch, num_heads)](
