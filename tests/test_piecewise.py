@@ -27,6 +27,7 @@ from test_graphs import (
     prompts,
     rel_err,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiled_attn as ca
 from compiled_attn.graphs import DEFAULT_PIECEWISE_SIZES, CUDAGraphRunner, choose_path
@@ -217,6 +218,28 @@ def test_pad_tokens_write_no_cache(cpu_model, cpu_backend):
         untouched[slots] = False
         assert torch.equal(flat_got[:, untouched], flat_old[:, untouched])
     assert runner.counts["piecewise"] == 1
+
+
+def test_op_groups_call_the_ops_kernels_without_the_dispatcher(sdpa_model):
+    """Between pieces the cache write and attention run as their Python kernels: no call of ours
+    reaches the dispatcher (a dispatch mode sees every op that does), and the step equals eager."""
+    spec = cpu_spec()
+    runner = piecewise_runner(sdpa_model, ca.get_attn_backend("TORCH_SDPA"), spec, random_caches(spec, 0))
+    md = ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(spec).build([5], [5], [[7, 9]])
+    ids, pos = torch.randint(TINY.vocab_size, (5,)), torch.arange(5)
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.namespace)
+            return func(*args, **(kwargs or {}))
+
+    runner.run(md, ids, pos)  # the bucket's first step goes through Dynamo, which a dispatch mode turns off
+    with Record():
+        got = runner.run(md, ids, pos)
+    assert runner.counts["piecewise"] == 2 and "aten" in seen and "compiled_attn" not in seen
+    want = direct(sdpa_model, random_caches(spec, 0))(md, ids, pos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_one_compile_serves_every_bucket_and_the_unpadded_path(sdpa_model):

@@ -43,10 +43,11 @@ def define_op(schema: str, *, reads_forward_context: bool) -> Callable[[Callable
     return register
 
 
-def python_kernel(op: torch._ops.OpOverloadPacket) -> Callable:
+def python_kernel(op: torch._ops.OpOverloadPacket | torch._ops.OpOverload) -> Callable:
     """The Python function registered as `op`'s kernel (one of ours, e.g. a backend's
     `attention_op`), to call without the dispatcher."""
-    return _KERNELS[op.default.name()]
+    overload = op.default if isinstance(op, torch._ops.OpOverloadPacket) else op
+    return _KERNELS[overload.name()]
 
 
 def register_fake(name: str) -> Callable[[Callable], Callable]:
