@@ -184,8 +184,11 @@ def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda
             beside = ("cudnn", _cudnn_own_table) if cudnn_decode_available() else None
         if beside is not None:
             name, make = beside
-            rows.append(_row("triton_sweep", name, batch, ctx, BLOCK_SIZE,
-                             graph_time_us(make(spec, md, q, kv_cache, out), replays=replays), cache_bytes, peak))
+            try:
+                rows.append(_row("triton_sweep", name, batch, ctx, BLOCK_SIZE,
+                                 graph_time_us(make(spec, md, q, kv_cache, out), replays=replays), cache_bytes, peak))
+            except Exception as e:  # e.g. a GRAPH_DECODE setting that refuses this cache
+                rows.append(_error_row("triton_sweep", name, batch, ctx, BLOCK_SIZE, e))
             on_row(rows[-1])
         del kv_cache
         torch.cuda.empty_cache()

@@ -68,6 +68,7 @@ def _split_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_H], tl.float32)
     if SWAP_AB:
+        q_t = tl.trans(q)
         acc_t = tl.zeros([D, BLOCK_H], tl.float32)
     else:
         acc = tl.zeros([BLOCK_H, D], tl.float32)
@@ -80,7 +81,7 @@ def _split_kernel(
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
         v = tl.load(v_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
         if SWAP_AB:
-            s_t = tl.dot(k.to(q.dtype), tl.trans(q)) * qk_scale  # [BLOCK_N, BLOCK_H]
+            s_t = tl.dot(k.to(q.dtype), q_t) * qk_scale  # [BLOCK_N, BLOCK_H]
             s_t = tl.where(live[:, None], s_t, float("-inf"))
             m_new = tl.maximum(m, tl.max(s_t, 0))
             alpha = tl.exp2(m - m_new)
