@@ -26,7 +26,8 @@ OUT=${OUT:-$(mktemp -d)}
 PARTS=${PARTS:-"tests fuzz bench"}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/card.txt"
-python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/card.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
+  | tee -a "$OUT/card.txt"
 status=0
 # FlashInfer's XQA sources (the decode variants' "xqa" row), absent from the trimmed package:
 # scripts/pack_extras.sh makes .whl/fi-xqa-src.tar.xz; setup.sh installed FlashInfer in /tmp/site
@@ -60,7 +61,9 @@ fi
 if [[ " $PARTS " == *" tests "* ]]; then
   # SIGINT at the limit (to the process group, xdist workers included): pytest stops and still
   # prints its summary, naming the failures so far; the status is then timeout's 124
-  timeout -s INT -k 60 "${TEST_TIMEOUT:-560}" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=25 "${xdist[@]}" \
+  # -v: a line per finished test (worker, outcome), so that a run stopped at its limit names what
+  # never finished (the seventeenth session's stopped run had 67 tests unaccounted for)
+  timeout -s INT -k 60 "${TEST_TIMEOUT:-560}" python3 -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=25 "${xdist[@]}" \
     --ignore=tests/test_fuzz.py ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
