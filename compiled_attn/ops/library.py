@@ -14,7 +14,8 @@ from collections.abc import Callable
 import torch
 
 LIB = torch.library.Library("compiled_attn", "FRAGMENT")
-# qualified op name -> its Python kernel (the bench times a call through the dispatcher against it)
+# qualified op name -> its Python kernel (the piecewise op groups call it; the bench times the
+# dispatcher's call against it)
 _KERNELS: dict[str, Callable] = {}
 
 
