@@ -6,7 +6,8 @@ replay: this matters for eager serving and for the first (planning) call only.
 
 An op's overhead is what it adds to its raw kernel: the dispatcher, the layer and forward-context
 lookups and the step checks (`ops.common.checked_step`, which checks in full only the first call
-of a kind: `validation.check_layer_call`).
+of a kind: `validation.check_layer_call`). The piecewise graphs' op groups call the op's Python
+kernel, without the dispatcher: its own overhead column.
 
 Host work per step besides the ops: `build()` on CPU specs (`build_rows`) and, on a GPU, a decode
 step's metadata copies in their three forms and `build()` on a CUDA spec (`copy_rows`).
@@ -148,7 +149,8 @@ def copy_rows(iters: int, device: str = "cuda", batch: int = 64, ctx: int = 1024
 
 
 def backend_rows(backend_name: str, backend: type[ca.AttentionBackend], device: str, iters: int) -> list[dict]:
-    """The cache-write op and this backend's attention op: dispatcher call vs the raw kernel."""
+    """The cache-write op and this backend's attention op: dispatcher call, and the op's Python
+    kernel as the piecewise op groups call it, each vs the raw kernel."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     k = torch.randn(8, 8, 128, device=device).to(dtype)
     q = torch.randn(8, 32, 128, device=device).to(dtype)
@@ -165,20 +167,24 @@ def backend_rows(backend_name: str, backend: type[ca.AttentionBackend], device: 
     kernel = python_kernel(op)
     # the attention op's raw kernel: its Python kernel with `checked_step` answering at once
     skip_checks = unittest.mock.patch.object(sys.modules[kernel.__module__], "checked_step", lambda *a: (call, md))
+    write_op = torch.ops.compiled_attn.kv_cache_update
     rows = []
     with ca.set_forward_context(md):
         kernel(q, k, k, cache, out, name)  # first call: lazy planning stays out of the timings
-        for what, raw_fn, raw_context, op_fn, checks_fn in (
+        for what, raw_fn, raw_context, op_fn, direct_fn, checks_fn in (
             ("kv_cache_update (8 tokens)", lambda: write_kv_cache(k, k, cache, md.slot_mapping, 1.0, 1.0),
-             contextlib.nullcontext(), lambda: torch.ops.compiled_attn.kv_cache_update(q, k, k, cache, name),
-             lambda: checked_step(name, q, k, k, cache)),
+             contextlib.nullcontext(), lambda: write_op(q, k, k, cache, name),
+             lambda: python_kernel(write_op)(q, k, k, cache, name), lambda: checked_step(name, q, k, k, cache)),
             (f"{op_name} (8 decodes, ctx 100)", lambda: kernel(q, k, k, cache, out, name), skip_checks,
-             lambda: op(q, k, k, cache, out, name), lambda: checked_step(name, q, k, k, cache, out)),
+             lambda: op(q, k, k, cache, out, name), lambda: kernel(q, k, k, cache, out, name),
+             lambda: checked_step(name, q, k, k, cache, out)),
         ):
             with raw_context:
                 raw_us = eager_time_us(raw_fn, iters=iters)
             op_us = eager_time_us(op_fn, iters=iters)
             rows.append({"card": card_name(), "what": f"{backend_name}: {what}", "us/call": op_us,
                          "overhead us": op_us - raw_us,
+                         # the piecewise op groups' call: the op's Python kernel, no dispatcher
+                         "op group overhead us": eager_time_us(direct_fn, iters=iters) - raw_us,
                          "checks us": eager_time_us(checks_fn, iters=iters, host_only=True)})
     return rows
