@@ -1,0 +1,92 @@
+"""What our Triton decode kernel compiles to on sm90, read on a machine without a GPU.
+
+Triton compiles for a target it is told (`GPUTarget("cuda", 90, 32)`) with the `ptxas` its wheel
+ships, so the PTX of every launch shape can be read on the CPU: which MMA each product gets
+(Hopper's warpgroup `wgmma` or the older `mma.sync`), whether the K/V tiles are pipelined
+(`cp.async` and its width), the shared memory a program takes, and the per-tile instructions an
+fp8 cache adds (byte-wise shared loads, conversions). Times need the GPU
+(`decode_flashinfer --triton-sweep`); this says why two shapes differ.
+
+Arguments are specialized as a launch over our caches specializes them: every pointer 16-byte
+aligned and every stride a multiple of 16. The device's Triton may differ from this machine's.
+
+    python scripts/triton_decode_ptx.py [--block-n 64 128] [--warps 4] [--stages 3] [--group 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from itertools import product
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from compiled_attn.ops.triton_decode import _split_kernel
+
+ARGS = ("q_ptr", "k_ptr", "v_ptr", "table_ptr", "lens_ptr", "out_ptr", "part_ptr", "lse_ptr",
+        "q_stride_t", "q_stride_h", "kv_stride_blk", "kv_stride_tok", "kv_stride_h", "table_stride",
+        "out_stride_t", "out_stride_h", "qk_scale", "v_scale", "num_splits")
+# what a launch over our caches finds divisible by 16 (num_splits and the scales are not)
+DIVISIBLE = ARGS[:16]
+CACHE_TYPES = {"bf16": "*bf16", "e4m3": "*fp8e4nv"}
+# an asynchronous global -> shared copy of `size` bytes: cp.async.{ca,cg}.shared.global [dst], [src], size
+COPY = r"cp\.async\.c[ag]\.shared\.global\S*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*{size}\b"
+COUNTED = {
+    "wgmma": r"wgmma\.mma_async",
+    "mma.sync": r"\bmma\.sync",
+    "cp.async 16B": COPY.format(size="(?:16|0x10)"),
+    "cp.async 8B": COPY.format(size="(?:8|0x8)"),
+    "cp.async 4B": COPY.format(size="(?:4|0x4)"),
+    "ld.shared.b8": r"ld\.shared\.b8",
+    "ld.shared.b16": r"ld\.shared\.b16",
+    "prmt": r"\bprmt\.b32",
+    "fp8 cvt": r"cvt\.rn\.f16x2\.e4m3x2",
+    "cvt.bf16.f16": r"cvt\.bf16\.f16",
+}
+
+
+def compile_shape(cache: str, swap_ab: bool, block_n: int, warps: int, stages: int, group: int,
+                  head_size: int = 128, direct: bool = False) -> triton.compiler.CompiledKernel:
+    """`_split_kernel` for sm90 at one launch shape, over bf16 queries and a `cache` cache."""
+    types = ["*bf16", CACHE_TYPES[cache], CACHE_TYPES[cache], "*i32", "*i32", "*bf16", "*fp32", "*fp32",
+             *["i32"] * 8, "fp32", "fp32", "i32"]
+    constexprs = {"GROUP": group, "BLOCK_H": max(16, triton.next_power_of_2(group)), "D": head_size, "PAGE": 16,
+                  "BLOCK_N": block_n, "DIRECT": direct, "SWAP_AB": swap_ab}
+    signature = {**dict(zip(ARGS, types, strict=True)), **dict.fromkeys(constexprs, "constexpr")}
+    attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
+    source = ASTSource(fn=_split_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def row(kernel: triton.compiler.CompiledKernel) -> dict[str, int]:
+    """PTX instructions (all, and COUNTED's) and shared memory of one compiled shape."""
+    ptx = kernel.asm["ptx"]
+    counts = {name: len(re.findall(pattern, ptx)) for name, pattern in COUNTED.items()}
+    lines = (line.strip() for line in ptx.splitlines())
+    body = [line for line in lines if line and not line.startswith(("//", ".", "$", "{", "}"))]
+    return {"instructions": len(body), "shared KB": kernel.metadata.shared // 1024, **counts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4])
+    parser.add_argument("--stages", type=int, nargs="+", default=[3])
+    parser.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    args = parser.parse_args()
+    print(f"triton {triton.__version__}, sm90, GQA group {args.group}, head size 128")
+    table = {}
+    for cache, swap_ab, block_n, warps, stages in product(CACHE_TYPES, (False, True), args.block_n, args.warps,
+                                                          args.stages):
+        shape = f"{cache} {'swap' if swap_ab else 'plain'} n{block_n} w{warps} st{stages}"
+        table[shape] = row(compile_shape(cache, swap_ab, block_n, warps, stages, args.group))
+    columns = list(next(iter(table.values())))
+    print(f"{'shape':<28}" + "".join(f"{c:>14}" for c in columns))
+    for shape, counts in table.items():
+        print(f"{shape:<28}" + "".join(f"{counts[c]:>14}" for c in columns))
+
+
+if __name__ == "__main__":
+    main()
