@@ -11,6 +11,7 @@ Arguments are specialized as a launch over our caches specializes them: every po
 aligned and every stride a multiple of 16. The device's Triton may differ from this machine's.
 
     python scripts/triton_decode_ptx.py [--block-n 64 128] [--warps 4] [--stages 3] [--group 4]
+        [--caches bf16 e4m3 e5m2]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ ARGS = ("q_ptr", "k_ptr", "v_ptr", "table_ptr", "lens_ptr", "out_ptr", "part_ptr
         "out_stride_t", "out_stride_h", "qk_scale", "v_scale", "num_splits")
 # what a launch over our caches finds divisible by 16 (num_splits and the scales are not)
 DIVISIBLE = ARGS[:16]
-CACHE_TYPES = {"bf16": "*bf16", "e4m3": "*fp8e4nv"}
+CACHE_TYPES = {"bf16": "*bf16", "e4m3": "*fp8e4nv", "e5m2": "*fp8e5"}
 # an asynchronous global -> shared copy of `size` bytes: cp.async.{ca,cg}.shared.global [dst], [src], size
 COPY = r"cp\.async\.c[ag]\.shared\.global\S*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*{size}\b"
 COUNTED = {
@@ -42,18 +43,20 @@ COUNTED = {
     "ld.shared.b8": r"ld\.shared\.b8",
     "ld.shared.b16": r"ld\.shared\.b16",
     "prmt": r"\bprmt\.b32",
-    "fp8 cvt": r"cvt\.rn\.f16x2\.e4m3x2",
+    "fp8 cvt": r"cvt\.rn\.f16x2\.e(?:4m3|5m2)x2",
     "cvt.bf16.f16": r"cvt\.bf16\.f16",
 }
 
 
-def compile_shape(cache: str, swap_ab: bool, block_n: int, warps: int, stages: int, group: int,
+def compile_shape(cache: str, swap_ab: bool, fp16_mma: bool, block_n: int, warps: int, stages: int, group: int,
                   head_size: int = 128, direct: bool = False) -> triton.compiler.CompiledKernel:
-    """`_split_kernel` for sm90 at one launch shape, over bf16 queries and a `cache` cache."""
+    """`_split_kernel` for sm90 at one launch shape, over bf16 queries and a `cache` cache
+    (`fp16_mma`: an fp8 cache's pairs widened to fp16, `DecodeConfig.fp16_mma`)."""
     types = ["*bf16", CACHE_TYPES[cache], CACHE_TYPES[cache], "*i32", "*i32", "*bf16", "*fp32", "*fp32",
              *["i32"] * 8, "fp32", "fp32", "i32"]
     constexprs = {"GROUP": group, "BLOCK_H": max(16, triton.next_power_of_2(group)), "D": head_size, "PAGE": 16,
-                  "BLOCK_N": block_n, "DIRECT": direct, "SWAP_AB": swap_ab}
+                  "BLOCK_N": block_n, "DIRECT": direct, "SWAP_AB": swap_ab,
+                  "PAIRS": fp16_mma, "E5M2": cache == "e5m2"}
     signature = {**dict(zip(ARGS, types, strict=True)), **dict.fromkeys(constexprs, "constexpr")}
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
     source = ASTSource(fn=_split_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -75,17 +78,20 @@ def main() -> None:
     parser.add_argument("--warps", type=int, nargs="+", default=[4])
     parser.add_argument("--stages", type=int, nargs="+", default=[3])
     parser.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    parser.add_argument("--caches", nargs="+", choices=list(CACHE_TYPES), default=["bf16", "e4m3"])
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm90, GQA group {args.group}, head size 128")
     table = {}
-    for cache, swap_ab, block_n, warps, stages in product(CACHE_TYPES, (False, True), args.block_n, args.warps,
-                                                          args.stages):
-        shape = f"{cache} {'swap' if swap_ab else 'plain'} n{block_n} w{warps} st{stages}"
-        table[shape] = row(compile_shape(cache, swap_ab, block_n, warps, stages, args.group))
+    for cache, fp16_mma, swap_ab, block_n, warps, stages in product(args.caches, (False, True), (False, True),
+                                                                    args.block_n, args.warps, args.stages):
+        if fp16_mma and cache == "bf16":
+            continue
+        shape = f"{cache}{' fp16' if fp16_mma else ''} {'swap' if swap_ab else 'plain'} n{block_n} w{warps} st{stages}"
+        table[shape] = row(compile_shape(cache, swap_ab, fp16_mma, block_n, warps, stages, args.group))
     columns = list(next(iter(table.values())))
-    print(f"{'shape':<28}" + "".join(f"{c:>14}" for c in columns))
+    print(f"{'shape':<30}" + "".join(f"{c:>14}" for c in columns))
     for shape, counts in table.items():
-        print(f"{shape:<28}" + "".join(f"{counts[c]:>14}" for c in columns))
+        print(f"{shape:<30}" + "".join(f"{counts[c]:>14}" for c in columns))
 
 
 if __name__ == "__main__":

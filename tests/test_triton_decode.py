@@ -3,6 +3,7 @@ and on the CPU through Triton's interpreter (fp16 / fp32: the interpreter has no
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import subprocess
@@ -69,6 +70,63 @@ def test_decode_matches_the_float64_reference(shape, config):
         ref = reference_attention(q[i : i + 1].cpu(), keys.cpu(), values.cpu(), torch.tensor([n - 1]), causal=True,
                                   scale=scale)
         assert rel_err(out[i : i + 1], ref) <= BF16_TOL, (i, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("fp16_mma", [False, True], ids=["widened", "fp16-mma"])
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["plain", "swap"])
+def test_fp8_caches_match_the_float64_reference(cache_dtype, fp16_mma, swap_ab):
+    """fp8 caches storing K / k_scale and V / v_scale, bf16 queries, split and direct: each way of
+    widening against the reference on the scaled-back cache. One request's query reaches 3e4,
+    past fp16's 2^14 headroom, so fp16_mma's power-of-two scaling of the query is exercised."""
+    td = _decode_module()
+    torch.manual_seed(5)
+    num_heads, num_kv_heads, head_size, page = 32, 8, 128, 16
+    lens = [1, page + 1, 300, 1100]
+    batch, width = len(lens), 1200 // page
+    num_blocks = sum(-(-n // page) for n in lens) + 1
+    k_scale, v_scale = 0.5, 3.0
+    kv = torch.randn(2, num_blocks, page, num_kv_heads, head_size, device="cuda")
+    kv = torch.stack([kv[0] / k_scale, kv[1] / v_scale]).to(cache_dtype)
+    tables = torch.zeros(batch, width, dtype=torch.int32)
+    blocks, at = (torch.randperm(num_blocks - 1) + 1).tolist(), 0
+    for i, n in enumerate(lens):
+        tables[i, : -(-n // page)] = torch.tensor(blocks[at : at + -(-n // page)])
+        at += -(-n // page)
+    stored = kv.double().cpu()  # what the cache holds, exactly
+    q = torch.randn(batch, num_heads, head_size, device="cuda")
+    q[1] *= 3e4
+    q = q.to(torch.bfloat16)
+    for splits in (1, 4):
+        out = torch.full_like(q, float("nan"))
+        cfg = td.DecodeConfig(num_splits=splits, block_n=64, num_stages=3, swap_ab=swap_ab, fp16_mma=fp16_mma)
+        td.PagedDecode(batch, num_heads, head_size, cfg, "cuda").run(
+            q, kv[0], kv[1], tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda"), out, head_size**-0.5,
+            k_scale, v_scale)
+        for i, n in enumerate(lens):
+            pages = tables[i, : -(-n // page)].long()
+            keys, values = (stored[h][pages].flatten(0, 1)[:n] * sc for h, sc in ((0, k_scale), (1, v_scale)))
+            ref = reference_attention(q[i : i + 1].cpu(), keys, values, torch.tensor([n - 1]), causal=True,
+                                      scale=head_size**-0.5)
+            assert rel_err(out[i : i + 1], ref) <= BF16_TOL, (splits, i, n)
+
+
+def test_fp16_mma_widens_fp8_pairs_in_registers():
+    """What `fp16_mma` is for, pinned in the PTX for sm90 (compiled on the CPU with Triton's own
+    ptxas, `scripts/triton_decode_ptx.py`): no byte-wise reads of the tile from shared memory and
+    no bf16 repacking, one `cvt.rn.f16x2` per pair; Triton's own widening has both."""
+    pytest.importorskip("triton")
+    path = Path(__file__).parent.parent / "scripts" / "triton_decode_ptx.py"
+    spec = importlib.util.spec_from_file_location("triton_decode_ptx", path)
+    ptx = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ptx)
+    for cache in ("e4m3", "e5m2"):
+        for swap_ab in (False, True):
+            pairs = ptx.row(ptx.compile_shape(cache, swap_ab, True, 64, 4, 3, group=4))
+            assert pairs["ld.shared.b8"] == 0 and pairs["cvt.bf16.f16"] == 0 and pairs["fp8 cvt"] > 0, (cache, pairs)
+    widened = ptx.row(ptx.compile_shape("e4m3", False, False, 64, 4, 3, group=4))
+    assert widened["ld.shared.b8"] > 0 and widened["cvt.bf16.f16"] > 0, widened
 
 
 @pytest.mark.gpu

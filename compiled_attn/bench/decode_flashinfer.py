@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -141,8 +142,9 @@ TRITON_SWEEP = tuple((mult, block_n, warps, stages, swap_ab) for mult in (0.5, 1
 def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
     """Each TRITON_SWEEP launch shape at each VARIANT_POINT (page 16), checked against torch's
     SDPA over the same pages gathered contiguous before it is timed; cuDNN's paged decode beside.
-    Then the same at FP8_VARIANT_POINTS with e4m3 caches, beside our op as the graphs run fp8
-    today (FlashInfer's kernels: "auto" leaves fp8 off Triton until a shape there is faster)."""
+    Then the same at FP8_VARIANT_POINTS with e4m3 caches, each shape also with `fp16_mma`, beside
+    our op as the graphs run fp8 today (FlashInfer's kernels: "auto" leaves fp8 off Triton until a
+    shape there is faster)."""
     from compiled_attn.ops.triton_decode import DecodeConfig, default_config
 
     peak, rows = nominal_bandwidth(), []
@@ -159,14 +161,15 @@ def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda
         del k, v
         base = default_config(batch, NUM_KV_HEADS, q.device).num_splits
         seen = set()
-        for mult, block_n, warps, stages, swap_ab in TRITON_SWEEP:
+        widenings = (False,) if kv_cache_dtype == "auto" else (False, True)  # fp16_mma: fp8 caches only
+        for (mult, block_n, warps, stages, swap_ab), fp16_mma in itertools.product(TRITON_SWEEP, widenings):
             splits = max(1, min(64, round(base * mult)))
             cfg = DecodeConfig(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages,
-                               swap_ab=swap_ab)
+                               swap_ab=swap_ab, fp16_mma=fp16_mma)
             if cfg in seen:
                 continue
             seen.add(cfg)
-            name = f"triton s{splits} n{block_n} w{warps} st{stages}{' swap' * swap_ab}{suffix}"
+            name = f"triton s{splits} n{block_n} w{warps} st{stages}{' swap' * swap_ab}{' fp16' * fp16_mma}{suffix}"
             try:
                 fn = _triton(spec, md, q, kv_cache, out, cfg)
                 fn()

@@ -11,7 +11,12 @@ end of a request write an empty partial (lse -inf) that the merge weighs at zero
     the cache tile is each MMA's M dimension: 64 or more rows, which Hopper's warpgroup MMA
     needs and the 16-row GQA group is not. An fp8
     cache is read as stored and widened to the query's dtype (exact for e4m3 and e5m2), its
-    k_scale folded into the score scale and its v_scale into the output's normalization.
+    k_scale folded into the score scale and its v_scale into the output's normalization. With
+    `fp16_mma` an fp8 cache is read two bytes at a time and each pair widened to fp16 by one
+    `cvt` in registers (exact), and both products run in fp16: the query is scaled into fp16's
+    range by a power of two (exact; folded back into the score scale) and the probabilities are
+    rounded to fp16 (11 bits, where bf16 has 8). Triton's own widening reads the tile back from
+    shared memory byte by byte (`scripts/triton_decode_ptx.py`).
     merge (batch, heads): the splits' partial outputs weighed by their log-sum-exp.
 
 One split writes the output directly (no partials, no merge launch).
@@ -40,6 +45,22 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     swap_ab: bool = False
+    fp16_mma: bool = False  # fp8 caches only: byte pairs widened to fp16 in registers, fp16 products
+
+
+@triton.jit
+def _widen_pairs(pairs, E5M2: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """[BLOCK_N, D // 2] uint16, two fp8 values each (element 2j in the low byte; e4m3, or e5m2
+    with E5M2) -> [BLOCK_N, D] fp16, exact: one `cvt.rn.f16x2.{e4m3,e5m2}x2` a pair."""
+    if not E5M2:
+        low, high = tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+                                              "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True,
+                                              pack=1)
+    else:
+        low, high = tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e5m2x2 t, $2; mov.b32 {$0, $1}, t; }",
+                                              "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True,
+                                              pack=1)
+    return tl.reshape(tl.join(low, high), [BLOCK_N, D])
 
 
 @triton.jit
@@ -49,7 +70,7 @@ def _split_kernel(
     out_stride_t, out_stride_h, qk_scale, v_scale,
     num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, SWAP_AB: tl.constexpr, PAIRS: tl.constexpr, E5M2: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -65,6 +86,11 @@ def _split_kernel(
     h_mask = h < GROUP
     q = tl.load(q_ptr + seq.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
                 mask=h_mask[:, None], other=0.0)
+    if PAIRS:  # fp16 products: the query times 2^-shift, its largest entry at most 2^14 (fp16 ends at 65504)
+        qf = q.to(tl.float32)
+        shift = tl.maximum(tl.ceil(tl.log2(tl.max(tl.max(tl.abs(qf), 1), 0))) - 14.0, 0.0)
+        q = (qf * tl.exp2(-shift)).to(tl.float16)
+        qk_scale = qk_scale * tl.exp2(shift)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_H], tl.float32)
     if SWAP_AB:
@@ -78,8 +104,15 @@ def _split_kernel(
         live = tok < end
         block = tl.load(table + tok // PAGE, mask=live, other=0)
         row = block.to(tl.int64) * kv_stride_blk + (tok % PAGE) * kv_stride_tok + kv_head * kv_stride_h
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        if PAIRS:
+            pair = (row // 2)[:, None] + tl.arange(0, D // 2)[None, :]
+            k = _widen_pairs(tl.load(k_ptr.to(tl.pointer_type(tl.uint16)) + pair, mask=live[:, None], other=0),
+                             E5M2, BLOCK_N, D)
+            v = _widen_pairs(tl.load(v_ptr.to(tl.pointer_type(tl.uint16)) + pair, mask=live[:, None], other=0),
+                             E5M2, BLOCK_N, D)
+        else:
+            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
         if SWAP_AB:
             s_t = tl.dot(k.to(q.dtype), q_t) * qk_scale  # [BLOCK_N, BLOCK_H]
             s_t = tl.where(live[:, None], s_t, float("-inf"))
@@ -182,8 +215,8 @@ class PagedDecode:
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1), scale * k_scale * LOG2E, v_scale, cfg.num_splits,
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=head_size, PAGE=page,
-            BLOCK_N=cfg.block_n, DIRECT=direct, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            BLOCK_N=cfg.block_n, DIRECT=direct, SWAP_AB=cfg.swap_ab, PAIRS=self._pairs(k_cache),
+            E5M2=k_cache.dtype == torch.float8_e5m2, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if not direct:
             _merge_kernel[(batch, num_heads)](
@@ -191,6 +224,10 @@ class PagedDecode:
                 D=head_size, BLOCK_S=triton.next_power_of_2(cfg.num_splits), num_warps=4,
             )
         self._launched = True
+
+    def _pairs(self, k_cache: torch.Tensor) -> bool:
+        """Whether this launch widens fp8 byte pairs to fp16 (`fp16_mma` over an fp8 cache)."""
+        return self.config.fp16_mma and k_cache.dtype in FP8_CACHE_DTYPES
 
     def _check(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
         """What the kernel's addressing assumes (it runs at warm-up and capture, not per replay)."""
@@ -208,3 +245,5 @@ class PagedDecode:
             raise ValueError(f"{num_heads} query heads are not a multiple of {k_cache.shape[2]} KV heads")
         if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1:
             raise ValueError("query, output and caches need a contiguous head dimension")
+        if self._pairs(k_cache) and any(n % 2 for n in (*k_cache.stride()[:3], k_cache.data_ptr(), v_cache.data_ptr())):
+            raise ValueError("fp16_mma reads an fp8 cache two bytes at a time: its strides and start must be even")
