@@ -40,7 +40,7 @@ COUNTED = {
     "cp.async 16B": COPY.format(size="(?:16|0x10)"),
     "cp.async 8B": COPY.format(size="(?:8|0x8)"),
     "cp.async 4B": COPY.format(size="(?:4|0x4)"),
-    "ld.shared.b8": r"ld\.shared\.b8",
+    "ld.shared 8-bit": r"ld\.shared(?:\.v\d)?\.[bsu]8\b",
     "ld.shared.b16": r"ld\.shared\.b16",
     "prmt": r"\bprmt\.b32",
     "fp8 cvt": r"cvt\.rn\.f16x2\.e(?:4m3|5m2)x2",

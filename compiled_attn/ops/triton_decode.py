@@ -13,9 +13,10 @@ end of a request write an empty partial (lse -inf) that the merge weighs at zero
     cache is read as stored and widened to the query's dtype (exact for e4m3 and e5m2), its
     k_scale folded into the score scale and its v_scale into the output's normalization. With
     `fp16_mma` an fp8 cache is read two bytes at a time and each pair widened to fp16 by one
-    `cvt` in registers (exact), and both products run in fp16: the query is scaled into fp16's
-    range by a power of two (exact; folded back into the score scale) and the probabilities are
-    rounded to fp16 (11 bits, where bf16 has 8). Triton's own widening reads the tile back from
+    `cvt` in registers (exact; sm89 and later), and both products run in fp16: each query row is
+    scaled into fp16's range by a power of two (exact for entries within 2^28 of the row's
+    largest; folded back into the score scale) and the probabilities are rounded to fp16 (11
+    bits, where bf16 has 8). Triton's own widening reads the tile back from
     shared memory byte by byte (`scripts/triton_decode_ptx.py`).
     merge (batch, heads): the splits' partial outputs weighed by their log-sum-exp.
 
@@ -86,11 +87,14 @@ def _split_kernel(
     h_mask = h < GROUP
     q = tl.load(q_ptr + seq.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
                 mask=h_mask[:, None], other=0.0)
-    if PAIRS:  # fp16 products: the query times 2^-shift, its largest entry at most 2^14 (fp16 ends at 65504)
+    if PAIRS:  # fp16 products: each query row times 2^-shift, its largest entry in [2^13, 2^14]
         qf = q.to(tl.float32)
-        shift = tl.maximum(tl.ceil(tl.log2(tl.max(tl.max(tl.abs(qf), 1), 0))) - 14.0, 0.0)
-        q = (qf * tl.exp2(-shift)).to(tl.float16)
-        qk_scale = qk_scale * tl.exp2(shift)
+        largest = tl.max(tl.abs(qf), 1)
+        shift = tl.where(largest > 0.0, tl.ceil(tl.log2(largest)) - 14.0, 0.0)
+        q = (qf * tl.exp2(-shift)[:, None]).to(tl.float16)
+        row_scale = qk_scale * tl.exp2(shift)  # [BLOCK_H]: the shift folded back into the scores
+    else:
+        row_scale = qk_scale + tl.zeros([BLOCK_H], tl.float32)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_H], tl.float32)
     if SWAP_AB:
@@ -114,7 +118,7 @@ def _split_kernel(
             k = tl.load(k_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
             v = tl.load(v_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
         if SWAP_AB:
-            s_t = tl.dot(k.to(q.dtype), q_t) * qk_scale  # [BLOCK_N, BLOCK_H]
+            s_t = tl.dot(k.to(q.dtype), q_t) * row_scale[None, :]  # [BLOCK_N, BLOCK_H]
             s_t = tl.where(live[:, None], s_t, float("-inf"))
             m_new = tl.maximum(m, tl.max(s_t, 0))
             alpha = tl.exp2(m - m_new)
@@ -122,7 +126,7 @@ def _split_kernel(
             lsum = lsum * alpha + tl.sum(p_t, 0)
             acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v.to(q.dtype)), p_t.to(q.dtype))
         else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+            s = tl.dot(q, tl.trans(k.to(q.dtype))) * row_scale[:, None]
             s = tl.where(live[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp2(m - m_new)
@@ -245,5 +249,9 @@ class PagedDecode:
             raise ValueError(f"{num_heads} query heads are not a multiple of {k_cache.shape[2]} KV heads")
         if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1:
             raise ValueError("query, output and caches need a contiguous head dimension")
-        if self._pairs(k_cache) and any(n % 2 for n in (*k_cache.stride()[:3], k_cache.data_ptr(), v_cache.data_ptr())):
-            raise ValueError("fp16_mma reads an fp8 cache two bytes at a time: its strides and start must be even")
+        if self._pairs(k_cache):
+            if any(n % 2 for n in (*k_cache.stride()[:3], k_cache.data_ptr(), v_cache.data_ptr())):
+                raise ValueError("fp16_mma reads an fp8 cache two bytes at a time: its strides and start must be even")
+            if not q.is_cuda or torch.cuda.get_device_capability(q.device) < (8, 9):
+                raise ValueError(f"fp16_mma widens fp8 pairs with sm89's cvt: a CUDA device of compute capability "
+                                 f">= 8.9, not {q.device}")
