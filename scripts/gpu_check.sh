@@ -76,8 +76,9 @@ if [[ " $PARTS " == *" loop "* ]]; then
   timeout "${VARIANTS_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_flashinfer --variants 2>&1 | grep -v " - INFO - " \
     | tee "$OUT/decode-variants.log" | tail -40
   # the Triton decode's launch shapes against cuDNN's paged decode (54 a point at 8 points, then
-  # e4m3 caches at one; the 27 unswapped took ~40 s on an H200)
-  timeout "${SWEEP_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_flashinfer --triton-sweep 2>&1 \
+  # 108 with e4m3 caches at one; the 27 unswapped a point took ~40 s on an H200, most of it
+  # Triton's compiles, which now number about four times as many)
+  timeout "${SWEEP_TIMEOUT:-300}" python3 -m compiled_attn.bench.decode_flashinfer --triton-sweep 2>&1 \
     | grep -v " - INFO - " > "$OUT/triton-sweep.log"
   grep -E "^(cudnn|ours)" "$OUT/triton-sweep.log"
   # which Triton kernels a layer of ours and of the peer compiles to at batch 1 (~60 s)
