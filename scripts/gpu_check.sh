@@ -90,7 +90,7 @@ if [[ " $PARTS " == *" grid "* ]]; then
   # current tree: a point takes ~250 s, so one or two fit a device call) one side per process, so
   # that a slow peer cannot starve ours of the call: the peer the best of two compiles
   # (GRID_PEER_TIMEOUT: ~170 s on an H200), ours one (GRID_OURS_TIMEOUT: ~70 s a variant;
-  # GRID_OURS_ARGS adds arguments, e.g. "--variant compile --variant wide-tuning").
+  # GRID_OURS_ARGS adds arguments, e.g. "--variant compile --variant fp8").
   for point in ${GRID_POINTS:-64x4096}; do
     timeout -k 30 "${GRID_PEER_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
       --backend FLASHINFER --side peer --peer-compiles 2 > "$OUT/grid-$point-peer.log" 2>&1 || status=1

@@ -299,15 +299,7 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
 
 
 VARIANTS = ("compile", "dynamic", "fp8", "fp8-triton", "flashinfer-decode", "cudnn-decode", "triton-decode",
-            "gather-decode", "wide-tuning")
-# Inductor settings a variant compiles under: "wide-tuning" starts coordinate descent from the
-# best of more reduction configs (`max_autotune_pointwise`) and has it try every direction at
-# radius 2, not the first improving neighbour at radius 1. At batch 1 the step's matrix-vector
-# reductions are its tuning: the same down projection took 34-57 us a layer across compiles
-# (BENCHMARKS.md), more than the paged layout costs. Its 8B compile takes more than 150 s on an
-# H200 (about 70 s for "compile"): give `--side ours` room for it.
-VARIANT_INDUCTOR = {"wide-tuning": {"max_autotune_pointwise": True, "coordinate_descent_check_all_directions": True,
-                                    "coordinate_descent_search_radius": 2}}
+            "gather-decode")
 # the environment each variant's States are made under
 VARIANT_ENV = {"flashinfer-decode": {FLASHINFER_GRAPH_DECODE_ENV: "flashinfer"},
                "cudnn-decode": {FLASHINFER_GRAPH_DECODE_ENV: "cudnn"},
@@ -327,8 +319,7 @@ def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> 
     "flashinfer-decode" / "cudnn-decode" / "triton-decode": compile, with FLASHINFER's
     graphed decode on that kernel (`graph_decode_kernel`; "compile" takes its rule);
     "gather-decode": compile, with TORCH_SDPA's graphed decode gathering each row's table where it
-    would read the pages through FlexAttention (`torch_sdpa.graph_decode_kernel`); "wide-tuning":
-    compile under VARIANT_INDUCTOR's settings (`measure_ours` applies them)."""
+    would read the pages through FlexAttention (`torch_sdpa.graph_decode_kernel`)."""
     backend = model.layers[0].attn.backend
     kw = {"compile": variant != "dynamic"}
     step_model = model if variant != "dynamic" else torch.compile(model, fullgraph=True, dynamic=True)
@@ -342,7 +333,7 @@ def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile", r
     """The row of `paged_loop(model, batch, ctx, variant)`, the best of `compiles` fresh compiles:
     loop times and host work per step."""
     draws = []
-    with torch._inductor.config.patch({**fresh_draws(compiles), **VARIANT_INDUCTOR.get(variant, {})}):
+    with torch._inductor.config.patch(fresh_draws(compiles)):
         for _ in range(compiles):
             reset_dynamo()  # a fresh trace and compile, as the peer's
             ours = paged_loop(model, batch, ctx, variant)
