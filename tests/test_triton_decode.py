@@ -34,6 +34,21 @@ def _decode_module():
     return triton_decode
 
 
+def shuffled_tables(lens: list[int], page: int, width: int) -> tuple[torch.Tensor, int]:
+    """(int32 block tables [len(lens), width], the block count a cache needs for them): each
+    request's pages are distinct shuffled blocks from 1 up, and the entries past them 2**30, never
+    read (a read would fault)."""
+    need = [-(-n // page) for n in lens]
+    num_blocks = sum(need) + 1
+    blocks = (torch.randperm(num_blocks - 1) + 1).tolist()
+    tables = torch.full((len(lens), width), 2**30, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(blocks[at : at + n])
+        at += n
+    return tables, num_blocks
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}p{s[3]}")
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"s{c[0]}n{c[1]}w{c[2]}st{c[3]}" + "-swap" * c[4])
@@ -46,16 +61,9 @@ def test_decode_matches_the_float64_reference(shape, config):
     torch.manual_seed(seed)
     rng = random.Random(seed)
     lens = [1, page, page + 1, rng.randint(2, 700), rng.randint(700, 1500), 3 * page - 1]
-    batch, width = len(lens), 1600 // page
-    num_blocks = sum(-(-n // page) for n in lens) + 1
+    batch = len(lens)
+    tables, num_blocks = shuffled_tables(lens, page, 1600 // page)
     kv = torch.randn(2, num_blocks, page, num_kv_heads, head_size, dtype=dtype, device="cuda")
-    blocks = (torch.randperm(num_blocks - 1) + 1).tolist()
-    tables = torch.full((batch, width), 2**30, dtype=torch.int32)  # never read: a read faults
-    at = 0
-    for i, n in enumerate(lens):
-        pages = -(-n // page)
-        tables[i, :pages] = torch.tensor(blocks[at : at + pages])
-        at += pages
     fused = torch.randn(batch, num_heads + 2 * num_kv_heads, head_size, dtype=dtype, device="cuda")
     q = fused[:, :num_heads]
     out = torch.full_like(q, float("nan"))
@@ -85,16 +93,11 @@ def test_fp8_caches_match_the_float64_reference(cache_dtype, fp16_mma, swap_ab):
     torch.manual_seed(5)
     num_heads, num_kv_heads, head_size, page = 32, 8, 128, 16
     lens = [1, page + 1, 300, 1100]
-    batch, width = len(lens), 1200 // page
-    num_blocks = sum(-(-n // page) for n in lens) + 1
+    batch = len(lens)
+    tables, num_blocks = shuffled_tables(lens, page, 1200 // page)
     k_scale, v_scale = 0.5, 3.0
     kv = torch.randn(2, num_blocks, page, num_kv_heads, head_size, device="cuda")
     kv = torch.stack([kv[0] / k_scale, kv[1] / v_scale]).to(cache_dtype)
-    tables = torch.zeros(batch, width, dtype=torch.int32)
-    blocks, at = (torch.randperm(num_blocks - 1) + 1).tolist(), 0
-    for i, n in enumerate(lens):
-        tables[i, : -(-n // page)] = torch.tensor(blocks[at : at + -(-n // page)])
-        at += -(-n // page)
     stored = kv.double().cpu()  # what the cache holds, exactly
     q = torch.randn(batch, num_heads, head_size, device="cuda")
     q[1] *= 3e4
@@ -181,17 +184,11 @@ def interpreter_cases() -> None:
              (8, 2, 32, 16, torch.float16, 3, 64, fp8, True)]
     for num_heads, num_kv_heads, head_size, page, dtype, splits, block_n, cache_dtype, swap_ab in cases:
         lens = [1, page, page + 1, 3 * page - 1, 97, 0]  # 0: no live token, zeros
-        batch, width = len(lens), 128 // page
-        num_blocks = sum(-(-n // page) for n in lens) + 1
+        batch = len(lens)
+        tables, num_blocks = shuffled_tables(lens, page, 128 // page)
         k_scale, v_scale = (0.5, 3.0) if cache_dtype else (1.0, 1.0)
         kv = torch.randn(2, num_blocks, page, num_kv_heads, head_size)
         kv = torch.stack([kv[0] / k_scale, kv[1] / v_scale]).to(cache_dtype or dtype)  # what the cache stores
-        blocks = (torch.randperm(num_blocks - 1) + 1).tolist()
-        tables = torch.full((batch, width), 2**30, dtype=torch.int32)  # past each request's pages: never read
-        at = 0
-        for i, n in enumerate(lens):
-            tables[i, : -(-n // page)] = torch.tensor(blocks[at : at + -(-n // page)])
-            at += -(-n // page)
         q = torch.randn(batch, num_heads + 2 * num_kv_heads, head_size).to(dtype)[:, :num_heads]  # a fused QKV slice
         out = torch.full_like(q, float("nan"))
         decode = td.PagedDecode(batch, num_heads, head_size, td.DecodeConfig(splits, block_n, swap_ab=swap_ab), "cpu")
