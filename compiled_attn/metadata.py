@@ -231,11 +231,13 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
     """Host int32 / int64 arrays on `device`, by the same names, after one host-to-device copy
     (for CPU: the arrays themselves, no copy).
 
-    One copy per array from pageable memory cost ~50 us of host time each on an H200 machine,
-    four per FlashInfer decode step. Packed into one pinned buffer (`packed_copy`), the step's
-    arrays take one copy, which is queued without waiting for the stream: PyTorch's caching host
-    allocator keeps the buffer from reuse until the copy has run, so it may be dropped at once,
-    and building step t+1 overlaps step t on the GPU.
+    Packed into one pinned buffer (`packed_copy`), the step's arrays take one copy, queued without
+    waiting for the stream: PyTorch's caching host allocator keeps the buffer from reuse until the
+    copy has run, so it may be dropped at once, and building step t+1 overlaps step t on the GPU
+    (a copy from pageable memory may wait for the stream while the driver stages it). On an idle
+    H200 the packing costs host time: 103-108 us a 64 x 1024 FLASHINFER decode step against 75-79
+    for one pageable copy per array (`bench` suite `overhead`, BENCHMARKS.md); the loop's figures
+    were all measured with this copy.
     """
     for name, a in arrays.items():
         if a.dtype not in _TORCH_DTYPES:
