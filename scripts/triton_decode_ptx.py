@@ -48,15 +48,14 @@ COUNTED = {
 }
 
 
-def compile_shape(cache: str, swap_ab: bool, fp16_mma: bool, block_n: int, warps: int, stages: int, group: int,
+def compile_shape(cache: str, fp16_mma: bool, block_n: int, warps: int, stages: int, group: int,
                   head_size: int = 128, direct: bool = False) -> triton.compiler.CompiledKernel:
     """`_split_kernel` for sm90 at one launch shape, over bf16 queries and a `cache` cache
     (`fp16_mma`: an fp8 cache's pairs widened to fp16, `DecodeConfig.fp16_mma`)."""
     types = ["*bf16", CACHE_TYPES[cache], CACHE_TYPES[cache], "*i32", "*i32", "*bf16", "*fp32", "*fp32",
              *["i32"] * 8, "fp32", "fp32", "i32"]
     constexprs = {"GROUP": group, "BLOCK_H": max(16, triton.next_power_of_2(group)), "D": head_size, "PAGE": 16,
-                  "BLOCK_N": block_n, "DIRECT": direct, "SWAP_AB": swap_ab,
-                  "PAIRS": fp16_mma, "E5M2": cache == "e5m2"}
+                  "BLOCK_N": block_n, "DIRECT": direct, "PAIRS": fp16_mma, "E5M2": cache == "e5m2"}
     signature = {**dict(zip(ARGS, types, strict=True)), **dict.fromkeys(constexprs, "constexpr")}
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
     source = ASTSource(fn=_split_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -82,12 +81,12 @@ def main() -> None:
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm90, GQA group {args.group}, head size 128")
     table = {}
-    for cache, fp16_mma, swap_ab, block_n, warps, stages in product(args.caches, (False, True), (False, True),
-                                                                    args.block_n, args.warps, args.stages):
+    for cache, fp16_mma, block_n, warps, stages in product(args.caches, (False, True), args.block_n, args.warps,
+                                                           args.stages):
         if fp16_mma and cache == "bf16":
             continue
-        shape = f"{cache}{' fp16' if fp16_mma else ''} {'swap' if swap_ab else 'plain'} n{block_n} w{warps} st{stages}"
-        table[shape] = row(compile_shape(cache, swap_ab, fp16_mma, block_n, warps, stages, args.group))
+        shape = f"{cache}{' fp16' if fp16_mma else ''} n{block_n} w{warps} st{stages}"
+        table[shape] = row(compile_shape(cache, fp16_mma, block_n, warps, stages, args.group))
     columns = list(next(iter(table.values())))
     print(f"{'shape':<30}" + "".join(f"{c:>14}" for c in columns))
     for shape, counts in table.items():

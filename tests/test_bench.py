@@ -185,23 +185,6 @@ def test_several_compiles_are_fresh_tuning_draws():
     assert not torch.compiler.config.force_disable_caches
 
 
-def test_decode_loop_variants_set_the_triton_launch_options_while_states_are_made(monkeypatch):
-    """"triton-swap" / "fp8-triton-fp16" (-swap) change the default launch shape's options, on the
-    Triton graph decode, for the runner's States only; other variants leave it alone."""
-    td = pytest.importorskip("compiled_attn.ops.triton_decode")
-    monkeypatch.setattr(td, "default_config", lambda batch, kv_heads, device: td.DecodeConfig(num_splits=3))
-    stub = td.default_config
-    for variant, want in (("triton-swap", (True, False)), ("fp8-triton-fp16-swap", (True, True)),
-                          ("fp8-triton-fp16", (False, True)), ("compile", (False, False))):
-        with dl.decode_options(variant):
-            cfg = td.default_config(4, 8, "cuda")
-        assert (cfg.num_splits, cfg.swap_ab, cfg.fp16_mma) == (3, *want), variant
-        assert td.default_config is stub
-        if variant != "compile":
-            assert dl.VARIANT_ENV[variant] == {dl.FLASHINFER_GRAPH_DECODE_ENV: "triton"}
-            assert dl.VARIANT_BACKEND[variant] == "FLASHINFER"
-
-
 @pytest.mark.parametrize("sides", [("peer", "ours"), ("ours",), ("peer",)])
 def test_decode_loop_measures_the_sides_it_is_told(monkeypatch, sides):
     calls = []

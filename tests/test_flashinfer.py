@@ -416,7 +416,8 @@ def test_triton_graph_decode_reads_the_states_lengths_and_tables(kv_cache_dtype,
     ones each step's upload wrote. An fp8 cache's layer scales reach the kernel; a 16-bit one's
     are 1."""
     fake = types.SimpleNamespace(PagedDecode=DensePagedDecode,
-                                 default_config=lambda batch, kv_heads, device: ("config", batch, kv_heads))
+                                 default_config=lambda batch, kv_heads, device, fp8_cache: ("config", batch, kv_heads,
+                                                                                            fp8_cache))
     monkeypatch.setitem(sys.modules, "compiled_attn.ops.triton_decode", fake)
     monkeypatch.setattr(compiled_attn.ops, "triton_decode", fake, raising=False)
     monkeypatch.setattr(fib, "graph_decode_kernel", lambda spec: "triton")
@@ -428,8 +429,8 @@ def test_triton_graph_decode_reads_the_states_lengths_and_tables(kv_cache_dtype,
     md_bs, bufs, graph_state = graphs[4]
     assert graph_state.decode_kernel == "triton" and isinstance(graph_state._slots[4].wrapper, fib.TritonGraphDecode)
     assert not any(name.startswith("paged_kv") for name in bufs)
-    assert DensePagedDecode.made == [(n, spec.num_heads, spec.head_size, ("config", n, spec.num_kv_heads))
-                                     for n in (4, 2)]
+    assert DensePagedDecode.made == [(n, spec.num_heads, spec.head_size,
+                                      ("config", n, spec.num_kv_heads, kv_cache_dtype != "auto")) for n in (4, 2)]
     name, _keep = layer_of(spec, *scales)
     assert len(list(table_decode_steps(spec, graph_state, bufs, md_bs, name, scales))) == 2
     assert DensePagedDecode.scales == [scales, scales]

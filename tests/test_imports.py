@@ -26,8 +26,6 @@ LAZY_ALLOWED = {
         "triton_decode imports triton at module level; triton exists only where CUDA does",
     ("compiled_attn.bench.decode_flashinfer", "compiled_attn.ops.triton_decode"):
         "triton_decode imports triton at module level; triton exists only where CUDA does",
-    ("compiled_attn.bench.decode_loop", "compiled_attn.ops.triton_decode"):
-        "triton_decode imports triton at module level; triton exists only where CUDA does",
 }
 
 

@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,8 @@ BF16_TOL = 1e-2
 # (num_heads, num_kv_heads, head_size, page, dtype): GQA groups 1 / 4 / 8 / 3, pages 16 and 32
 SHAPES = [(8, 8, 64, 16, torch.float16), (32, 8, 128, 16, torch.bfloat16), (8, 1, 128, 32, torch.bfloat16),
           (12, 4, 64, 16, torch.float16)]
-# (splits, tile, warps, stages, swap_ab): the direct path, splits that leave programs empty, other
-# tiles, each product orientation (a 32-token tile swapped: too few rows for a warpgroup MMA)
-CONFIGS = [(1, 64, 4, 2, False), (3, 32, 4, 3, False), (8, 64, 8, 3, False), (32, 128, 4, 2, False),
-           (1, 64, 4, 3, True), (3, 32, 4, 2, True), (8, 128, 8, 3, True)]
+# (splits, tile, warps, stages): the direct path, splits that leave programs empty, other tiles
+CONFIGS = [(1, 64, 4, 2), (3, 32, 4, 3), (8, 64, 8, 3), (32, 128, 4, 2), (8, 128, 8, 3)]
 
 
 def _decode_module():
@@ -51,7 +50,7 @@ def shuffled_tables(lens: list[int], page: int, width: int) -> tuple[torch.Tenso
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}p{s[3]}")
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"s{c[0]}n{c[1]}w{c[2]}st{c[3]}" + "-swap" * c[4])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"s{c[0]}n{c[1]}w{c[2]}st{c[3]}")
 def test_decode_matches_the_float64_reference(shape, config):
     """Random lengths (1, a page's edge, long ones), shuffled pages, a query sliced from a fused
     QKV projection, and table entries past each request's pages that would fault if read."""
@@ -67,8 +66,8 @@ def test_decode_matches_the_float64_reference(shape, config):
     fused = torch.randn(batch, num_heads + 2 * num_kv_heads, head_size, dtype=dtype, device="cuda")
     q = fused[:, :num_heads]
     out = torch.full_like(q, float("nan"))
-    splits, block_n, warps, stages, swap_ab = config
-    cfg = td.DecodeConfig(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages, swap_ab=swap_ab)
+    splits, block_n, warps, stages = config
+    cfg = td.DecodeConfig(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
     decode = td.PagedDecode(batch, num_heads, head_size, cfg, "cuda")
     scale = head_size**-0.5
     decode.run(q, kv[0], kv[1], tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda"), out, scale)
@@ -83,8 +82,7 @@ def test_decode_matches_the_float64_reference(shape, config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("fp16_mma", [False, True], ids=["widened", "fp16-mma"])
-@pytest.mark.parametrize("swap_ab", [False, True], ids=["plain", "swap"])
-def test_fp8_caches_match_the_float64_reference(cache_dtype, fp16_mma, swap_ab):
+def test_fp8_caches_match_the_float64_reference(cache_dtype, fp16_mma):
     """fp8 caches storing K / k_scale and V / v_scale, bf16 queries, split and direct: each way of
     widening against the reference on the scaled-back cache. One request's query reaches 3e4,
     past fp16's 2^14 headroom, and one stays near 1e-6: fp16_mma's power-of-two scaling of each
@@ -105,7 +103,7 @@ def test_fp8_caches_match_the_float64_reference(cache_dtype, fp16_mma, swap_ab):
     q = q.to(torch.bfloat16)
     for splits in (1, 4):
         out = torch.full_like(q, float("nan"))
-        cfg = td.DecodeConfig(num_splits=splits, block_n=64, num_stages=3, swap_ab=swap_ab, fp16_mma=fp16_mma)
+        cfg = td.DecodeConfig(num_splits=splits, block_n=64, num_stages=3, fp16_mma=fp16_mma)
         td.PagedDecode(batch, num_heads, head_size, cfg, "cuda").run(
             q, kv[0], kv[1], tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda"), out, head_size**-0.5,
             k_scale, v_scale)
@@ -128,10 +126,25 @@ def test_fp16_mma_widens_fp8_pairs_in_registers():
     ptx = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ptx)
     for cache in ("e4m3", "e5m2"):
-        for swap_ab in (False, True):
-            pairs = ptx.row(ptx.compile_shape(cache, swap_ab, True, 64, 4, 3, group=4))
-            assert pairs["ld.shared 8-bit"] == 0 and pairs["cvt.bf16.f16"] == 0, (cache, swap_ab, pairs)
-            assert pairs["fp8 cvt"] == 64, (cache, swap_ab, pairs)
+        pairs = ptx.row(ptx.compile_shape(cache, True, 64, 4, 3, group=4))
+        assert pairs["ld.shared 8-bit"] == 0 and pairs["cvt.bf16.f16"] == 0, (cache, pairs)
+        assert pairs["fp8 cvt"] == 64, (cache, pairs)
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
+def test_default_config_fills_the_card_and_reads_fp8_pairs_where_it_can(capability, monkeypatch):
+    """Two programs per SM over (request, KV head) pairs, at most 32 splits, 128-token tiles
+    between 3 and 31 splits; fp8 caches through fp16_mma on sm89 and later, never 16-bit ones."""
+    pytest.importorskip("triton")
+    from compiled_attn.ops import triton_decode as td
+
+    card = types.SimpleNamespace(multi_processor_count=132, major=capability[0], minor=capability[1])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: card)
+    fp16_mma = capability >= (8, 9)
+    for batch, splits, block_n in ((1, 32, 64), (4, 9, 128), (16, 3, 128), (32, 2, 64), (64, 1, 64), (256, 1, 64)):
+        for fp8_cache in (False, True):
+            want = td.DecodeConfig(num_splits=splits, block_n=block_n, num_stages=3, fp16_mma=fp8_cache and fp16_mma)
+            assert td.default_config(batch, 8, "cuda", fp8_cache=fp8_cache) == want, (batch, fp8_cache)
 
 
 @pytest.mark.gpu
@@ -173,16 +186,13 @@ def interpreter_cases() -> None:
     from compiled_attn.ops import triton_decode as td
 
     torch.manual_seed(0)
-    # (heads, kv heads, head size, page, dtype, splits, tile, cache dtype, swap_ab): group 4 / 3 /
-    # 1, pages of 8 and 32, the direct path, splits left empty, a tile smaller and larger than a
-    # page, fp8 caches (scales that are not each other's inverse), each product orientation
-    fp8 = torch.float8_e4m3fn
-    cases = [(8, 2, 32, 16, torch.float16, 1, 32, None, False), (12, 4, 32, 8, torch.float32, 3, 16, None, False),
-             (4, 4, 16, 32, torch.float16, 8, 16, None, False), (8, 2, 32, 16, torch.float16, 3, 64, fp8, False),
-             (8, 2, 32, 16, torch.float16, 1, 64, torch.float8_e5m2, False),
-             (8, 2, 32, 16, torch.float16, 1, 32, None, True), (12, 4, 32, 8, torch.float32, 3, 16, None, True),
-             (8, 2, 32, 16, torch.float16, 3, 64, fp8, True)]
-    for num_heads, num_kv_heads, head_size, page, dtype, splits, block_n, cache_dtype, swap_ab in cases:
+    # (heads, kv heads, head size, page, dtype, splits, tile, cache dtype): group 4 / 3 / 1, pages
+    # of 8 and 32, the direct path, splits left empty, a tile smaller and larger than a page, fp8
+    # caches (scales that are not each other's inverse)
+    cases = [(8, 2, 32, 16, torch.float16, 1, 32, None), (12, 4, 32, 8, torch.float32, 3, 16, None),
+             (4, 4, 16, 32, torch.float16, 8, 16, None), (8, 2, 32, 16, torch.float16, 3, 64, torch.float8_e4m3fn),
+             (8, 2, 32, 16, torch.float16, 1, 64, torch.float8_e5m2)]
+    for num_heads, num_kv_heads, head_size, page, dtype, splits, block_n, cache_dtype in cases:
         lens = [1, page, page + 1, 3 * page - 1, 97, 0]  # 0: no live token, zeros
         batch = len(lens)
         tables, num_blocks = shuffled_tables(lens, page, 128 // page)
@@ -191,7 +201,7 @@ def interpreter_cases() -> None:
         kv = torch.stack([kv[0] / k_scale, kv[1] / v_scale]).to(cache_dtype or dtype)  # what the cache stores
         q = torch.randn(batch, num_heads + 2 * num_kv_heads, head_size).to(dtype)[:, :num_heads]  # a fused QKV slice
         out = torch.full_like(q, float("nan"))
-        decode = td.PagedDecode(batch, num_heads, head_size, td.DecodeConfig(splits, block_n, swap_ab=swap_ab), "cpu")
+        decode = td.PagedDecode(batch, num_heads, head_size, td.DecodeConfig(splits, block_n), "cpu")
         decode.run(q, kv[0], kv[1], tables, torch.tensor(lens, dtype=torch.int32), out, head_size**-0.5,
                    k_scale, v_scale)
         assert torch.equal(out[-1], torch.zeros_like(out[-1]))
@@ -201,8 +211,7 @@ def interpreter_cases() -> None:
             ref = reference_attention(q[i : i + 1], keys, values, torch.tensor([n - 1]), causal=True,
                                       scale=head_size**-0.5)
             err = rel_err(out[i : i + 1], ref)
-            assert err <= (2e-3 if dtype == torch.float16 else 1e-5), (num_heads, num_kv_heads, splits, swap_ab, i, n,
-                                                                        err)
+            assert err <= (2e-3 if dtype == torch.float16 else 1e-5), (num_heads, num_kv_heads, splits, i, n, err)
 
 
 def interpreter_state_case() -> None:
@@ -212,7 +221,7 @@ def interpreter_state_case() -> None:
     from compiled_attn.backends import flashinfer as fib
     from compiled_attn.ops import triton_decode as td
 
-    td.default_config = lambda batch, kv_heads, device: td.DecodeConfig(num_splits=3, block_n=16)  # no CUDA here
+    td.default_config = lambda batch, kv_heads, device, fp8_cache: td.DecodeConfig(num_splits=3, block_n=16)  # no CUDA
     fib.graph_decode_kernel = lambda spec: "triton"
     torch.manual_seed(1)
     for kv_cache_dtype, scales in (("auto", (1.0, 1.0)), ("fp8_e4m3", (0.5, 3.0))):

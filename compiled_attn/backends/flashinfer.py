@@ -625,7 +625,8 @@ class TritonGraphDecode:
         self.spec = spec
         self._seq_lens, self._tables = seq_lens, block_tables
         batch = seq_lens.shape[0]
-        config = triton_decode.default_config(batch, spec.num_kv_heads, seq_lens.device)
+        config = triton_decode.default_config(batch, spec.num_kv_heads, seq_lens.device,
+                                              fp8_cache=spec.cache_dtype.itemsize == 1)
         self._decode = triton_decode.PagedDecode(batch, spec.num_heads, spec.head_size, config, seq_lens.device)
 
     def run(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], *, out: torch.Tensor,

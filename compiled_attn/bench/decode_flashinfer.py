@@ -17,7 +17,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ SWEEP_PAGES, SWEEP_POINTS = (16, 32, 64, 128), ((8, 1024), (64, 1024))
 # FlashInfer's decode kernels and plan options measured against each other at the decode
 # loop's points (`variants` table): the data behind the backend's choice per batch size.
 VARIANT_POINTS = tuple((b, c) for c in (1024, 4096) for b in (1, 8, 64, 256))
-# ... and with e4m3 caches, where the fp8 decode loop runs (bf16 queries)
+# ... and with e4m3 caches in `--variants`, where the fp8 decode loop runs (bf16 queries)
 FP8_VARIANT_POINTS = ((64, 4096),)
 XQA_WORKSPACE_BYTES = 64 << 20  # its semaphores (8 MB, zeroed before first use) and scratch
 
@@ -127,30 +127,28 @@ def _triton(spec: ca.AttentionSpec, md, q, kv_cache, out, config=None) -> Callab
 
     batch = q.shape[0]
     table = md.paged_kv_indices.view(batch, -1)
-    config = config or default_config(batch, NUM_KV_HEADS, q.device)
+    config = config or default_config(batch, NUM_KV_HEADS, q.device, fp8_cache=kv_cache.element_size() == 1)
     decode = PagedDecode(batch, NUM_HEADS, HEAD_SIZE, config, q.device)
     lens = md.seq_lens_tensor
     return lambda: decode.run(q, kv_cache[0], kv_cache[1], table, lens, out, spec.softmax_scale)
 
 
 # The Triton kernel's launch shapes timed against each other (`triton_sweep_rows`): splits as a
-# multiple of the default's, tile, warps, stages, product orientation (`swap_ab`).
-TRITON_SWEEP = tuple((mult, block_n, warps, stages, swap_ab) for mult in (0.5, 1, 2) for block_n in (32, 64, 128)
-                     for warps, stages in ((4, 2), (4, 3), (8, 3)) for swap_ab in (False, True))
+# multiple of the default's, tile, warps, stages.
+TRITON_SWEEP = tuple((mult, block_n, warps, stages) for mult in (0.5, 1, 2) for block_n in (32, 64, 128)
+                     for warps, stages in ((4, 2), (4, 3), (8, 3)))
 
 
-def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
-    """Each TRITON_SWEEP launch shape at each VARIANT_POINT (page 16), checked against torch's
-    SDPA over the same pages gathered contiguous before it is timed; cuDNN's paged decode beside.
-    Then the same at FP8_VARIANT_POINTS with e4m3 caches, each shape also with `fp16_mma`, beside
-    our op as the graphs run fp8 today (FlashInfer's kernels: "auto" leaves fp8 off Triton until a
-    shape there is faster)."""
+def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda row: None,
+                      caches: Sequence[str] = ("auto", "fp8")) -> list[dict]:
+    """Each TRITON_SWEEP launch shape at each VARIANT_POINT (page 16) for each of `caches` ("auto":
+    the queries' bf16; "fp8": e4m3, read as `default_config` reads it), checked against torch's
+    SDPA over the same pages gathered contiguous before it is timed. Beside them: cuDNN's paged
+    decode (bf16), our op as the graphs run fp8 ("auto" leaves it on FlashInfer's kernels)."""
     from compiled_attn.ops.triton_decode import DecodeConfig, default_config
 
     peak, rows = nominal_bandwidth(), []
-    cases = [(batch, ctx, "auto") for batch, ctx in VARIANT_POINTS]
-    cases += [(batch, ctx, "fp8") for batch, ctx in FP8_VARIANT_POINTS]
-    for batch, ctx, kv_cache_dtype in cases:
+    for kv_cache_dtype, (batch, ctx) in itertools.product(caches, VARIANT_POINTS):
         spec, md, kv_cache, q, out = _decode_case(batch, ctx, BLOCK_SIZE, kv_cache_dtype)
         cache_bytes = _cache_bytes(batch, ctx, kv_cache.element_size())
         suffix = "" if kv_cache_dtype == "auto" else f", {kv_cache_dtype} cache"
@@ -159,17 +157,16 @@ def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda
         k, v = (kv_cache[i][table].flatten(1, 2).transpose(1, 2).to(q.dtype) for i in (0, 1))
         want = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True).squeeze(2)
         del k, v
-        base = default_config(batch, NUM_KV_HEADS, q.device).num_splits
+        base = default_config(batch, NUM_KV_HEADS, q.device, fp8_cache=kv_cache_dtype != "auto")
         seen = set()
-        widenings = (False,) if kv_cache_dtype == "auto" else (False, True)  # fp16_mma: fp8 caches only
-        for (mult, block_n, warps, stages, swap_ab), fp16_mma in itertools.product(TRITON_SWEEP, widenings):
-            splits = max(1, min(64, round(base * mult)))
+        for mult, block_n, warps, stages in TRITON_SWEEP:
+            splits = max(1, min(64, round(base.num_splits * mult)))
             cfg = DecodeConfig(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages,
-                               swap_ab=swap_ab, fp16_mma=fp16_mma)
+                               fp16_mma=base.fp16_mma)
             if cfg in seen:
                 continue
             seen.add(cfg)
-            name = f"triton s{splits} n{block_n} w{warps} st{stages}{' swap' * swap_ab}{' fp16' * fp16_mma}{suffix}"
+            name = f"triton s{splits} n{block_n} w{warps} st{stages}{' fp16' * cfg.fp16_mma}{suffix}"
             try:
                 fn = _triton(spec, md, q, kv_cache, out, cfg)
                 fn()
@@ -326,10 +323,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--variants", action="store_true", help="only the kernel / plan-option table")
     parser.add_argument("--triton-sweep", action="store_true", help="only the Triton kernel's launch shapes")
+    parser.add_argument("--sweep-caches", nargs="+", choices=("auto", "fp8"), default=["auto", "fp8"],
+                        help="the caches --triton-sweep times: the queries' dtype (auto), e4m3 (fp8)")
     args = parser.parse_args()
     print(f"{'impl':<26}{'batch':>6}{'ctx':>7}{'page':>5}{'us':>10}{'HBM frac':>10}  ({card_name()})", flush=True)
     if args.triton_sweep:
-        triton_sweep_rows(on_row=_print_row)
+        triton_sweep_rows(on_row=_print_row, caches=args.sweep_caches)
     elif args.variants:
         variant_rows(on_row=_print_row)
     else:

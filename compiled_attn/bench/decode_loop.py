@@ -28,13 +28,11 @@ with a synchronize after every step ("synced", the latency an interactive user s
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import logging
 import os
 import time
 import unittest.mock
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -301,22 +299,16 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
 
 
 VARIANTS = ("compile", "dynamic", "fp8", "fp8-triton", "flashinfer-decode", "cudnn-decode", "triton-decode",
-            "gather-decode", "triton-swap", "fp8-triton-fp16", "fp8-triton-fp16-swap")
-# DecodeConfig fields a variant sets on the Triton decode's default launch shape (options the
-# sweep, `decode_flashinfer --triton-sweep`, times per kernel call; these time them in the loop)
-VARIANT_DECODE = {"triton-swap": {"swap_ab": True}, "fp8-triton-fp16": {"fp16_mma": True},
-                  "fp8-triton-fp16-swap": {"fp16_mma": True, "swap_ab": True}}
+            "gather-decode")
 # the environment each variant's States are made under
 VARIANT_ENV = {"flashinfer-decode": {FLASHINFER_GRAPH_DECODE_ENV: "flashinfer"},
                "cudnn-decode": {FLASHINFER_GRAPH_DECODE_ENV: "cudnn"},
                "triton-decode": {FLASHINFER_GRAPH_DECODE_ENV: "triton"},
                "fp8-triton": {FLASHINFER_GRAPH_DECODE_ENV: "triton"},
-               "gather-decode": {SDPA_GRAPH_DECODE_ENV: "gather"},
-               **dict.fromkeys(VARIANT_DECODE, {FLASHINFER_GRAPH_DECODE_ENV: "triton"})}
+               "gather-decode": {SDPA_GRAPH_DECODE_ENV: "gather"}}
 # ... and the one backend each of those variants means anything for
 VARIANT_BACKEND = {"flashinfer-decode": "FLASHINFER", "cudnn-decode": "FLASHINFER", "triton-decode": "FLASHINFER",
-                   "fp8-triton": "FLASHINFER", "gather-decode": "TORCH_SDPA",
-                   **dict.fromkeys(VARIANT_DECODE, "FLASHINFER")}
+                   "fp8-triton": "FLASHINFER", "gather-decode": "TORCH_SDPA"}
 
 
 def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> PagedLoop:
@@ -327,29 +319,13 @@ def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> 
     "flashinfer-decode" / "cudnn-decode" / "triton-decode": compile, with FLASHINFER's
     graphed decode on that kernel (`graph_decode_kernel`; "compile" takes its rule);
     "gather-decode": compile, with TORCH_SDPA's graphed decode gathering each row's table where it
-    would read the pages through FlexAttention (`torch_sdpa.graph_decode_kernel`); "triton-swap",
-    "fp8-triton-fp16" (-swap): the Triton decode with VARIANT_DECODE's launch options."""
+    would read the pages through FlexAttention (`torch_sdpa.graph_decode_kernel`)."""
     backend = model.layers[0].attn.backend
     kw = {"compile": variant != "dynamic"}
     step_model = model if variant != "dynamic" else torch.compile(model, fullgraph=True, dynamic=True)
     kv_cache_dtype = model.layers[0].attn.impl.kv_cache_dtype
-    with unittest.mock.patch.dict(os.environ, VARIANT_ENV.get(variant, {})), decode_options(variant):
+    with unittest.mock.patch.dict(os.environ, VARIANT_ENV.get(variant, {})):
         return PagedLoop(step_model, backend, batch, ctx, kw, kv_cache_dtype=kv_cache_dtype)
-
-
-@contextlib.contextmanager
-def decode_options(variant: str) -> Iterator[None]:
-    """While the runner's States are made: the Triton decode's default launch shape with
-    VARIANT_DECODE's fields for `variant` (nothing for the others)."""
-    if variant not in VARIANT_DECODE:
-        yield
-        return
-    from compiled_attn.ops import triton_decode  # Triton: CUDA machines only
-
-    default = triton_decode.default_config
-    with unittest.mock.patch.object(triton_decode, "default_config",
-                                    lambda *args: dataclasses.replace(default(*args), **VARIANT_DECODE[variant])):
-        yield
 
 
 def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile", repeats: int = REPEATS,

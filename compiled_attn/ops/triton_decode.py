@@ -6,10 +6,7 @@ tiles at run time: a replay reads what is live, never the capture's maximum. Pro
 end of a request write an empty partial (lse -inf) that the merge weighs at zero.
 
     grid (batch, kv_heads, splits): q rows of the group [BLOCK_H, D] against BLOCK_N cache rows
-    at a time, gathered through the block table; online softmax in fp32, exp2 domain. With
-    `swap_ab` the products run transposed (scores K q^T [BLOCK_N, BLOCK_H], output V^T P), so
-    the cache tile is each MMA's M dimension: 64 or more rows, which Hopper's warpgroup MMA
-    needs and the 16-row GQA group is not. An fp8
+    at a time, gathered through the block table; online softmax in fp32, exp2 domain. An fp8
     cache is read as stored and widened to the query's dtype (exact for e4m3 and e5m2), its
     k_scale folded into the score scale and its v_scale into the output's normalization. With
     `fp16_mma` an fp8 cache is read two bytes at a time and each pair widened to fp16 by one
@@ -39,13 +36,12 @@ FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # widened exactly t
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Launch shape of one captured batch size: splits per (request, KV head), tile, warps, stages,
-    and whether the products run transposed (`swap_ab`: the cache tile as the MMAs' rows)."""
+    and how an fp8 cache is read."""
 
     num_splits: int
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    swap_ab: bool = False
     fp16_mma: bool = False  # fp8 caches only: byte pairs widened to fp16 in registers, fp16 products
 
 
@@ -71,7 +67,7 @@ def _split_kernel(
     out_stride_t, out_stride_h, qk_scale, v_scale,
     num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, SWAP_AB: tl.constexpr, PAIRS: tl.constexpr, E5M2: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PAIRS: tl.constexpr, E5M2: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -97,11 +93,7 @@ def _split_kernel(
         row_scale = qk_scale + tl.zeros([BLOCK_H], tl.float32)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_H], tl.float32)
-    if SWAP_AB:
-        q_t = tl.trans(q)
-        acc_t = tl.zeros([D, BLOCK_H], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_H, D], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
     table = table_ptr + seq.to(tl.int64) * table_stride
     for tok0 in range(start, end, BLOCK_N):
         tok = tok0 + tl.arange(0, BLOCK_N)
@@ -117,26 +109,15 @@ def _split_kernel(
         else:
             k = tl.load(k_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
             v = tl.load(v_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
-        if SWAP_AB:
-            s_t = tl.dot(k.to(q.dtype), q_t) * row_scale[None, :]  # [BLOCK_N, BLOCK_H]
-            s_t = tl.where(live[:, None], s_t, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s_t, 0))
-            alpha = tl.exp2(m - m_new)
-            p_t = tl.exp2(s_t - m_new[None, :])
-            lsum = lsum * alpha + tl.sum(p_t, 0)
-            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v.to(q.dtype)), p_t.to(q.dtype))
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype))) * row_scale[:, None]
-            s = tl.where(live[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            lsum = lsum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * row_scale[:, None]
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m = m_new
 
-    if SWAP_AB:
-        acc = tl.trans(acc_t)
     safe = tl.where(lsum > 0.0, lsum, 1.0)  # a split with no tokens: zeros, lse -inf
     acc = acc * (v_scale / safe)[:, None]
     if DIRECT:
@@ -168,17 +149,21 @@ def _merge_kernel(
     tl.store(out_ptr + seq.to(tl.int64) * out_stride_t + head * out_stride_h + d, o.to(out_ptr.dtype.element_ty))
 
 
-def default_config(batch_size: int, num_kv_heads: int, device: torch.device) -> DecodeConfig:
+def default_config(batch_size: int, num_kv_heads: int, device: torch.device, *,
+                   fp8_cache: bool = False) -> DecodeConfig:
     """Splits enough for two programs per SM over the graph's (request, KV head) pairs (at most
     32); tiles of 128 tokens between 3 and 31 splits, else 64; 4 warps, 3 stages. The fastest of
     the 27 launch shapes timed on an H200 (`decode_flashinfer --triton-sweep`: splits x {1/2, 1,
     2}, tiles {32, 64, 128}, warps/stages {4/2, 4/3, 8/3}) at B=8 and B=64 (ctx 1024 and 4096) and
     at B=256 ctx 1024; 0.4 / 0.7 us from it at B=1 (ctx 1024 / 4096), 2.5 us at B=256 ctx 4096.
-    Other batch sizes were not timed (32 q / 8 kv heads). Products unswapped: `swap_ab` joined the
-    sweep after that run and is not yet timed."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = max(1, min(32, math.ceil(2 * sms / (batch_size * num_kv_heads))))
-    return DecodeConfig(num_splits=splits, block_n=128 if 2 < splits < 32 else 64, num_stages=3)
+    Other batch sizes were not timed (32 q / 8 kv heads). An `fp8_cache` is read by `fp16_mma`
+    where the card has sm89's conversions: 212.9 us against 293.9 widened at B=64 ctx 4096 (e4m3,
+    H200, this launch shape). Products transposed (K q^T, V^T P: the cache tile as the MMAs' rows,
+    Hopper's warpgroup MMA) were slower at each of the 9 points timed (by 1 to 11 %) and are gone."""
+    props = torch.cuda.get_device_properties(device)
+    splits = max(1, min(32, math.ceil(2 * props.multi_processor_count / (batch_size * num_kv_heads))))
+    return DecodeConfig(num_splits=splits, block_n=128 if 2 < splits < 32 else 64, num_stages=3,
+                        fp16_mma=fp8_cache and (props.major, props.minor) >= (8, 9))
 
 
 class PagedDecode:
@@ -219,7 +204,7 @@ class PagedDecode:
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1), scale * k_scale * LOG2E, v_scale, cfg.num_splits,
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=head_size, PAGE=page,
-            BLOCK_N=cfg.block_n, DIRECT=direct, SWAP_AB=cfg.swap_ab, PAIRS=self._pairs(k_cache),
+            BLOCK_N=cfg.block_n, DIRECT=direct, PAIRS=self._pairs(k_cache),
             E5M2=k_cache.dtype == torch.float8_e5m2, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if not direct:
