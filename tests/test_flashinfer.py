@@ -282,8 +282,8 @@ def test_graph_decode_kernel_choice_is_checked(monkeypatch):
 def test_auto_graph_decode_is_triton_where_a_table_kernel_serves(frontend, monkeypatch):
     """On sm90 a spec of a 16-bit cache, head size 128, no ALiBi / soft-cap / window decodes on
     Triton, with or without the cudnn-frontend package (which only cuDNN needs), and on cuDNN
-    where Triton is not installed. An fp8 cache stays on FlashInfer's kernels unless Triton is
-    named; a spec neither serves (a window) is refused with the reason when one is named."""
+    where Triton is not installed. An fp8 cache decodes on Triton (cuDNN refuses it); a spec
+    neither serves (a window) is refused with the reason when one is named."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(fib, "cudnn_decode_available", lambda: frontend)
     spec = spec_of(head_size=128, device="cuda")
@@ -295,8 +295,7 @@ def test_auto_graph_decode_is_triton_where_a_table_kernel_serves(frontend, monke
         with pytest.raises(NotImplementedError, match="cudnn: .*cudnn-frontend"):
             fib.graph_decode_kernel(spec, "cudnn")
     fp8 = dataclasses.replace(spec, kv_cache_dtype="fp8")
-    assert fib.graph_decode_kernel(fp8) == "flashinfer"  # Triton reads fp8 caches only when named
-    assert fib.graph_decode_kernel(fp8, "triton") == "triton"
+    assert fib.graph_decode_kernel(fp8) == fib.graph_decode_kernel(fp8, "triton") == "triton"
     with pytest.raises(NotImplementedError, match="cudnn: .*cache"):
         fib.graph_decode_kernel(fp8, "cudnn")
     windowed = dataclasses.replace(spec, sliding_window=64)
@@ -807,8 +806,7 @@ def test_replayed_decode_equals_eager_for_100_steps(case, kernel, monkeypatch):
         skip_unless_cudnn_decode()
     monkeypatch.setenv(fib.GRAPH_DECODE_ENV, kernel)
     spec = case_spec(case, num_blocks=1200, max_seq_len_to_capture=1024)
-    if kernel == "triton" and (reason := fib.triton_decode_reason(spec, torch.cuda.get_device_capability(),
-                                                                  fp8_cache=True)):
+    if kernel == "triton" and (reason := fib.triton_decode_reason(spec, torch.cuda.get_device_capability())):
         pytest.skip(reason)
     impl = impl_for(spec)
     shape = FlashInferBackend.get_kv_cache_shape(spec.num_blocks, 16, spec.num_kv_heads, spec.head_size)

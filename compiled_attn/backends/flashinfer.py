@@ -71,10 +71,11 @@ NO_SPLIT_KV_MIN_PAIRS = 512
 # 16-bit queries over a cache of the same dtype, head size 128, no ALiBi / soft-cap (cuDNN's decode
 # graph has neither) and no window: the measured case, widened to fp16, other GQA groups and page
 # sizes (not timed; Triton compiles a variant for each); windows and other head sizes were not
-# measured. Triton also reads fp8 caches when named (`triton_decode_reason`): 0.85x FlashInfer's
-# fp8 decode in the 8B loop at B=64 ctx 4096 on its bf16 launch shape (H200), so not by default. Eager
-# steps stay on FlashInfer's wrappers: cuDNN builds a graph per shape (milliseconds), which a CUDA
-# graph pays once at capture.
+# measured. Triton reads fp8 caches too (`triton_decode_reason`; cuDNN's graph does not): the 8B
+# loop at B=64 ctx 4096, e4m3, on an H200 ran 11.872 ms a step with Triton's fp16 products
+# (`DecodeConfig.fp16_mma`) against 12.269 on FlashInfer's fp8 decode (one call, one compile each;
+# 0.85x before fp16_mma, when Triton widened fp8 to bf16). Eager steps stay on FlashInfer's
+# wrappers: cuDNN builds a graph per shape (milliseconds), which a CUDA graph pays once at capture.
 CUDNN_DECODE_CAPABILITY = (9, 0)
 CUDNN_DECODE_HEAD_SIZES = (128,)
 # Graphed decode through our own split-KV Triton kernel (ops/triton_decode.py) instead of cuDNN's,
@@ -304,10 +305,9 @@ def triton_available() -> bool:
     return True
 
 
-def triton_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None, *, fp8_cache: bool) -> str | None:
-    """Why graphed decode of `spec` cannot run on our Triton kernel, or None. fp8 caches only
-    with `fp8_cache` (GRAPH_DECODE_ENV=triton: slower than FlashInfer's fp8 decode where timed)."""
-    reason = table_decode_reason(spec, capability, fp8_cache=fp8_cache)
+def triton_decode_reason(spec: AttentionSpec, capability: tuple[int, int] | None) -> str | None:
+    """Why graphed decode of `spec` cannot run on our Triton kernel (fp8 caches included), or None."""
+    reason = table_decode_reason(spec, capability, fp8_cache=True)
     if reason is None and not triton_available():
         return "our Triton decode needs the triton package (pip install triton)"
     return reason
@@ -317,8 +317,7 @@ def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
     """The kernel family of `spec`'s graphed decode: "triton", "cudnn" or "flashinfer". `choice`
     (default: the GRAPH_DECODE_ENV variable, else "auto") picks the first of Triton and cuDNN
     that can serve the spec, else FlashInfer's ("auto"); FlashInfer's always ("flashinfer");
-    Triton or cuDNN always ("triton", "cudnn": NotImplementedError where they cannot serve).
-    "triton" also takes fp8 caches, which "auto" leaves on FlashInfer's kernels (faster where timed)."""
+    Triton or cuDNN always ("triton", "cudnn": NotImplementedError where they cannot serve)."""
     choice = choice or os.environ.get(GRAPH_DECODE_ENV) or "auto"
     if choice not in ("auto", "flashinfer", "cudnn", "triton"):
         raise ValueError(f"{GRAPH_DECODE_ENV}={choice!r}: use auto, flashinfer, cudnn or triton")
@@ -327,7 +326,7 @@ def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
     device = torch.device(spec.device)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     reasons = {  # lazily: each availability check looks for a package
-        "triton": lambda: triton_decode_reason(spec, capability, fp8_cache=choice == "triton"),
+        "triton": lambda: triton_decode_reason(spec, capability),
         "cudnn": lambda: cudnn_decode_reason(spec, capability),
     }
     if choice != "auto":

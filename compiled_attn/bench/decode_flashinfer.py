@@ -17,13 +17,20 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import os
+import unittest.mock
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 import compiled_attn as ca
-from compiled_attn.backends.flashinfer import FlashInferBackend, cudnn_decode_available, plan_options
+from compiled_attn.backends.flashinfer import (
+    GRAPH_DECODE_ENV,
+    FlashInferBackend,
+    cudnn_decode_available,
+    plan_options,
+)
 from compiled_attn.bench.timing import card_name, graph_time_us, nominal_bandwidth
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
@@ -46,9 +53,11 @@ def _spec(batch: int, ctx: int, block_size: int) -> ca.AttentionSpec:
     )
 
 
-def _our_op(spec: ca.AttentionSpec, md, q, kv_cache, out) -> Callable[[], None]:
-    """Our op over graph metadata of the State (planned for md), as a model step would run it."""
-    state = FlashInferBackend.get_state_cls()(spec)
+def _our_op(spec: ca.AttentionSpec, md, q, kv_cache, out, graph_decode: str | None = None) -> Callable[[], None]:
+    """Our op over graph metadata of the State (planned for md), as a model step would run it;
+    `graph_decode`: the State's kernel choice (default: GRAPH_DECODE_ENV's)."""
+    with unittest.mock.patch.dict(os.environ, {GRAPH_DECODE_ENV: graph_decode} if graph_decode else {}):
+        state = FlashInferBackend.get_state_cls()(spec)
     batch = q.shape[0]
     with state.graph_capture(batch):
         md_bs = state.graph_capture_get_metadata_for_batch(batch)
@@ -144,7 +153,7 @@ def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda
     """Each TRITON_SWEEP launch shape at each VARIANT_POINT (page 16) for each of `caches` ("auto":
     the queries' bf16; "fp8": e4m3, read as `default_config` reads it), checked against torch's
     SDPA over the same pages gathered contiguous before it is timed. Beside them: cuDNN's paged
-    decode (bf16), our op as the graphs run fp8 ("auto" leaves it on FlashInfer's kernels)."""
+    decode (bf16), our op on FlashInfer's fp8 decode (GRAPH_DECODE_ENV=flashinfer)."""
     from compiled_attn.ops.triton_decode import DecodeConfig, default_config
 
     peak, rows = nominal_bandwidth(), []
@@ -179,7 +188,8 @@ def triton_sweep_rows(replays: int = 20, on_row: Callable[[dict], None] = lambda
             rows.append(row)
             on_row(row)
         if kv_cache_dtype != "auto":
-            beside = ("ours (graph)" + suffix, _our_op)
+            flashinfer_decode = functools.partial(_our_op, graph_decode="flashinfer")
+            beside = ("ours (graph, FlashInfer's decode)" + suffix, flashinfer_decode)
         else:
             beside = ("cudnn", _cudnn_own_table) if cudnn_decode_available() else None
         if beside is not None:

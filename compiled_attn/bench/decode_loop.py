@@ -298,24 +298,24 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
             "peer compiles ms": [round(t[0], 3) for t in times]}
 
 
-VARIANTS = ("compile", "dynamic", "fp8", "fp8-triton", "flashinfer-decode", "cudnn-decode", "triton-decode",
+VARIANTS = ("compile", "dynamic", "fp8", "fp8-flashinfer", "flashinfer-decode", "cudnn-decode", "triton-decode",
             "gather-decode")
 # the environment each variant's States are made under
 VARIANT_ENV = {"flashinfer-decode": {FLASHINFER_GRAPH_DECODE_ENV: "flashinfer"},
                "cudnn-decode": {FLASHINFER_GRAPH_DECODE_ENV: "cudnn"},
                "triton-decode": {FLASHINFER_GRAPH_DECODE_ENV: "triton"},
-               "fp8-triton": {FLASHINFER_GRAPH_DECODE_ENV: "triton"},
+               "fp8-flashinfer": {FLASHINFER_GRAPH_DECODE_ENV: "flashinfer"},
                "gather-decode": {SDPA_GRAPH_DECODE_ENV: "gather"}}
 # ... and the one backend each of those variants means anything for
 VARIANT_BACKEND = {"flashinfer-decode": "FLASHINFER", "cudnn-decode": "FLASHINFER", "triton-decode": "FLASHINFER",
-                   "fp8-triton": "FLASHINFER", "gather-decode": "TORCH_SDPA"}
+                   "fp8-flashinfer": "FLASHINFER", "gather-decode": "TORCH_SDPA"}
 
 
 def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> PagedLoop:
     """Ours through the runner, captured; variant "compile": `CUDAGraphRunner(compile=True)`;
     "dynamic": the README's `torch.compile(model, fullgraph=True, dynamic=True)` handed
     to the runner; "fp8": compile, on a model whose layers and caches are fp8 (e4m3; a row the peer
-    cannot have); "fp8-triton": fp8 with FLASHINFER's graphed decode on our Triton kernel;
+    cannot have); "fp8-flashinfer": fp8 with FLASHINFER's graphed decode on FlashInfer's kernels;
     "flashinfer-decode" / "cudnn-decode" / "triton-decode": compile, with FLASHINFER's
     graphed decode on that kernel (`graph_decode_kernel`; "compile" takes its rule);
     "gather-decode": compile, with TORCH_SDPA's graphed decode gathering each row's table where it
