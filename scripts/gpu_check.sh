@@ -75,9 +75,8 @@ if [[ " $PARTS " == *" loop "* ]]; then
   done
   timeout "${VARIANTS_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_flashinfer --variants 2>&1 | grep -v " - INFO - " \
     | tee "$OUT/decode-variants.log" | tail -40
-  # the Triton decode's launch shapes against cuDNN's paged decode (54 a point at 8 points, then
-  # 108 with e4m3 caches at one; the 27 unswapped a point took ~40 s on an H200, most of it
-  # Triton's compiles, which now number about four times as many)
+  # the Triton decode's launch shapes (27 a point at 8 points, bf16 beside cuDNN's paged decode,
+  # then e4m3 beside FlashInfer's fp8 decode; ~90 s each on an H200, most of it Triton's compiles)
   timeout "${SWEEP_TIMEOUT:-300}" python3 -m compiled_attn.bench.decode_flashinfer --triton-sweep 2>&1 \
     | grep -v " - INFO - " > "$OUT/triton-sweep.log"
   grep -E "^(cudnn|ours)" "$OUT/triton-sweep.log"
