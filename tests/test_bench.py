@@ -185,6 +185,13 @@ def test_several_compiles_are_fresh_tuning_draws():
     assert not torch.compiler.config.force_disable_caches
 
 
+def test_decode_loop_fp8_flashinfer_variant_names_flashinfers_decode():
+    """"fp8-flashinfer" keeps FlashInfer's fp8 decode measurable now that "auto" takes Triton's."""
+    assert dl.VARIANT_ENV["fp8-flashinfer"] == {dl.FLASHINFER_GRAPH_DECODE_ENV: "flashinfer"}
+    assert dl.VARIANT_BACKEND["fp8-flashinfer"] == "FLASHINFER"
+    assert "fp8-flashinfer" in dl.VARIANTS
+
+
 @pytest.mark.parametrize("sides", [("peer", "ours"), ("ours",), ("peer",)])
 def test_decode_loop_measures_the_sides_it_is_told(monkeypatch, sides):
     calls = []

@@ -82,8 +82,9 @@ def test_decode_matches_the_float64_reference(shape, config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("fp16_mma", [False, True], ids=["widened", "fp16-mma"])
-def test_fp8_caches_match_the_float64_reference(cache_dtype, fp16_mma):
-    """fp8 caches storing K / k_scale and V / v_scale, bf16 queries, split and direct: each way of
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fp8_caches_match_the_float64_reference(cache_dtype, fp16_mma, dtype):
+    """fp8 caches storing K / k_scale and V / v_scale, bf16 or fp16 queries, split and direct: each way of
     widening against the reference on the scaled-back cache. One request's query reaches 3e4,
     past fp16's 2^14 headroom, and one stays near 1e-6: fp16_mma's power-of-two scaling of each
     query row is exercised both ways."""
@@ -98,9 +99,9 @@ def test_fp8_caches_match_the_float64_reference(cache_dtype, fp16_mma):
     kv = torch.stack([kv[0] / k_scale, kv[1] / v_scale]).to(cache_dtype)
     stored = kv.double().cpu()  # what the cache holds, exactly
     q = torch.randn(batch, num_heads, head_size, device="cuda")
-    q[1] *= 3e4
+    q[1] *= 3e4 if dtype == torch.bfloat16 else 1e4  # past 2^14, inside fp16's range
     q[2] *= 1e-6  # and one far below 1: scaled up, not into fp16's subnormals
-    q = q.to(torch.bfloat16)
+    q = q.to(dtype)
     for splits in (1, 4):
         out = torch.full_like(q, float("nan"))
         cfg = td.DecodeConfig(num_splits=splits, block_n=64, num_stages=3, fp16_mma=fp16_mma)

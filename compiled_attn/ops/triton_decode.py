@@ -160,7 +160,7 @@ def default_config(batch_size: int, num_kv_heads: int, device: torch.device, *,
     where the card has sm89's conversions: 212.9 us against 293.9 widened at B=64 ctx 4096 (e4m3,
     H200, this launch shape); fp8 keeps the bf16 rule, within 9 % of the best of the 27 shapes
     at each of the 8 points (`--sweep-caches fp8`). Products transposed (K q^T, V^T P: the cache tile as the MMAs' rows,
-    Hopper's warpgroup MMA) were slower at each of the 9 points timed (2 to 17 %) and are gone."""
+    Hopper's warpgroup MMA) were slower at each of the 9 points timed (1.6 to 17 %) and are gone."""
     props = torch.cuda.get_device_properties(device)
     splits = max(1, min(32, math.ceil(2 * props.multi_processor_count / (batch_size * num_kv_heads))))
     return DecodeConfig(num_splits=splits, block_n=128 if 2 < splits < 32 else 64, num_stages=3,
