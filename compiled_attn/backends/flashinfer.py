@@ -75,8 +75,9 @@ NO_SPLIT_KV_MIN_PAIRS = 512
 # loop at B=64 ctx 4096, e4m3, on an H200 ran 11.872 ms a step with Triton's fp16 products
 # (`DecodeConfig.fp16_mma`) against 12.269 on FlashInfer's fp8 decode (one call, one compile each;
 # 0.85x before fp16_mma, when Triton widened fp8 to bf16); per kernel call faster at 7 of the 8
-# points of `--triton-sweep --sweep-caches fp8`, 0.2 % slower at B=256 ctx 4096. Eager steps stay on FlashInfer's
-# wrappers: cuDNN builds a graph per shape (milliseconds), which a CUDA graph pays once at capture.
+# points of `--triton-sweep --sweep-caches fp8`, 0.2 % slower at B=256 ctx 4096. Eager steps stay
+# on FlashInfer's wrappers: cuDNN builds a graph per shape (milliseconds), which a CUDA graph pays
+# once at capture.
 CUDNN_DECODE_CAPABILITY = (9, 0)
 CUDNN_DECODE_HEAD_SIZES = (128,)
 # Graphed decode through our own split-KV Triton kernel (ops/triton_decode.py) instead of cuDNN's,

@@ -324,7 +324,7 @@ def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> 
     kw = {"compile": variant != "dynamic"}
     step_model = model if variant != "dynamic" else torch.compile(model, fullgraph=True, dynamic=True)
     kv_cache_dtype = model.layers[0].attn.impl.kv_cache_dtype
-    with unittest.mock.patch.dict(os.environ, VARIANT_ENV.get(variant, {})):
+    with unittest.mock.patch.dict(os.environ, VARIANT_ENV.get(variant, {})):  # read as the runner's States are made
         return PagedLoop(step_model, backend, batch, ctx, kw, kv_cache_dtype=kv_cache_dtype)
 
 

@@ -31,6 +31,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # widened exactly to 16 bits
+FP16_MMA_CAPABILITY = (8, 9)  # `fp16_mma`'s cvt.rn.f16x2.{e4m3,e5m2}x2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,12 +160,13 @@ def default_config(batch_size: int, num_kv_heads: int, device: torch.device, *,
     Other batch sizes were not timed (32 q / 8 kv heads). An `fp8_cache` is read by `fp16_mma`
     where the card has sm89's conversions: 212.9 us against 293.9 widened at B=64 ctx 4096 (e4m3,
     H200, this launch shape); fp8 keeps the bf16 rule, within 9 % of the best of the 27 shapes
-    at each of the 8 points (`--sweep-caches fp8`). Products transposed (K q^T, V^T P: the cache tile as the MMAs' rows,
-    Hopper's warpgroup MMA) were slower at each of the 9 points timed (1.6 to 17 %) and are gone."""
+    at each of the 8 points (`--sweep-caches fp8`). Products transposed (K q^T, V^T P: the cache
+    tile as the MMAs' rows, Hopper's warpgroup MMA) were slower at each of the 9 points timed (1.6
+    to 17 %) and are gone."""
     props = torch.cuda.get_device_properties(device)
     splits = max(1, min(32, math.ceil(2 * props.multi_processor_count / (batch_size * num_kv_heads))))
     return DecodeConfig(num_splits=splits, block_n=128 if 2 < splits < 32 else 64, num_stages=3,
-                        fp16_mma=fp8_cache and (props.major, props.minor) >= (8, 9))
+                        fp16_mma=fp8_cache and (props.major, props.minor) >= FP16_MMA_CAPABILITY)
 
 
 class PagedDecode:
@@ -238,6 +240,6 @@ class PagedDecode:
         if self._pairs(k_cache):
             if any(n % 2 for n in (*k_cache.stride()[:3], k_cache.data_ptr(), v_cache.data_ptr())):
                 raise ValueError("fp16_mma reads an fp8 cache two bytes at a time: its strides and start must be even")
-            if not q.is_cuda or torch.cuda.get_device_capability(q.device) < (8, 9):
+            if not q.is_cuda or torch.cuda.get_device_capability(q.device) < FP16_MMA_CAPABILITY:
                 raise ValueError(f"fp16_mma widens fp8 pairs with sm89's cvt: a CUDA device of compute capability "
                                  f">= 8.9, not {q.device}")
