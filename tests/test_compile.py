@@ -112,6 +112,25 @@ def test_inductor_writes_the_cache_in_place(model):
     assert counters["inductor"]["extern_calls"] >= 2  # our two ops per layer run as extern calls
 
 
+def test_both_ops_read_one_copy_of_q_k_v():
+    """The cache write and the attention op read the same q and k buffers, and v as a view of the
+    QKV projection. Under Inductor's default for custom ops (exact strides) each op got its own
+    copy of every input that is a view of a result not yet stored: in bf16 the rotated q and k
+    were stored twice, as on CUDA, where v was copied twice too (the ops are `flexible_layout`)."""
+    spec = TINY.attention_spec(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype=torch.bfloat16, device="cpu")
+    model = build_model(TINY, seed=0, backend="TORCH_SDPA", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    md, ids, pos = step_inputs(MIXES[1], seed=3, spec=spec)
+    with ca.set_forward_context(md):
+        _, (code, *_) = run_and_get_code(compiled, ids, pos, random_caches(3, spec))
+    calls = dict(re.findall(r"torch\.ops\.compiled_attn\.(\w+)\.default\((.*)\)", code))
+    write, attend = (calls[op].split(", ") for op in ("kv_cache_update", "torch_sdpa_attention"))
+    assert write[:2] == attend[:2] and write[0].startswith("buf"), code  # q, k: one buffer each
+    v = ", ".join(write[2:-2])  # reinterpret_tensor(buf, sizes, strides, offset)
+    assert v.startswith("reinterpret_tensor(buf") and v in ", ".join(attend), code
+
+
 class TestGraphs(TestCase):
     def test_attention_layer_graph(self):
         torch._dynamo.reset()

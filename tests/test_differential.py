@@ -96,6 +96,7 @@ class Case:
     k_scale: float = 1.0
     v_scale: float = 1.0
     seed: int = 0
+    fused_qkv: bool = False  # query/key/value as column slices of one projection (row-strided views)
 
     @property
     def kind(self) -> T:
@@ -207,7 +208,7 @@ def cases(draw, backend: type[ca.AttentionBackend], device: str, limits: Limits)
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
         num_blocks=num_blocks, seq_lens=seq_lens, query_lens=query_lens, encoder_seq_lens=encoder_seq_lens,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi=alibi, k_scale=k_scale,
-        v_scale=v_scale, seed=draw(st.integers(0, 2**16)),
+        v_scale=v_scale, seed=draw(st.integers(0, 2**16)), fused_qkv=draw(st.booleans()),
     )
 
 
@@ -259,8 +260,24 @@ def batch_lengths(draw, kind: T, width: int, limits: Limits):
 MaybeTensor = torch.Tensor | None
 
 
+def fused(*xs: MaybeTensor) -> list[MaybeTensor]:
+    """Equal copies of `xs` as column slices of one [rows, sum of widths] tensor, a fused QKV
+    projection's layout (rows strided by the sum): those with the first one's rows only."""
+    rows = xs[0].shape[0]
+    parts = [x for x in xs if x is not None and x.shape[0] == rows]
+    whole = torch.cat(parts, dim=1)
+    slices = iter(whole.split([x.shape[1] for x in parts], dim=1))
+    return [next(slices) if x is not None and x.shape[0] == rows else x for x in xs]
+
+
 def inputs(case: Case, batch: Batch) -> tuple[torch.Tensor, MaybeTensor, MaybeTensor, MaybeTensor]:
-    """(query, key, value, kv_cache) of the forward for the case's attention type."""
+    """(query, key, value, kv_cache) of the forward for the case's attention type; with
+    `case.fused_qkv` the query and the key / value of the same rows are slices of one tensor."""
+    *qkv, kv_cache = unfused_inputs(case, batch)
+    return (*(fused(*qkv) if case.fused_qkv else qkv), kv_cache)
+
+
+def unfused_inputs(case: Case, batch: Batch) -> tuple[torch.Tensor, MaybeTensor, MaybeTensor, MaybeTensor]:
     device = batch.query.device
     kind = case.kind
     if kind == T.ENCODER:

@@ -31,8 +31,14 @@ def define_op(schema: str, *, reads_forward_context: bool) -> Callable[[Callable
     its graphs around these ops and runs them eagerly, reading each step's metadata.
     `compiled_attn.graphs.CUDAGraphRunner` captures them safely: its State refills the static
     metadata buffers the captured kernels read.
+
+    Every op is tagged `flexible_layout`: it takes its tensors with whatever strides eager code
+    may pass (a fused QKV projection's column slices, say), as ATen's own ops do. Under the
+    default (`needs_exact_strides`) Inductor copies an input that is a view of a not yet stored
+    result once per op that reads it: the cache write and the attention op each got their own
+    copy of the rotated q and k, and of v, a slice of the QKV matmul (stored twice in one kernel).
     """
-    tags = (torch.Tag.cudagraph_unsafe,) if reads_forward_context else ()
+    tags = (torch.Tag.flexible_layout, *((torch.Tag.cudagraph_unsafe,) if reads_forward_context else ()))
 
     def register(kernel: Callable) -> Callable:
         name = schema.split("(", 1)[0]
