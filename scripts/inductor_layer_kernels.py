@@ -7,7 +7,7 @@ besides the cache write (`triton_poi_fused__to_copy_flashinfer_attention_kv_cach
 1.1 us), and not at batch 8. This prints, per side, every generated kernel's name, and the source
 of each pointwise kernel whose name mentions our ops or the peer's SDPA / index_put.
 
-    python scripts/inductor_layer_kernels.py [--batch 1] [--ctx 1024] [--out DIR]
+    python scripts/inductor_layer_kernels.py [--batch 1] [--ctx 1024] [--out DIR] [--no-peer]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from compiled_attn.models.llama import LlamaConfig, build_model
 from compiled_attn.registry import BACKEND_CLASSES
 
 KERNEL_DEF = re.compile(r"^def (triton_\w+)\(", re.MULTILINE)
-INTERESTING = ("flashinfer_attention", "kv_cache_update", "scaled_dot_product", "index_put")
+INTERESTING = ("flashinfer_attention", "kv_cache_update", "scaled_dot_product", "index_put", "cat")
 
 
 def kernels(codes: list[str]) -> dict[str, str]:
@@ -51,20 +51,24 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--no-peer", action="store_true", help="ours only (the peer's tuned compile takes a minute)")
     args = parser.parse_args()
     config = dataclasses.replace(LlamaConfig.llama3_8b(), num_layers=2)
     model = build_model(config, seed=0, backend="FLASHINFER", dtype=torch.bfloat16, device="cuda", init_device="cuda")
     backend = BACKEND_CLASSES()["FLASHINFER"]
     _, ours = run_and_get_code(lambda: PagedLoop(model, backend, args.batch, args.ctx, {"compile": True}))
-    with torch._inductor.config.patch(PEER_INDUCTOR):
-        loop = peer_loop(model, args.batch, args.ctx)
-        _, peer = run_and_get_code(lambda: loop(3, True))
-    text = "\n\n".join([report("ours (CUDAGraphRunner compile=True)", kernels(ours)),
-                        report("peer (gpt-fast)", kernels(peer))])
+    reports = [report("ours (CUDAGraphRunner compile=True)", kernels(ours))]
+    if not args.no_peer:
+        with torch._inductor.config.patch(PEER_INDUCTOR):
+            loop = peer_loop(model, args.batch, args.ctx)
+            _, peer = run_and_get_code(lambda: loop(3, True))
+        reports.append(report("peer (gpt-fast)", kernels(peer)))
+    text = "\n\n".join(reports)
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"layer-kernels-b{args.batch}.txt").write_text(text + "\n")
+        (args.out / f"ours-output-code-b{args.batch}.py").write_text("\n\n".join(ours))  # buffers, launches
 
 
 if __name__ == "__main__":
