@@ -625,6 +625,7 @@ def check_step(
             raise ValueError(f"{name} dtype {t.dtype} != query dtype {query.dtype}")
         if t.device != device:
             raise ValueError(f"{name} is on device {t.device}, the metadata on {device}: build it on the query's")
+        _check_head_dim(name, t)
     if attn_type in CACHE_WRITING_TYPES:
         cache = check_cache_tensor(impl, kv_cache, query.dtype, device)
         want = (2, md.num_blocks, md.block_size, impl.num_kv_heads, impl.head_size)
@@ -686,6 +687,15 @@ def check_output(query: torch.Tensor, output: object) -> None:
     if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
         raise ValueError(f"output must be like the query ({query.dtype} {tuple(query.shape)} on {query.device}), "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    _check_head_dim("output", out)
+
+
+def _check_head_dim(name: str, t: torch.Tensor) -> None:
+    # Rows and heads may have any strides (a fused QKV projection's column slices); the kernels
+    # read each head's elements as one run, and FlashInfer's would read a strided one wrongly.
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} {tuple(t.shape)} has strides {t.stride()}: its head dimension must be contiguous "
+                         f"(stride 1 in the last dim): pass {name}.contiguous()")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -791,8 +801,8 @@ def check_layer_call(call: Any, step: StepFacts, query: torch.Tensor, key: torch
     the dtype and the cache) runs every check; once it passed, the layer remembers the kind
     (`call.checked_kinds`; its cache write and attention op share it), and later calls of that
     kind compare only what changes per step: the metadata's kind by identity, the query's dtype
-    and device, the cache, and each tensor's shape, dtype and device against the step's rows
-    (`StepFacts.shapes`). Any difference, valid or not, runs the full check, so a refused call
+    and device, the cache, and each tensor's shape, dtype, device and head-dimension stride
+    against the step's rows (`StepFacts.shapes`). Any difference, valid or not, runs the full check, so a refused call
     raises every time, with the full check's error. The layer's own options are fixed at
     construction (`check_impl_args`), so they are not part of the kind."""
     if _passed_before(call, step, query, key, value, kv_cache, output):
@@ -827,9 +837,14 @@ def _passed_before(call: Any, step: StepFacts, query: torch.Tensor, key: torch.T
         if key is not value or kv_needed:
             return False
     elif not (key.shape == kv_shape and value.shape == kv_shape and key.dtype is dtype and value.dtype is dtype
-              and key.device == device and value.device == device):
+              and key.device == device and value.device == device
+              and (key.is_contiguous() or key.stride(-1) == 1) and (value.is_contiguous() or value.stride(-1) == 1)):
         return False
-    return output is None or (output.shape == q_shape and output.dtype is dtype and output.device == device)
+    # is_contiguous() first: a flag read, where stride(-1) costs twice as much (host ns count here)
+    if not (query.is_contiguous() or query.stride(-1) == 1):
+        return False
+    return output is None or (output.shape == q_shape and output.dtype is dtype and output.device == device
+                              and (output.is_contiguous() or output.stride(-1) == 1))
 
 
 # ---------------------------------------------------------------------------------------------

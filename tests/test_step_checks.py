@@ -111,6 +111,11 @@ def other_spec_step(batch, **spec_kw):
     return md, batch.query_lens[0]
 
 
+def heads_innermost(x: torch.Tensor) -> torch.Tensor:
+    """x's values in x's shape, laid out with the heads as the innermost dimension."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 # name -> (batch, q, k, v, cache) -> (md, rows or None, q, k, v, cache, output or None, message)
 CHANGES = {
     "spec_heads": lambda b, q, k, v, c: (*other_spec_step(b, num_heads=2 * HQ), q, k, v, c, None, "num_heads=8"),
@@ -132,6 +137,13 @@ CHANGES = {
                                            None, "contiguous"),
     "output_dtype": lambda b, q, k, v, c: (b.build(SDPA), None, q, k, v, c, torch.empty_like(q, dtype=torch.float64),
                                            "output must be like the query"),
+    # the same shapes with a strided head dimension (heads innermost)
+    "query_head_stride": lambda b, q, k, v, c: (b.build(SDPA), None, heads_innermost(q), k, v, c, None,
+                                                "query .* head dimension must be contiguous"),
+    "value_head_stride": lambda b, q, k, v, c: (b.build(SDPA), None, q, k, heads_innermost(v), c, None,
+                                                "value .* head dimension must be contiguous"),
+    "output_head_stride": lambda b, q, k, v, c: (b.build(SDPA), None, q, k, v, c, heads_innermost(torch.empty_like(q)),
+                                                 "output .* head dimension must be contiguous"),
 }
 
 
