@@ -682,18 +682,26 @@ def check_step_rows(attn_type: AttentionType, md: AttentionMetadata, query: torc
 
 
 def check_output(query: torch.Tensor, output: object) -> None:
-    """An attention op's `output`: the query's shape, dtype and device (the op writes every row)."""
+    """An attention op's `output`: the query's shape, dtype and device (the op writes every row),
+    contiguous (FlashInfer's kernels write rows num_heads * head_size apart, whatever the strides)."""
     out = _tensor("output", output)
     if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
         raise ValueError(f"output must be like the query ({query.dtype} {tuple(query.shape)} on {query.device}), "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    _check_head_dim("output", out)
+    if not out.is_contiguous():
+        raise ValueError(f"output has strides {out.stride()}: it must be contiguous (torch.empty_like(query) is)")
+
+
+def head_dim_contiguous(t: torch.Tensor) -> bool:
+    """Whether each head of `t` ([..., head_size]) is one run of memory. Rows and heads may have
+    any strides (a fused QKV projection's column slices); the kernels read a head as one run
+    (FlashInfer's would misread a strided one). is_contiguous() first: a flag, where stride(-1)
+    costs twice the host time (the repeat calls' checks run it too)."""
+    return t.is_contiguous() or t.stride(-1) == 1
 
 
 def _check_head_dim(name: str, t: torch.Tensor) -> None:
-    # Rows and heads may have any strides (a fused QKV projection's column slices); the kernels
-    # read each head's elements as one run, and FlashInfer's would read a strided one wrongly.
-    if t.stride(-1) != 1:
+    if not head_dim_contiguous(t):
         raise ValueError(f"{name} {tuple(t.shape)} has strides {t.stride()}: its head dimension must be contiguous "
                          f"(stride 1 in the last dim): pass {name}.contiguous()")
 
@@ -801,10 +809,11 @@ def check_layer_call(call: Any, step: StepFacts, query: torch.Tensor, key: torch
     the dtype and the cache) runs every check; once it passed, the layer remembers the kind
     (`call.checked_kinds`; its cache write and attention op share it), and later calls of that
     kind compare only what changes per step: the metadata's kind by identity, the query's dtype
-    and device, the cache, and each tensor's shape, dtype, device and head-dimension stride
-    against the step's rows (`StepFacts.shapes`). Any difference, valid or not, runs the full check, so a refused call
-    raises every time, with the full check's error. The layer's own options are fixed at
-    construction (`check_impl_args`), so they are not part of the kind."""
+    and device, the cache, and each tensor's shape, dtype, device and layout (its head dimension
+    contiguous; the output contiguous) against the step's rows (`StepFacts.shapes`). Any
+    difference, valid or not, runs the full check, so a refused call raises every time, with the
+    full check's error. The layer's own options are fixed at construction (`check_impl_args`),
+    so they are not part of the kind."""
     if _passed_before(call, step, query, key, value, kv_cache, output):
         return
     check_step(call.impl, call.attn_type, step.md, query, key, value, kv_cache)
@@ -838,13 +847,12 @@ def _passed_before(call: Any, step: StepFacts, query: torch.Tensor, key: torch.T
             return False
     elif not (key.shape == kv_shape and value.shape == kv_shape and key.dtype is dtype and value.dtype is dtype
               and key.device == device and value.device == device
-              and (key.is_contiguous() or key.stride(-1) == 1) and (value.is_contiguous() or value.stride(-1) == 1)):
+              and head_dim_contiguous(key) and head_dim_contiguous(value)):
         return False
-    # is_contiguous() first: a flag read, where stride(-1) costs twice as much (host ns count here)
-    if not (query.is_contiguous() or query.stride(-1) == 1):
+    if not head_dim_contiguous(query):
         return False
     return output is None or (output.shape == q_shape and output.dtype is dtype and output.device == device
-                              and (output.is_contiguous() or output.stride(-1) == 1))
+                              and output.is_contiguous())
 
 
 # ---------------------------------------------------------------------------------------------

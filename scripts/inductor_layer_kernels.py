@@ -5,7 +5,9 @@ The 8B shape cut to two layers, one batch size; the pointwise kernels' source to
 At batch 1 (H100, thirteenth session) our layer ran one pointwise kernel more than the peer's
 besides the cache write (`triton_poi_fused__to_copy_flashinfer_attention_kv_cache_update_mm_s...`,
 1.1 us), and not at batch 8. This prints, per side, every generated kernel's name, and the source
-of each pointwise kernel whose name mentions our ops or the peer's SDPA / index_put.
+of each pointwise kernel whose name mentions our ops, the peer's SDPA / index_put or a `cat` (the
+rope kernels: since the ops are `flexible_layout`, ours no longer carry the ops' names). With
+--out it also writes our side's whole output code (buffers, launches).
 
     python scripts/inductor_layer_kernels.py [--batch 1] [--ctx 1024] [--out DIR] [--no-peer]
 """
@@ -25,7 +27,7 @@ from compiled_attn.models.llama import LlamaConfig, build_model
 from compiled_attn.registry import BACKEND_CLASSES
 
 KERNEL_DEF = re.compile(r"^def (triton_\w+)\(", re.MULTILINE)
-INTERESTING = ("flashinfer_attention", "kv_cache_update", "scaled_dot_product", "index_put", "cat")
+INTERESTING = ("flashinfer_attention", "kv_cache_update", "scaled_dot_product", "index_put", "_cat_")
 
 
 def kernels(codes: list[str]) -> dict[str, str]:

@@ -260,14 +260,19 @@ def batch_lengths(draw, kind: T, width: int, limits: Limits):
 MaybeTensor = torch.Tensor | None
 
 
-def fused(*xs: MaybeTensor) -> list[MaybeTensor]:
-    """Equal copies of `xs` as column slices of one [rows, sum of widths] tensor, a fused QKV
-    projection's layout (rows strided by the sum): those with the first one's rows only."""
-    rows = xs[0].shape[0]
-    parts = [x for x in xs if x is not None and x.shape[0] == rows]
-    whole = torch.cat(parts, dim=1)
-    slices = iter(whole.split([x.shape[1] for x in parts], dim=1))
-    return [next(slices) if x is not None and x.shape[0] == rows else x for x in xs]
+def fused(query: torch.Tensor, key: MaybeTensor, value: MaybeTensor) -> tuple[torch.Tensor, MaybeTensor, MaybeTensor]:
+    """Equal copies of query / key / value as column slices of wider tensors (rows strided by the
+    fused width): all three of one QKV projection where their rows agree, else (cross attention's
+    encoder K/V, or no K/V) the query beside a spare block of columns and key with value."""
+    def slices(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.cat(xs, dim=1).split([x.shape[1] for x in xs], dim=1)
+
+    if key is not None and key.shape[0] == query.shape[0]:
+        out = slices(query, key, value)
+    else:
+        out = (slices(query, query)[0], *(slices(key, value) if key is not None else (None, None)))
+    assert all(x.stride(0) > x.shape[1] for x in out if x is not None)  # every one a slice
+    return out
 
 
 def inputs(case: Case, batch: Batch) -> tuple[torch.Tensor, MaybeTensor, MaybeTensor, MaybeTensor]:

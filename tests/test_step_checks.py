@@ -140,10 +140,16 @@ CHANGES = {
     # the same shapes with a strided head dimension (heads innermost)
     "query_head_stride": lambda b, q, k, v, c: (b.build(SDPA), None, heads_innermost(q), k, v, c, None,
                                                 "query .* head dimension must be contiguous"),
+    "key_head_stride": lambda b, q, k, v, c: (b.build(SDPA), None, q, heads_innermost(k), v, c, None,
+                                              "key .* head dimension must be contiguous"),
     "value_head_stride": lambda b, q, k, v, c: (b.build(SDPA), None, q, k, heads_innermost(v), c, None,
                                                 "value .* head dimension must be contiguous"),
     "output_head_stride": lambda b, q, k, v, c: (b.build(SDPA), None, q, k, v, c, heads_innermost(torch.empty_like(q)),
-                                                 "output .* head dimension must be contiguous"),
+                                                 "output has strides .* must be contiguous"),
+    # rows strided, as a fused projection's slice: refused for the output (inputs take them: the
+    # differential test's fused draws)
+    "output_row_stride": lambda b, q, k, v, c: (b.build(SDPA), None, q, k, v, c,
+                                                torch.empty(q.shape[0], 2 * HQ, D)[:, :HQ], "must be contiguous"),
 }
 
 
