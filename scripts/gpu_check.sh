@@ -20,7 +20,8 @@
 # vs generate_batch at B=64, vs our reference Llama through the runner; HF_ARGS for the bench, e.g.
 # "--quick --backend FLASHINFER"; "--profile" with the adapter part writes both sides' kernel tables). "tests" runs every GPU test but the fuzzer's (the piecewise and
 # transformers ones too); PYTEST_ARGS narrows them. INDUCTOR_CACHE=1 carries Inductor's caches
-# between runs (below).
+# between runs (below); CLOCK_LOG=1 logs the card's clocks, temperature and power once a second
+# ($OUT/clocks.csv); GRID_ORDER="ours peer" runs the grid's sides in that order.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PARTS=${PARTS:-"tests fuzz bench"}
@@ -29,6 +30,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   | tee -a "$OUT/card.txt"
 status=0
+# CLOCK_LOG=1: the card's SM / memory clocks, temperature, power and throttle reasons once a
+# second into $OUT/clocks.csv while this script runs (read only; stopped on exit)
+if [[ "${CLOCK_LOG:-0}" == 1 ]]; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active \
+    --format=csv -l 1 > "$OUT/clocks.csv" 2>&1 &
+  clock_pid=$!
+fi
 # FlashInfer's XQA sources (the decode variants' "xqa" row), absent from the trimmed package:
 # scripts/pack_extras.sh makes .whl/fi-xqa-src.tar.xz; setup.sh installed FlashInfer in /tmp/site
 if [[ -f .whl/fi-xqa-src.tar.xz ]]; then tar xJf .whl/fi-xqa-src.tar.xz -C /tmp/site; fi
@@ -47,8 +55,12 @@ if [[ "${INDUCTOR_CACHE:-0}" == 1 ]]; then
     tar cf - -C "$TORCHINDUCTOR_CACHE_DIR" . | xz -T0 -6 | split -b 15m -d - "$OUT/inductor-cache.tar.xz."
     ls -la "$OUT"/inductor-cache.tar.xz.*
   }
-  trap save_inductor_cache EXIT
 fi
+on_exit() {
+  if [[ -n "${clock_pid:-}" ]]; then kill "$clock_pid" 2>/dev/null; fi
+  if [[ "${INDUCTOR_CACHE:-0}" == 1 ]]; then save_inductor_cache; fi
+}
+trap on_exit EXIT
 # The GPU tests are mostly host-bound (graph capture, compiles, the soak's 10,000 steps of Python):
 # WORKERS pytest-xdist processes share the one GPU (work stealing: the long soak runs start first
 # and the short tests fill in around them). WORKERS=0 runs them in one process.
@@ -90,13 +102,19 @@ if [[ " $PARTS " == *" grid "* ]]; then
   # that a slow peer cannot starve ours of the call: the peer the best of two compiles
   # (GRID_PEER_TIMEOUT: ~170 s on an H200), ours one (GRID_OURS_TIMEOUT: ~70 s a variant;
   # GRID_OURS_ARGS adds arguments, e.g. "--variant compile --variant fp8").
+  # GRID_ORDER="ours peer" runs our side first: the side that runs second has run GEMMs 2-5 %
+  # slower in both sessions' profiles (one process, the peer first), so the order is a suspect.
   for point in ${GRID_POINTS:-64x4096}; do
-    timeout -k 30 "${GRID_PEER_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
-      --backend FLASHINFER --side peer --peer-compiles 2 > "$OUT/grid-$point-peer.log" 2>&1 || status=1
-    timeout -k 30 "${GRID_OURS_TIMEOUT:-150}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
-      --backend FLASHINFER --side ours --ours-compiles "${GRID_OURS_COMPILES:-1}" ${GRID_OURS_ARGS:-} \
-      > "$OUT/grid-$point-ours.log" 2>&1 \
-      || status=1
+    for side in ${GRID_ORDER:-peer ours}; do
+      if [[ "$side" == peer ]]; then
+        timeout -k 30 "${GRID_PEER_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
+          --backend FLASHINFER --side peer --peer-compiles 2 > "$OUT/grid-$point-peer.log" 2>&1 || status=1
+      else
+        timeout -k 30 "${GRID_OURS_TIMEOUT:-150}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
+          --backend FLASHINFER --side ours --ours-compiles "${GRID_OURS_COMPILES:-1}" ${GRID_OURS_ARGS:-} \
+          > "$OUT/grid-$point-ours.log" 2>&1 || status=1
+      fi
+    done
     grep -h "^{" "$OUT/grid-$point-peer.log" "$OUT/grid-$point-ours.log" | cut -c1-240
   done
 fi
