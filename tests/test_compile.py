@@ -122,7 +122,8 @@ def test_both_ops_read_one_copy_of_q_k_v():
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
     md, ids, pos = step_inputs(MIXES[1], seed=3, spec=spec)
-    with ca.set_forward_context(md):
+    # no cached code: the cache's key does not include the ops' tags, which this test is about
+    with ca.set_forward_context(md), torch._inductor.config.patch(force_disable_caches=True):
         _, (code, *_) = run_and_get_code(compiled, ids, pos, random_caches(3, spec))
     calls = dict(re.findall(r"torch\.ops\.compiled_attn\.(\w+)\.default\((.*)\)", code))
     write, attend = (calls[op].split(", ") for op in ("kv_cache_update", "torch_sdpa_attention"))
