@@ -17,6 +17,7 @@ passed as op arguments become symbolic inputs under `dynamic=True` and cost a `.
 from __future__ import annotations
 
 import contextvars
+import heapq
 import itertools
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping
@@ -126,14 +127,32 @@ class LayerCall:
 
 # name -> the layer, weakly (a WeakValueDictionary's lookup costs 3x a dict's and a call, per op)
 _layers: dict[str, weakref.ref[LayerCall]] = {}
-_layer_ids = itertools.count()
+# per name prefix (impl class and attention type): the next new id, and the ids of dead layers
+_next_ids: dict[str, itertools.count] = {}
+_free_ids: dict[str, list[int]] = {}
 
 
 def register_layer(call: LayerCall) -> str:
-    """Register `call` under a new unique name; the caller keeps `call` alive (weakly held here:
-    the name goes when the record dies)."""
-    name = f"{type(call.impl).__name__}.{call.attn_type.value}.{next(_layer_ids)}"
-    _layers[name] = weakref.ref(call, lambda _, name=name: _layers.pop(name, None))
+    """Register `call` under a name unique among live layers; the caller keeps `call` alive
+    (weakly held here: the name goes when the record dies).
+
+    Names are "<impl class>.<attention type>.<n>" with n the smallest id no live layer of that
+    prefix holds: a model built after others were dropped gets the names a fresh process would
+    give it. Compiled graphs hold the names as constants, so Inductor's caches (whose keys
+    include them) then serve a later run or a rebuilt model, where ever-growing ids missed."""
+    prefix = f"{type(call.impl).__name__}.{call.attn_type.value}"
+    free = _free_ids.setdefault(prefix, [])
+    try:
+        n = heapq.heappop(free)
+    except IndexError:  # none free: a new id (this also covers a racing registration)
+        n = next(_next_ids.setdefault(prefix, itertools.count()))
+    name = f"{prefix}.{n}"
+
+    def release(_: weakref.ref, name: str = name, n: int = n) -> None:
+        _layers.pop(name, None)
+        heapq.heappush(free, n)
+
+    _layers[name] = weakref.ref(call, release)
     return name
 
 

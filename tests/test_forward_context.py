@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import compiled_attn as ca
+from compiled_attn.forward_context import LayerCall, get_layer, register_layer
 from compiled_attn.models.llama import LlamaConfig, build_model
 
 SDPA = ca.get_attn_backend("TORCH_SDPA")
@@ -235,3 +236,25 @@ def test_derived_is_made_once_per_context_and_again_in_the_next():
         c = second.derived("k", make)
     assert a is b and len(made) == 3  # "k" once per context, "other" once
     assert other is made[1] and c is made[2] and not torch.equal(a, c)
+
+
+class StableNamesProbeImpl:
+    """A stand-in impl: only its class name enters the layer names, a prefix no other test uses."""
+
+
+def test_layer_names_take_the_lowest_id_free_among_live_layers():
+    """A name is unique among live layers, and a dead layer's id goes to the next layer of its
+    kind: a model built after others were dropped gets the names a fresh process gives it (the
+    names are constants in compiled graphs, which Inductor's caches key on)."""
+    def layer() -> LayerCall:
+        return LayerCall(StableNamesProbeImpl(), 1.0, 1.0, ca.AttentionType.DECODER)
+
+    calls = [layer() for _ in range(3)]
+    names = [register_layer(c) for c in calls]
+    assert names == [f"StableNamesProbeImpl.decoder.{i}" for i in range(3)]
+    del calls[:2]  # ids 0 and 1 die with their records
+    with pytest.raises(RuntimeError, match="is alive"):
+        get_layer(names[0])
+    later = [layer() for _ in range(3)]
+    assert [register_layer(c) for c in later] == [f"StableNamesProbeImpl.decoder.{i}" for i in (0, 1, 3)]
+    assert get_layer(names[0]) is later[0] and get_layer(names[2]) is calls[0]
