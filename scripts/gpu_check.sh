@@ -30,13 +30,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   | tee -a "$OUT/card.txt"
 status=0
-# CLOCK_LOG=1: the card's SM / memory clocks, temperature, power and throttle reasons once a
-# second into $OUT/clocks.csv while this script runs (read only; stopped on exit)
-if [[ "${CLOCK_LOG:-0}" == 1 ]]; then
-  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active \
-    --format=csv -l 1 > "$OUT/clocks.csv" 2>&1 &
-  clock_pid=$!
-fi
 # FlashInfer's XQA sources (the decode variants' "xqa" row), absent from the trimmed package:
 # scripts/pack_extras.sh makes .whl/fi-xqa-src.tar.xz; setup.sh installed FlashInfer in /tmp/site
 if [[ -f .whl/fi-xqa-src.tar.xz ]]; then tar xJf .whl/fi-xqa-src.tar.xz -C /tmp/site; fi
@@ -57,10 +50,20 @@ if [[ "${INDUCTOR_CACHE:-0}" == 1 ]]; then
   }
 fi
 on_exit() {
-  if [[ -n "${clock_pid:-}" ]]; then kill "$clock_pid" 2>/dev/null; fi
+  if [[ -n "${clock_pid:-}" ]]; then kill "$clock_pid" 2>/dev/null; wait "$clock_pid" 2>/dev/null; fi
   if [[ "${INDUCTOR_CACHE:-0}" == 1 ]]; then save_inductor_cache; fi
 }
 trap on_exit EXIT
+# CLOCK_LOG=1: the card's SM / memory clocks, temperature, power and throttle reasons once a
+# second into $OUT/clocks.csv while this script runs (read only). The loop also ends within a
+# second of this script's death when no trap runs (SIGKILL at a time limit).
+if [[ "${CLOCK_LOG:-0}" == 1 ]]; then
+  query=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active
+  (echo "$query"; while kill -0 $$ 2>/dev/null; do
+    nvidia-smi --query-gpu="$query" --format=csv,noheader; sleep 1
+  done) > "$OUT/clocks.csv" 2>&1 &
+  clock_pid=$!
+fi
 # The GPU tests are mostly host-bound (graph capture, compiles, the soak's 10,000 steps of Python):
 # WORKERS pytest-xdist processes share the one GPU (work stealing: the long soak runs start first
 # and the short tests fill in around them). WORKERS=0 runs them in one process.
@@ -106,14 +109,14 @@ if [[ " $PARTS " == *" grid "* ]]; then
   # slower in both sessions' profiles (one process, the peer first), so the order is a suspect.
   for point in ${GRID_POINTS:-64x4096}; do
     for side in ${GRID_ORDER:-peer ours}; do
-      if [[ "$side" == peer ]]; then
-        timeout -k 30 "${GRID_PEER_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
-          --backend FLASHINFER --side peer --peer-compiles 2 > "$OUT/grid-$point-peer.log" 2>&1 || status=1
-      else
-        timeout -k 30 "${GRID_OURS_TIMEOUT:-150}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
-          --backend FLASHINFER --side ours --ours-compiles "${GRID_OURS_COMPILES:-1}" ${GRID_OURS_ARGS:-} \
-          > "$OUT/grid-$point-ours.log" 2>&1 || status=1
-      fi
+      case "$side" in
+        peer) timeout -k 30 "${GRID_PEER_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
+                --backend FLASHINFER --side peer --peer-compiles 2 > "$OUT/grid-$point-peer.log" 2>&1 || status=1 ;;
+        ours) timeout -k 30 "${GRID_OURS_TIMEOUT:-150}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
+                --backend FLASHINFER --side ours --ours-compiles "${GRID_OURS_COMPILES:-1}" ${GRID_OURS_ARGS:-} \
+                > "$OUT/grid-$point-ours.log" 2>&1 || status=1 ;;
+        *) echo "GRID_ORDER: unknown side '$side' (peer or ours)"; status=1 ;;
+      esac
     done
     grep -h "^{" "$OUT/grid-$point-peer.log" "$OUT/grid-$point-ours.log" | cut -c1-240
   done

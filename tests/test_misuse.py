@@ -23,6 +23,7 @@ from reference import make_batch
 
 import compiled_attn as ca
 from compiled_attn.backends.flashinfer import FlashInferBackend
+from compiled_attn.forward_context import get_layer
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 from compiled_attn.registry import BACKEND_CLASSES
@@ -94,6 +95,24 @@ def test_op_with_the_name_of_a_dead_layer_writes_nothing(batch):
             pytest.raises(RuntimeError, match="no attention layer named .* is alive"):
         torch.ops.compiled_attn.kv_cache_update(heads(batch.query, HQ), heads(batch.key, HKV), heads(batch.value, HKV),
                                                 batch.kv_cache, name)
+
+
+def test_an_eager_call_keeps_its_layer_record_until_its_ops_return(batch):
+    """Another thread's eager calls may evict this call's layer record while its ops run, and a
+    dead layer's name goes to the next layer of its kind: the call holds the record, so its ops
+    still find its own layer."""
+    impl, seen = sdpa_impl(), []
+    real_run = impl.run
+
+    def run_after_an_eviction(query, key, value, kv_cache, attn_type, layer_name):
+        impl._eager_calls.clear()  # evicted meanwhile
+        other_name, _other = sdpa_impl().register(1.0, 1.0, T.DECODER)  # the next layer of its kind
+        seen.append((get_layer(layer_name).impl is impl, other_name != layer_name))
+        return real_run(query, key, value, kv_cache, attn_type, layer_name)
+
+    impl.run = run_after_an_eviction
+    impl.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.build(SDPA))
+    assert seen == [(True, True)]
 
 
 def test_layer_under_metadata_of_another_backend_writes_nothing(batch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import re
+import weakref
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from test_graphs import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiled_attn as ca
+from compiled_attn.forward_context import get_layer
 from compiled_attn.graphs import DEFAULT_PIECEWISE_SIZES, CUDAGraphRunner, choose_path
 from compiled_attn.graphs import piecewise as pw
 from compiled_attn.graphs.piecewise import EagerOps, GraphControl, PiecewiseBackend, PiecewiseGraphs
@@ -527,3 +529,23 @@ def test_piecewise_routing_without_the_token_count_is_refused():
     with pytest.raises(ValueError, match="num_tokens"):
         choose_path(num_prefills=1, num_seqs=2, max_seq_len=40, largest_size=16, max_seq_len_to_capture=64,
                     largest_piecewise_tokens=64)
+
+
+def test_op_groups_keep_their_layers_alive_so_replaced_layers_get_new_names():
+    """The op groups run without Dynamo's guards and hold the layer names they were traced with.
+    A dead layer's name goes to the next layer of its kind, so the groups keep their layers'
+    records alive: layers that replace the model's after capture get names of their own."""
+    torch._dynamo.reset()
+    spec = cpu_spec()
+    model = build_model(TINY, seed=0, backend="TORCH_SDPA")
+    runner = piecewise_runner(model, ca.get_attn_backend("TORCH_SDPA"), spec, random_caches(spec, 0))
+    old = {layer.attn.layer_name: weakref.ref(layer.attn._call) for layer in model.layers}  # the test holds none
+    for layer in model.layers:
+        attn = layer.attn
+        layer.attn = None  # the old module goes before its replacement is made
+        del attn
+        layer.attn = ca.Attention(TINY.num_heads, TINY.head_size, TINY.head_size**-0.5,
+                                  num_kv_heads=TINY.num_kv_heads, backend="TORCH_SDPA")
+    assert not {layer.attn.layer_name for layer in model.layers} & set(old)
+    assert all(record() is not None and get_layer(name) is record() for name, record in old.items())
+    assert runner.piecewise is not None  # the runner, and its op groups, still alive here

@@ -124,7 +124,9 @@ class CommonImpl(AttentionImpl):
         check_tensors(self, query, key, value, kv_cache, key_[2])
         check_metadata(attn_metadata, self.backend_cls.get_name())
         new = key_ not in self._eager_calls
-        layer_name = self._eager_name(key_)
+        # the record held until the ops return: another thread's calls may evict it meanwhile,
+        # and a dead layer's name goes to the next layer of its kind
+        layer_name, _record = self._eager_name(key_)
         try:
             with set_forward_context(attn_metadata):
                 return self.run(query, key, value, kv_cache, key_[2], layer_name)
@@ -133,15 +135,16 @@ class CommonImpl(AttentionImpl):
                 self._eager_calls.pop(key_, None)
             raise
 
-    def _eager_name(self, key: tuple[float, float, AttentionType]) -> str:
-        """The layer name eager calls with these scales and type use (kept for the latest few)."""
+    def _eager_name(self, key: tuple[float, float, AttentionType]) -> tuple[str, LayerCall]:
+        """The layer name eager calls with these scales and type use, and its record (kept for
+        the latest few)."""
         if key in self._eager_calls:
             self._eager_calls.move_to_end(key)
         else:
             self._eager_calls[key] = self.register(*key)
             if len(self._eager_calls) > EAGER_NAMES_KEPT:
                 self._eager_calls.popitem(last=False)  # its record dies: the registry drops the name
-        return self._eager_calls[key][0]
+        return self._eager_calls[key]
 
     def run(
         self,

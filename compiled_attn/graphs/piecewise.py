@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_map_only
 
 from compiled_attn.abstract import AttentionMetadata
 from compiled_attn.dynamo import mark_token_dim
-from compiled_attn.forward_context import get_forward_context, set_forward_context
+from compiled_attn.forward_context import get_forward_context, get_layer, set_forward_context
 from compiled_attn.graphs.buckets import fill_padded, pick_batch_size
 from compiled_attn.graphs.split import Piece, is_context_op, split_at_context_ops
 from compiled_attn.ops.library import python_kernel
@@ -127,10 +127,16 @@ class EagerOps:
 
     def __init__(self, module: fx.GraphModule, token_args: tuple[int, ...], control: GraphControl) -> None:
         direct = fx.GraphModule(module, copy.deepcopy(module.graph))  # `module` stays as split (the pieces)
+        names = []
         for node in direct.graph.nodes:
             if is_context_op(node):
                 node.target = python_kernel(node.target)
+                names += [a for a in node.args if isinstance(a, str)]
         direct.recompile()
+        # The group's layers, kept alive: the group runs with no Dynamo guard, and a dead layer's
+        # name goes to the next layer of its kind (`forward_context.register_layer`), so a model
+        # whose layers were replaced would otherwise run these ops with the new layers' options.
+        self._layers = [get_layer(name) for name in names]
         # the group's generated code, called directly: GraphModule's __call__ wraps it in ~3 us of
         # error handling and module hooks per call, once per layer and step
         self._forward = direct.forward
