@@ -3,6 +3,8 @@ fidelity (the timed suites themselves need CUDA)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from compiled_attn.bench.kernel_table import Kernel, per_layer_table
 from compiled_attn.bench.piecewise_bench import QUICK_BUCKETS, STEPS, step_inputs
 from compiled_attn.bench.plots import decode_series
 from compiled_attn.bench.report import print_table
-from compiled_attn.bench.suite import seconds_line
+from compiled_attn.bench.suite import seconds_line, show_rows_as_measured
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 
 
@@ -127,6 +129,25 @@ def test_seconds_line_says_where_the_run_went():
     assert seconds_line(seconds) == "suite seconds: ceilings 0.6, decode_loop 95.3; total 95.9"
 
 
+def test_bench_shows_rows_as_measured_unless_logging_is_configured(monkeypatch, capsys):
+    """`python -m compiled_attn bench` prints the long suites' rows as they come (a run stopped at
+    its limit shows how far it got); a caller that configured logging keeps its own setup."""
+    import logging
+
+    bench_log = logging.getLogger("compiled_attn.bench")
+    monkeypatch.setattr(bench_log, "handlers", [])
+    monkeypatch.setattr(bench_log, "level", logging.NOTSET)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])
+    show_rows_as_measured()
+    assert bench_log.handlers == []  # configured by the caller: left alone
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    show_rows_as_measured()
+    assert len(bench_log.handlers) == 1
+    monkeypatch.setattr(bench_log.handlers[0], "stream", sys.stderr)  # capsys's stream
+    logging.getLogger("compiled_attn.bench.piecewise_bench").info("piecewise_bench: %s", {"us": 1.5})
+    assert "compiled_attn.bench.piecewise_bench: piecewise_bench: {'us': 1.5}" in capsys.readouterr().err
+
+
 def test_compile_counts_tell_a_compile_from_a_cache_load():
     """A suite's compile counts: one graph per Dynamo trace; Inductor's first compile of it
     misses the FX-graph cache, the same compile after `torch._dynamo.reset()` (a second runner's)
@@ -145,6 +166,9 @@ def test_compile_counts_tell_a_compile_from_a_cache_load():
             counts.append(counts_since(before))
     cold, warm = counts
     assert cold["graphs"] == warm["graphs"] == 1 and cold["compile s"] > 0
+    # the phases: Inductor's codegen (seconds here) on the miss only; the backend is part of the compile
+    assert cold["codegen s"] > 0 and warm["codegen s"] == 0
+    assert 0 < cold["codegen s"] <= cold["backend s"] <= cold["compile s"]
     assert (cold["fx cache miss"], warm["fx cache hit"]) == (1, 1)
     assert (cold["fx cache hit"], warm["fx cache miss"]) == (0, 0)
 
@@ -161,19 +185,21 @@ def test_compile_seconds_survive_a_reset():
 
     before, graphs_before = total(), compile_counts()["graphs"]
     torch.compile(step)(torch.randn(8))
-    first = total()
+    first, phases = total(), compile_counts()
     reset_dynamo()
     assert first > before and total() == pytest.approx(first)
+    assert compile_counts() == pytest.approx(phases)  # every phase's seconds too
     torch.compile(step)(torch.randn(8))
     assert total() > first
     assert compile_counts()["graphs"] - graphs_before == 2
 
 
 def test_compiles_line_names_the_suites_that_compiled():
-    idle = {"graphs": 0, "compile s": 0.0, "fx cache hit": 0, "fx cache miss": 0, "fx cache bypass": 0}
-    e2e = {**idle, "graphs": 1, "compile s": 61.2, "fx cache hit": 1}
+    idle = {"graphs": 0, "compile s": 0.0, "backend s": 0.0, "fx cache hit": 0, "fx cache miss": 0,
+            "fx cache bypass": 0}
+    e2e = {**idle, "graphs": 1, "compile s": 61.2, "backend s": 52.0, "fx cache hit": 1}
     assert compiles_line({"compiled_attn.bench.ceilings": idle, "compiled_attn.bench.e2e": e2e}) == (
-        "suite compiles: e2e 1 graphs 61 s (fx cache 1 hit, 0 miss, 0 bypass)")
+        "suite compiles: e2e 1 graphs 61 s (trace 9 s; fx cache 1 hit, 0 miss, 0 bypass)")
 
 
 def test_several_compiles_are_fresh_tuning_draws():

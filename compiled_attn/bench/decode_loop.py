@@ -375,6 +375,7 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
 
     def add(row: dict) -> None:
         rows.append(row)
+        log.info("decode_loop: %s", row)
         on_row(row)
 
     with_peer = "peer" in sides  # the peer runs once, on the first backend that builds

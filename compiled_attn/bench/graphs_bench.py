@@ -138,6 +138,7 @@ def _row(backend: str, what: str, batch: int, **values: float | None) -> dict:
     row = {"card": card_name(), "backend": backend, "what": what, "batch": batch, "us": None, "x_eager": None,
            "capture_s": None, "first_capture_s": None, "pool_mib": None, "reserved_mib": None}
     row.update({k: None if v is None else round(v, 3) for k, v in values.items()})
+    log.info("graphs_bench: %s", row)
     return row
 
 

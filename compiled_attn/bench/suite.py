@@ -60,7 +60,19 @@ def seconds_line(seconds: dict[str, float]) -> str:
     return f"suite seconds: {parts}; total {sum(seconds.values()):.1f}"
 
 
+def show_rows_as_measured() -> None:
+    """The long suites log each row as they measure it, so that a run stopped at its time limit
+    shows how far its last suite got: to stderr with the time, unless logging is configured."""
+    bench_log = logging.getLogger("compiled_attn.bench")
+    if not bench_log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        bench_log.addHandler(handler)
+        bench_log.setLevel(logging.INFO)
+
+
 def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list[str] | None = None) -> int:
+    show_rows_as_measured()
     cuda = torch.cuda.is_available()
     wanted = {b.upper() for b in backends} if backends else None
     chosen = [s for s, needs_cuda, b in SUITES
