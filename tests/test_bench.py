@@ -148,6 +148,22 @@ def test_bench_shows_rows_as_measured_unless_logging_is_configured(monkeypatch, 
     assert "compiled_attn.bench.piecewise_bench: piecewise_bench: {'us': 1.5}" in capsys.readouterr().err
 
 
+def test_launch_only_times_the_call_without_the_synchronize_after_it(monkeypatch):
+    """`eager_time_us(launch_only=True)`: the host's part of a call (an op's overhead without the
+    GPU's time); the default: the call and its synchronize (here a 3 ms stand-in)."""
+    import time
+
+    from compiled_attn.bench.timing import eager_time_us
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(1) or time.sleep(3e-3))
+    call = lambda: time.sleep(1e-3)  # noqa: E731
+    full, launch = eager_time_us(call, iters=5), eager_time_us(call, iters=5, launch_only=True)
+    assert 3900 < full < 8000 and 900 < launch < 2500
+    assert len(synced) == 2 * (5 + 1)  # a synchronize after every timed call and after the warm-up, both ways
+
+
 def test_compile_counts_tell_a_compile_from_a_cache_load():
     """A suite's compile counts: one graph per Dynamo trace; Inductor's first compile of it
     misses the FX-graph cache, the same compile after `torch._dynamo.reset()` (a second runner's)

@@ -58,8 +58,10 @@ def noop_custom(x: torch.Tensor) -> None:
 def run(quick: bool = False) -> list[dict]:
     """Rows: op, us per call (median), its overhead over the raw kernel (`write_kv_cache`, an
     attention op's Python kernel with its step checks skipped; both timed with a synchronize
-    after each call, which the difference cancels) and, for our ops, the host time of those
-    lookups and checks alone on a repeat step (`checks us`: no GPU work, so no synchronize)."""
+    after each call, which the difference cancels), the same overhead in host time alone (`host
+    overhead us`: each call timed from its start on an idle GPU to its return) and, for our ops,
+    the host time of those lookups and checks alone on a repeat step (`checks us`: no GPU work,
+    so no synchronize)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     iters = 200 if quick else 1000
     x = torch.empty(8, device=device)
@@ -182,8 +184,13 @@ def backend_rows(backend_name: str, backend: type[ca.AttentionBackend], device: 
             with raw_context:
                 raw_us = eager_time_us(raw_fn, iters=iters)
             op_us = eager_time_us(op_fn, iters=iters)
+            with raw_context:
+                raw_launch_us = eager_time_us(raw_fn, iters=iters, launch_only=True)
             rows.append({"card": card_name(), "what": f"{backend_name}: {what}", "us/call": op_us,
                          "overhead us": op_us - raw_us,
+                         # host time alone (GPU idle at the call, its synchronize untimed): the
+                         # overhead without the GPU time's and the synchronize's jitter
+                         "host overhead us": eager_time_us(op_fn, iters=iters, launch_only=True) - raw_launch_us,
                          # the piecewise op groups' call: the op's Python kernel, no dispatcher
                          "op group overhead us": eager_time_us(direct_fn, iters=iters) - raw_us,
                          "checks us": eager_time_us(checks_fn, iters=iters, host_only=True)})

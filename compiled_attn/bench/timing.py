@@ -56,9 +56,13 @@ def graph_time_us(fn: Callable[[], object], *, replays: int = 50, graph_iters: i
     return statistics.median(times)
 
 
-def eager_time_us(fn: Callable[[], object], *, iters: int = 50, host_only: bool = False) -> float:
+def eager_time_us(fn: Callable[[], object], *, iters: int = 50, host_only: bool = False,
+                  launch_only: bool = False) -> float:
     """Median wall time of one eager `fn()` in microseconds, synchronizing on CUDA after each
-    call unless `host_only` (`fn` queues no GPU work: the synchronize alone costs microseconds)."""
+    call unless `host_only` (`fn` queues no GPU work: the synchronize alone costs microseconds).
+    `launch_only`: the call's host time alone, from its start on an idle GPU to its return (the
+    synchronize after it is left out of the timing): what the call costs the host, without the
+    GPU time and the synchronize's jitter that the full timing carries."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() and not host_only else (lambda: None)
     for _ in range(3):
         fn()
@@ -67,6 +71,9 @@ def eager_time_us(fn: Callable[[], object], *, iters: int = 50, host_only: bool 
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
+        if launch_only:
+            times.append((time.perf_counter() - t0) * 1e6)
         sync()
-        times.append((time.perf_counter() - t0) * 1e6)
+        if not launch_only:
+            times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
