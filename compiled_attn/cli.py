@@ -20,6 +20,14 @@ def positive_int(text: str) -> int:
     return n
 
 
+def point(text: str) -> tuple[int, int]:
+    """A decode point BxCTX (batch x context tokens), both ints >= 1."""
+    parts = text.split("x")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r} is not BxCTX (e.g. 64x1024)")
+    return positive_int(parts[0]), positive_int(parts[1])
+
+
 def output_dir(text: str) -> str:
     """A folder the results can be written to, made now: a bad --out fails before the run."""
     try:

@@ -33,7 +33,7 @@ import torch
 
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionState
 from compiled_attn.capabilities import capability_reason
-from compiled_attn.metadata import CommonMetadata
+from compiled_attn.metadata import CommonMetadata, aligned_offsets
 from compiled_attn.registry import backends_with
 from compiled_attn.validation import as_int, check_graph_step
 
@@ -42,9 +42,6 @@ SCRATCH_BLOCK = 0  # pad rows read one token of this block: any block is valid t
 # of larger batch sizes) are at most this many: ~1 us of PCIe time, less than a copy call's ~5 us
 # of host time.
 MERGE_GAP_BYTES = 64 << 10
-# Where each static buffer starts in the byte buffer: cuDNN's frontend (FlashInfer's cuDNN decode
-# reads the lengths and block tables) assumes 16-byte aligned tensors, as vectorized kernels may.
-VIEW_ALIGN = 16
 
 
 class StaticInputs:
@@ -63,12 +60,9 @@ class StaticInputs:
         buffers of per-request rows (their every row starts as a pad)."""
         device = next(iter(parts.values())).device
         # the per-request rows before the tables, so that the rows a graph reads sit close together;
-        # every view starts VIEW_ALIGN-aligned
+        # every view starts aligned (metadata.UPLOAD_ALIGN)
         order = sorted(parts, key=lambda name: (-parts[name].element_size(), parts[name].numel()))
-        offsets, total = {}, 0
-        for name in order:
-            offsets[name] = total
-            total += -(-parts[name].numel() * parts[name].element_size() // VIEW_ALIGN) * VIEW_ALIGN
+        offsets, total = aligned_offsets({name: parts[name].numel() * parts[name].element_size() for name in order})
         cuda = device.type == "cuda"
         self._device_bytes = torch.empty(total, dtype=torch.uint8, device=device)
         self._host_bytes = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)

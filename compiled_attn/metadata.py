@@ -213,7 +213,7 @@ def slots_for(tables: np.ndarray, starts: np.ndarray, ends: np.ndarray, block_si
     return tables[request, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
 
-def _host_tables(block_tables: object, num_seqs: int) -> list[list[int]] | np.ndarray:
+def _host_tables(block_tables: object) -> list[list[int]] | np.ndarray:
     """The tables as given, for the metadata's views: a 2-D array kept as is (views slice it), a
     list of tables copied per request."""
     if isinstance(block_tables, np.ndarray | torch.Tensor) and block_tables.ndim == 2:
@@ -221,8 +221,9 @@ def _host_tables(block_tables: object, num_seqs: int) -> list[list[int]] | np.nd
     return [list(t) for t in block_tables]
 
 
-# Where each array of an upload starts in its byte buffer: cuDNN's frontend (FlashInfer's cuDNN
-# decode reads the lengths and block tables) and vectorized kernels assume 16-byte aligned tensors.
+# Where each array of a packed byte buffer (an upload, a State's static buffers) starts: cuDNN's
+# frontend (FlashInfer's cuDNN decode reads the lengths and block tables) and vectorized kernels
+# assume 16-byte aligned tensors.
 UPLOAD_ALIGN = 16
 _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
 
@@ -247,16 +248,23 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
     return packed_copy(arrays, lambda host: host.to(device, non_blocking=True), pin=device.type == "cuda")
 
 
+def aligned_offsets(nbytes: dict[str, int]) -> tuple[dict[str, int], int]:
+    """Where each of the named byte sizes starts when packed in this order, each UPLOAD_ALIGN-aligned,
+    and the packed total."""
+    offsets, total = {}, 0
+    for name, n in nbytes.items():
+        offsets[name] = total
+        total += -(-n // UPLOAD_ALIGN) * UPLOAD_ALIGN
+    return offsets, total
+
+
 def packed_copy(arrays: dict[str, np.ndarray], copy: Callable[[torch.Tensor], torch.Tensor], *,
                 pin: bool = False) -> dict[str, torch.Tensor]:
     """`arrays` packed into one host byte buffer (pinned if `pin`; each array UPLOAD_ALIGN-aligned),
     `copy(buffer)` called once, and its result viewed back as the arrays, by name."""
     if not arrays:
         return {}
-    offsets, total = {}, 0
-    for name, a in arrays.items():
-        offsets[name] = total
-        total += -(-a.nbytes // UPLOAD_ALIGN) * UPLOAD_ALIGN
+    offsets, total = aligned_offsets({name: a.nbytes for name, a in arrays.items()})
     host = torch.empty(max(total, UPLOAD_ALIGN), dtype=torch.uint8, pin_memory=pin)
     flat = host.numpy()
     for name, a in arrays.items():
@@ -383,7 +391,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
             num_decode_tokens=num_tokens - num_prefill_tokens,
             seq_lens=seq_lens,
             query_lens=query_lens,
-            block_tables_list=_host_tables(block_tables, len(seq_lens)) if uses_cache else [[] for _ in seq_lens],
+            block_tables_list=_host_tables(block_tables) if uses_cache else [[] for _ in seq_lens],
             max_query_len=int(query_a.max(initial=0)),
             max_seq_len=int(seq_a.max(initial=0)),
             backend_name=self.backend_name,
@@ -443,7 +451,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         return {
             "encoder_seq_lens": encoder_seq_lens,
             "cross_block_tables_list": None if cross_block_tables is None
-            else _host_tables(cross_block_tables, len(encoder_seq_lens)),
+            else _host_tables(cross_block_tables),
             "max_encoder_seq_len": max(encoder_seq_lens, default=0),
             "num_encoder_tokens": sum(encoder_seq_lens),
         }

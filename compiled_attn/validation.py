@@ -56,10 +56,10 @@ INT_DTYPE_KINDS = "iu"
 # Python values: ints, reals, enums
 
 
-def as_int(name: str, value: object, *, minimum: int | None = 1, maximum: int = INT32_MAX, why: str = "") -> int:
+def as_int(name: str, value: object, *, minimum: int | None = 1, why: str = "") -> int:
     """`value` as a python int: ints, numpy ints and 0-d integer CPU tensors pass; floats (even
     4.0), bools, strings, None and other tensors are a ValueError, as is a value outside
-    [minimum, maximum]."""
+    [minimum, INT32_MAX] (`why` says why the maximum holds)."""
     bad_tensor = isinstance(value, torch.Tensor) and (
         value.dim() != 0 or value.dtype.is_floating_point or value.dtype == torch.bool or value.device.type != "cpu"
     )
@@ -71,8 +71,8 @@ def as_int(name: str, value: object, *, minimum: int | None = 1, maximum: int = 
         raise ValueError(f"{name} must be an int, got {value!r}") from None
     if minimum is not None and out < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {out}")
-    if out > maximum:
-        raise ValueError(f"{name} must be <= {maximum}{why}, got {out}")
+    if out > INT32_MAX:
+        raise ValueError(f"{name} must be <= {INT32_MAX}{why}, got {out}")
     return out
 
 
@@ -893,12 +893,12 @@ def check_graph_step(md: Any, spec: AttentionSpec, backend_name: str, batch_size
 # Block copies and swaps
 
 
-def check_cache_list(kv_caches: object, what: str = "kv_caches") -> None:
+def check_cache_list(kv_caches: object) -> None:
     """A list (or tuple) of cache tensors. (Every runner step checks it: a map, not a generator,
     halves its cost over a model's layers.)"""
     if not isinstance(kv_caches, list | tuple) or not all(
             map(isinstance, kv_caches, itertools.repeat(torch.Tensor, len(kv_caches)))):
-        raise ValueError(f"{what} must be a list of cache tensors, got {type(kv_caches).__name__}")
+        raise ValueError(f"kv_caches must be a list of cache tensors, got {type(kv_caches).__name__}")
 
 
 def check_block_op_args(kv_caches: object, pairs: object, what: str = "kv_caches") -> None:

@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from compiled_attn.bench import decode_loop as dl
 from compiled_attn.bench.kernel_table import cuda_kernels, markdown, per_layer_table
 from compiled_attn.bench.timing import card_name
+from compiled_attn.cli import point
 
 PROFILED_STEPS = 8
 
@@ -48,20 +49,19 @@ def host_profile(ours: dl.PagedLoop, path: str, steps: int = 50) -> None:
         pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(30)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--point", action="append", required=True, metavar="BxCTX")
+    parser.add_argument("--point", type=point, action="append", required=True, metavar="BxCTX")
     parser.add_argument("--backend", default="FLASHINFER")
     parser.add_argument("--variant", action="append", choices=("compile", "dynamic"), default=None)
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--out", default=".")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     model = dl.build_8b(args.backend)
     backend = model.layers[0].attn.backend
     results = {"card": card_name()}
-    for point in args.point:
-        batch, ctx = (int(n) for n in point.split("x"))
+    for batch, ctx in args.point:
         sides = {}
         if not args.no_peer:
             with torch._inductor.config.patch(dl.PEER_INDUCTOR):
@@ -82,7 +82,7 @@ def main() -> None:
                                       f"{table['run us']:.0f} us of which the graph launch "
                                       f"{table['replay us']:.0f} us" if "build us" in table else ""))
             print(text, "\n", flush=True)
-            results[f"{side} {point}"] = table
+            results[f"{side} {batch}x{ctx}"] = table
             with open(os.path.join(args.out, "decode-profile.md"), "a") as f:
                 f.write(text + "\n\n")
         with open(os.path.join(args.out, "decode-profile.json"), "w") as f:

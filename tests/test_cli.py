@@ -78,6 +78,20 @@ def test_e2e_bad_arguments_exit_before_running(no_runs, argv):
     assert exit_.value.code == 2
 
 
+@pytest.mark.parametrize("bad", ["64x", "0x1024", "64x1024x2", "ax1024"])
+def test_decode_loop_and_profile_bad_points_exit_before_running(monkeypatch, bad):
+    """`--point` is parsed as BxCTX (`cli.point`) by every entry point that takes one; it was split
+    by hand after parsing in two of them (a traceback on "64x")."""
+    from compiled_attn.bench import decode_loop
+
+    monkeypatch.setattr(decode_loop, "run", not_reached)
+    monkeypatch.setattr(decode_loop, "build_8b", not_reached)
+    for main in (decode_loop.main, script("profile_decode").main):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--point", bad])
+        assert exit_.value.code == 2
+
+
 @pytest.mark.parametrize("bad", [["--iters", "0"], ["--tp", "0"], ["--batch", "-1"], ["--out", "FILE"]],
                          ids=["iters", "tp", "batch", "out_is_a_file"])
 def test_tp_bench_bad_arguments_exit_before_running(monkeypatch, a_file, bad):

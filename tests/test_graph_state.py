@@ -19,8 +19,9 @@ from test_flashinfer import DENSE_FLASHINFER
 
 import compiled_attn as ca
 from compiled_attn.backends import flashinfer as fib
-from compiled_attn.graph_state import SCRATCH_BLOCK, VIEW_ALIGN, GraphState, StaticInputs, table_widths
+from compiled_attn.graph_state import SCRATCH_BLOCK, GraphState, StaticInputs, table_widths
 from compiled_attn.graphs import CUDAGraphRunner
+from compiled_attn.metadata import UPLOAD_ALIGN
 from compiled_attn.registry import BACKEND_CLASSES
 
 T = ca.AttentionType
@@ -404,7 +405,7 @@ def replays_against_eager(backend: type[ca.AttentionBackend], monkeypatch,
 
 def test_static_buffers_start_aligned_whatever_their_sizes():
     """Odd sizes of every element width: each view (and its host mirror) still starts on a
-    VIEW_ALIGN boundary, holds its initial values and its pads."""
+    UPLOAD_ALIGN boundary, holds its initial values and its pads."""
     parts = {"a": torch.arange(3, dtype=torch.int64), "b": torch.arange(5, dtype=torch.int32),
              "c": torch.arange(7, dtype=torch.int16), "d": torch.arange(6, dtype=torch.int32).view(2, 3),
              "e": torch.arange(1, dtype=torch.int32)}
@@ -412,6 +413,6 @@ def test_static_buffers_start_aligned_whatever_their_sizes():
     base = inputs.views["a"].untyped_storage().data_ptr()
     for name, part in parts.items():
         view = inputs.views[name]
-        assert (view.data_ptr() - base) % VIEW_ALIGN == 0, name
-        assert inputs.host[name].ctypes.data % VIEW_ALIGN == inputs.host["a"].ctypes.data % VIEW_ALIGN, name
+        assert (view.data_ptr() - base) % UPLOAD_ALIGN == 0, name
+        assert inputs.host[name].ctypes.data % UPLOAD_ALIGN == inputs.host["a"].ctypes.data % UPLOAD_ALIGN, name
         assert torch.equal(view, torch.full_like(part, -1) if name == "b" else part), name

@@ -46,6 +46,7 @@ from compiled_attn.bench.compiles import reset_dynamo
 from compiled_attn.bench.models import shared_model
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, nominal_bandwidth
+from compiled_attn.cli import point
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models.llama import Llama, LlamaConfig, allocate_kv_caches, apply_rotary
 from compiled_attn.registry import BACKEND_CLASSES
@@ -425,18 +426,18 @@ def fp8_rows(backend: str, peer_ms: dict[tuple[int, int], float]) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--backend", action="append", default=None)
-    parser.add_argument("--point", action="append", metavar="BxCTX", help="e.g. 64x1024 (repeatable)")
+    parser.add_argument("--point", type=point, action="append", metavar="BxCTX", help="e.g. 64x1024 (repeatable)")
     parser.add_argument("--peer-compiles", type=int, default=None, help="default 2 (--quick: 1)")
     parser.add_argument("--ours-compiles", type=int, default=1)
     parser.add_argument("--variant", action="append", choices=VARIANTS, default=None)
     parser.add_argument("--side", action="append", choices=SIDES, default=None,
                         help="measure only this side (repeatable; default both)")
-    args = parser.parse_args()
-    points = tuple(tuple(int(n) for n in p.split("x")) for p in args.point) if args.point else None
+    args = parser.parse_args(argv)
+    points = tuple(args.point) if args.point else None
     print_table(run(args.quick, tuple(args.backend or BACKENDS), points, args.peer_compiles,
                     tuple(args.variant or ("compile",)), on_row=lambda row: print(row, flush=True),
                     ours_compiles=args.ours_compiles, sides=tuple(args.side or SIDES)))

@@ -28,7 +28,7 @@ def _spec(num_blocks: int) -> AttentionSpec:
                          block_size=BLOCK_SIZE, num_blocks=num_blocks, dtype=DTYPE, device="cuda")
 
 
-def _paged_step(batch: int, seq_lens: list[int], query_lens: list[int]):
+def _paged_step(seq_lens: list[int], query_lens: list[int]):
     """A cache with distinct random blocks per request and its metadata (bias included)."""
     need = [-(-s // BLOCK_SIZE) for s in seq_lens]
     spec = _spec(sum(need))
@@ -71,7 +71,7 @@ def _gathered(q5, kv_cache, md, scale: float):
 
 
 def decode_rows(batch: int, ctx: int, *, replays: int, with_gathered: bool) -> list[dict]:
-    spec, kv_cache, md = _paged_step(batch, [ctx] * batch, [1] * batch)
+    spec, kv_cache, md = _paged_step([ctx] * batch, [1] * batch)
     scale = spec.softmax_scale
     q = torch.randn(batch, NUM_HEADS, HEAD_SIZE, dtype=DTYPE, device="cuda")
     out = torch.empty_like(q)
@@ -103,7 +103,7 @@ def decode_rows(batch: int, ctx: int, *, replays: int, with_gathered: bool) -> l
 def prefill_rows(num_prompts: int, prompt_len: int, cached: int) -> dict:
     seq_lens = [prompt_len] * num_prompts
     query_lens = [prompt_len - cached] * num_prompts
-    spec, kv_cache, md = _paged_step(num_prompts, seq_lens, query_lens)
+    spec, kv_cache, md = _paged_step(seq_lens, query_lens)
     impl = XFormersBackend.get_impl_cls()(NUM_HEADS, HEAD_SIZE, spec.softmax_scale, num_kv_heads=NUM_KV_HEADS)
     tokens = sum(query_lens)
     q = torch.randn(tokens, NUM_HEADS * HEAD_SIZE, dtype=DTYPE, device="cuda")

@@ -21,7 +21,7 @@ import compiled_attn as ca
 from compiled_attn.bench.models import shared_model
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, nominal_bandwidth
-from compiled_attn.cli import backend_name, positive_int
+from compiled_attn.cli import backend_name, point, positive_int
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models.llama import Llama, LlamaConfig, allocate_kv_caches, apply_rotary
 
@@ -150,14 +150,6 @@ def run(quick: bool = False, backend_name: str | None = None, block_size: int = 
         rows.append(measure_point(model, compiled, backend, batch, ctx, weight_bytes, block_size, with_peer=not quick))
         torch.cuda.empty_cache()
     return rows
-
-
-def point(text: str) -> tuple[int, int]:
-    """argparse type: BxCTX, both ints >= 1."""
-    parts = text.split("x")
-    if len(parts) != 2:
-        raise argparse.ArgumentTypeError(f"{text!r} is not BxCTX (e.g. 64x1024)")
-    return positive_int(parts[0]), positive_int(parts[1])
 
 
 def main(argv: list[str] | None = None) -> None:

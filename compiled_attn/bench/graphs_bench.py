@@ -12,10 +12,11 @@ Capture: `CUDAGraphRunner.capture()` of the compiled 32-layer model at the 35 de
 captured twice: the first capture (reported apart) includes compiling the model and the kernels
 this process has not run yet, the second is the capture time.
 
-TORCH_SDPA's graphs gather every row's whole table; its State captures tables of 256, 512 and
-1024 tokens (`MAX_SEQ_LEN_TO_CAPTURE`) per size, and the runner replays the narrowest that holds
-the step: at CONTEXT 512 its graphed step gathers the keys its eager step does (until issue 13
-every graph gathered 1024 per row). Its capture rows count 3 graphs per size.
+TORCH_SDPA's graphs read the pages through FlexAttention here (its default on CUDA for this
+shape: `torch_sdpa.graph_decode_kernel`), one graph per size; with
+COMPILED_ATTN_SDPA_GRAPH_DECODE=gather they gather every row's table instead, captured at table
+widths of 256, 512 and 1024 tokens (`MAX_SEQ_LEN_TO_CAPTURE`) per size, the runner replaying
+the narrowest that holds the step, and its capture rows then count 3 graphs per size.
 
     python -m compiled_attn.bench.graphs_bench [--quick]
 """
