@@ -12,6 +12,7 @@ from compiled_attn.bench import suite
 from compiled_attn.bench.report import print_table
 from compiled_attn.cli import backend_name, output_dir, positive_int
 from compiled_attn.integrations.generate import run_generate
+from compiled_attn.integrations.hf_random import FAMILIES, SIZES
 from compiled_attn.registry import BACKEND_CLASSES
 
 
@@ -34,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     gen_args = sub.add_parser("generate", help="serve a transformers model (local folder or random weights)")
     source = gen_args.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=model_dir, help="a local transformers model folder (from_pretrained)")
-    source.add_argument("--random", choices=("llama", "qwen2", "mistral", "gemma2"),
+    source.add_argument("--random", choices=FAMILIES,
                         help="random weights of this family (no download)")
-    gen_args.add_argument("--size", choices=("tiny", "small", "llama3-8b"), default="small",
+    gen_args.add_argument("--size", choices=tuple(SIZES), default="small",
                           help="shape of the --random model")
     gen_args.add_argument("--prompt", action="append", default=None, help="a prompt text (needs --model's tokenizer)")
     gen_args.add_argument("--num-prompts", type=positive_int, default=8, help="random prompts (without --prompt)")
