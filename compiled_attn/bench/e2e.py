@@ -1,5 +1,6 @@
 """End-to-end decode of a Llama-3-8B-shaped model: ours eager / compiled / compiled+graphs, and
-the gpt-fast-style peer (static contiguous cache, SDPA, `mode="reduce-overhead"`).
+the gpt-fast-style peer (the decode loop's `GptFastDecoder`: static contiguous cache, SDPA,
+`mode="reduce-overhead"`; compiled here without the loop's coordinate-descent tuning).
 
 MBU (model bandwidth utilisation) = (weight bytes + KV bytes read per step) / step time /
 nominal HBM bandwidth; tokens/s = batch / step time. Weights are random: speed does not care.
@@ -14,16 +15,15 @@ import statistics
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import compiled_attn as ca
+from compiled_attn.bench.decode_loop import GptFastDecoder
 from compiled_attn.bench.models import shared_model
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, nominal_bandwidth
 from compiled_attn.cli import backend_name, point, positive_int
 from compiled_attn.graphs import CUDAGraphRunner
-from compiled_attn.models.llama import Llama, LlamaConfig, allocate_kv_caches, apply_rotary
+from compiled_attn.models.llama import Llama, LlamaConfig, allocate_kv_caches
 
 BLOCK_SIZE = 16
 GRID = tuple((b, c) for c in (1024, 4096) for b in (1, 8, 64))
@@ -61,42 +61,6 @@ def decode_inputs(config: LlamaConfig, backend, batch: int, ctx: int, dtype: tor
     return spec, caches, md, ids, pos
 
 
-class StaticCacheDecoder(nn.Module):
-    """gpt-fast's approach on the same weights: per-layer contiguous [B, Hkv, max_len, D] caches,
-    written with index_copy_, read whole by SDPA under a position mask."""
-
-    def __init__(self, model: Llama, batch: int, max_len: int) -> None:
-        super().__init__()
-        self.model = model
-        c = model.config
-        shape = (batch, c.num_kv_heads, max_len, c.head_size)
-        dtype, device = model.embed.weight.dtype, model.embed.weight.device
-        self.k_caches = [torch.randn(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
-        self.v_caches = [torch.randn(shape, dtype=dtype, device=device) for _ in range(c.num_layers)]
-        for t in self.k_caches + self.v_caches:
-            torch._dynamo.mark_static_address(t)
-
-    def forward(self, ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """ids [B], input_pos int64 [1] (one position for the whole batch, as in gpt-fast)."""
-        m, c = self.model, self.model.config
-        b = ids.shape[0]
-        x = m.embed(ids)
-        cos, sin = m.rope_cos[input_pos].expand(b, -1), m.rope_sin[input_pos].expand(b, -1)
-        mask = (torch.arange(self.k_caches[0].shape[2], device=ids.device) <= input_pos).view(1, 1, 1, -1)
-        for layer, kc, vc in zip(m.layers, self.k_caches, self.v_caches, strict=True):
-            q, k, v = layer.qkv_proj(layer.attn_norm(x)).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-            q = apply_rotary(q.view(b, c.num_heads, c.head_size), cos, sin)
-            k = apply_rotary(k.view(b, c.num_kv_heads, c.head_size), cos, sin)
-            kc.index_copy_(2, input_pos, k.view(b, c.num_kv_heads, 1, c.head_size))
-            vc.index_copy_(2, input_pos, v.view(b, c.num_kv_heads, 1, c.head_size))
-            o = F.scaled_dot_product_attention(q.view(b, c.num_heads, 1, c.head_size), kc, vc,
-                                               attn_mask=mask, enable_gqa=True)
-            x = x + layer.o_proj(o.reshape(b, layer.q_size))
-            gate, up = layer.gate_up_proj(layer.mlp_norm(x)).chunk(2, dim=-1)
-            x = x + layer.down_proj(F.silu(gate) * up)
-        return m.lm_head(m.norm(x)).float()
-
-
 def measure_point(model: Llama, compiled, backend, batch: int, ctx: int, weight_bytes: int, block_size: int,
                   with_peer: bool = True) -> dict:
     """One (batch, ctx) point: ours eager / compiled / compiled+graphs, then (with_peer) the gpt-fast peer."""
@@ -125,9 +89,9 @@ def measure_point(model: Llama, compiled, backend, batch: int, ctx: int, weight_
         return row
     runner = caches = None  # free the paged caches before the peer allocates its own
     torch.cuda.empty_cache()
-    peer = torch.compile(StaticCacheDecoder(model, batch, ctx + 16), mode="reduce-overhead", fullgraph=True)
+    peer = torch.compile(GptFastDecoder(model, batch, ctx + 16), mode="reduce-overhead", fullgraph=True)
     input_pos = torch.tensor([ctx], device="cuda")
-    peer_ids = ids.clone()  # a fresh tensor: `ids` carries our unbacked-size marks, the peer is static
+    peer_ids = ids.clone().view(batch, 1)  # a fresh tensor: `ids` carries our unbacked-size marks, the peer is static
     record("gpt-fast", step_seconds(lambda: peer(peer_ids, input_pos)))
     row["graphs / gpt-fast speed"] = row["gpt-fast ms"] / row["graphs ms"]
     return row
