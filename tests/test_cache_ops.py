@@ -275,3 +275,53 @@ def test_update_cuda_matches_cpu_bit_for_bit(kv_cache_dtype):
     cache_cuda = nan_cache(spec, device="cuda")
     write(md_cuda, key.cuda(), value.cuda(), cache_cuda, k_scale=0.5, v_scale=2.0, backend=backend)
     assert same_bits(cache_cuda.cpu(), cache)
+
+
+def interpreter_write_cases() -> None:
+    """Run by `test_cuda_write_logic_through_the_interpreter` in a process with TRITON_INTERPRET=1:
+    `write_kv_cache_cuda` (the CUDA path's Python side and kernel) on CPU tensors, against the
+    CPU write, bit for bit: pads skipped, rows read through their strides (a fused projection's
+    column slices), strided heads copied first, no tokens writing nothing."""
+    from compiled_attn.ops.cache import write_kv_cache
+    from compiled_attn.ops.triton_cache import write_kv_cache_cuda
+
+    g = torch.Generator().manual_seed(0)
+    slots = torch.tensor([5, -1, 0, 63, 17, -1, 40])
+    n = len(slots)
+    fused = torch.randn(n, 4 * HKV * D, generator=g)  # [q | k | v | spare] columns
+    cases = {
+        "contiguous": (torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)),
+        "fused column slices": (fused[:, HKV * D: 2 * HKV * D].view(n, HKV, D),
+                                fused[:, 2 * HKV * D: 3 * HKV * D].view(n, HKV, D)),
+        "strided heads": (torch.randn(n, D, HKV, generator=g).transpose(1, 2),
+                          torch.randn(n, D, HKV, generator=g).transpose(1, 2)),
+    }
+    for name, (key, value) in cases.items():
+        assert name != "fused column slices" or key.stride(0) == 4 * HKV * D
+        for dtype in (torch.float32, torch.float16):
+            expected = random_cache(seed=1, dtype=dtype)
+            got = expected.clone()
+            write_kv_cache(key, value, expected, slots, 1.0, 1.0)  # the CPU path: masked index_put
+            write_kv_cache_cuda(key, value, got, slots, 1.0, 1.0)
+            assert same_bits(got, expected), (name, dtype)
+    untouched = random_cache(seed=2)
+    got = untouched.clone()
+    write_kv_cache_cuda(torch.empty(0, HKV, D), torch.empty(0, HKV, D), got, slots[:0], 1.0, 1.0)
+    assert same_bits(got, untouched)
+
+
+def test_cuda_write_logic_through_the_interpreter():
+    """The CUDA cache write's launch logic and kernel on the CPU (Triton's interpreter), so that CI
+    covers what the gpu-marked test above checks on a device."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    tests = Path(__file__).parent
+    path = [str(tests), str(tests.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(path)}
+    script = "import test_cache_ops as t; t.interpreter_write_cases()"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -107,6 +107,3 @@ def test_ops_run_under_fake_cuda_tensors_without_error():
         pairs = torch.tensor([[0, 1], [2, 3]])
         assert torch.ops.compiled_attn.copy_blocks([cache], pairs) is None
         assert torch.ops.compiled_attn.swap_blocks(cache, other, pairs) is None
-    assert_fake_cuda(output, (num_tokens, HQ, D))
-    assert_fake_cuda(cache, (2, NB, BS, HKV, D))
-    assert other.device.type == "cpu"

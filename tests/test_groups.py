@@ -127,9 +127,10 @@ def test_grouped_state_serves_a_runner_whose_groups_differ():
     g = torch.Generator().manual_seed(0)
     wq = torch.randn(64, 4 * 64, generator=g) * 0.1
     wkv = torch.randn(64, 2 * 64, generator=g) * 0.1
+    table = torch.randn(16, 64, generator=g)  # random rows: a step that mixed up its token ids would differ
 
     def model(input_ids, positions, kv_caches):
-        x = torch.nn.functional.embedding(input_ids, torch.ones(64, 64)) * positions[:, None]
+        x = torch.nn.functional.embedding(input_ids, table) * (1 + positions[:, None] / 32)
         q, kv = x @ wq, x @ wkv
         return sum(layer(q, kv, kv, cache) for layer, cache in zip(layers.values(), kv_caches, strict=True))
 

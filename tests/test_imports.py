@@ -21,11 +21,11 @@ PACKAGE = "compiled_attn"
 # (importer, imported) -> why the import waits for the call
 LAZY_ALLOWED = {
     ("compiled_attn.ops.cache", "compiled_attn.ops.triton_cache"):
-        "triton_cache imports triton at module level; triton exists only where CUDA does",
+        "triton_cache imports triton at module level; CPU builds of torch come without triton",
     ("compiled_attn.backends.flashinfer", "compiled_attn.ops.triton_decode"):
-        "triton_decode imports triton at module level; triton exists only where CUDA does",
+        "triton_decode imports triton at module level; CPU builds of torch come without triton",
     ("compiled_attn.bench.decode_flashinfer", "compiled_attn.ops.triton_decode"):
-        "triton_decode imports triton at module level; triton exists only where CUDA does",
+        "triton_decode imports triton at module level; CPU builds of torch come without triton",
 }
 
 
