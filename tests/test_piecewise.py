@@ -200,6 +200,33 @@ def test_piecewise_steps_match_eager(cpu_backend, cpu_model):
         assert runner.counts[path] == before + 1, path
 
 
+def test_a_runner_without_decode_sizes_serves_every_step_through_the_pieces(cpu_backend, cpu_model):
+    """capture_sizes=[] with piecewise=True: no decode graph and no whole-model compile for one
+    (one Dynamo graph: the piecewise trace); decode steps take the pieces as the prefill does,
+    with eager's logits."""
+    from torch._dynamo.utils import counters
+
+    spec = cpu_spec()
+    name = cpu_backend.get_name()
+    graphs_before = counters["stats"]["unique_graphs"]
+    runner = piecewise_runner(cpu_model, cpu_backend, spec, random_caches(spec, 0), capture_sizes=[], compile=True)
+    assert runner.sizes == [] and runner.capture_stats["num_graphs"] == 0
+    ref = Engine(spec, direct(cpu_model, random_caches(spec, 0)), backend_name=name)
+    eng = Engine(spec, runner.run, backend_name=name)
+    a = prompts(3, seed=2, vocab=TINY.vocab_size, lo=2, hi=6)
+    for batch in (a, {k: [1] for k in a}, {k: [2] for k in a}):  # a prefill, then two decode steps
+        torch.testing.assert_close(eng.step(batch), ref.step(batch), rtol=1e-5, atol=1e-5)
+    assert runner.counts["piecewise"] == 3 and runner.counts["graph"] == 0
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+
+
+def test_no_decode_sizes_without_piecewise_is_refused(sdpa_model):
+    spec = cpu_spec()
+    with pytest.raises(ValueError, match=r"capture_sizes=\[\] captures no graph: pass piecewise=True"):
+        CUDAGraphRunner(sdpa_model, ca.get_attn_backend("TORCH_SDPA"), spec, random_caches(spec, 0),
+                        use_cuda_graphs=False, capture_sizes=[])
+
+
 def test_pad_tokens_write_no_cache(cpu_model, cpu_backend):
     """A 5-token step in bucket 8: the caches equal eager's after the step, bit for bit outside
     the step's own slots (pad rows' K/V never reach the cache)."""

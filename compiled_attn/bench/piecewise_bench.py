@@ -3,8 +3,8 @@ against the compiled model without graphs, each beside the step's summed GPU ker
 
 - 8B shape (`LlamaConfig.llama3_8b()`, bf16, random weights), one runner with `compile=True`
   (decode graphs at the 35 default sizes), `piecewise=True` with the default token buckets plus
-  4096 (so that the prefill step below has a bucket), captured into one pool (quick: one decode
-  size, 64, and the two buckets the steps take). Steps:
+  4096 (so that the prefill step below has a bucket), captured into one pool (quick: the two
+  buckets the steps take and no decode graph, `capture_sizes=[]`). Steps:
   *mixed*: 63 decodes at ctx 1024 + one 256-token prompt chunk (its first 256 tokens cached),
   319 tokens in the 320 bucket; *prefill*: 8 prompts x 512 new tokens, 4096 tokens.
   Paths: "compiled" is the runner's compiled model called directly under the step's metadata
@@ -54,10 +54,10 @@ STEPS = (
     ("prefill: 8 x 512 new tokens", [512] * 8, [512] * 8),
 )
 PROFILED_STEPS = 5
-# quick: the buckets the STEPS take (319 and 4096 tokens), and one decode size, not 1: batch 1
-# would compile a static 8B graph of its own, and no timed step replays a decode graph
+# quick: the buckets the STEPS take (319 and 4096 tokens) and no decode graph: no timed step
+# replays one, and the decode graphs cost the 8B model a whole-model compile of their own
 QUICK_BUCKETS = tuple(sorted({min(b for b in BENCH_BUCKETS if b >= sum(q)) for _, _, q in STEPS}))
-QUICK_CAPTURE_SIZES = (64,)
+QUICK_CAPTURE_SIZES = ()
 
 
 def step_inputs(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, seq_lens: list[int],

@@ -95,7 +95,9 @@ class CUDAGraphRunner:
             table, or the full one only on FlexAttention; a State whose `MIN_TABLE_WIDTH_TOKENS`
             is None captures the full one only).
         max_batch_size: the largest batch a graph serves; capture sizes above it are dropped.
-        capture_sizes: default `[1, 2, 4] + list(range(8, 257, 8))`.
+        capture_sizes: default `[1, 2, 4] + list(range(8, 257, 8))`. `[]` with `piecewise=True`:
+            no decode graphs (no full-model compile or capture for them); decode steps take the
+            piecewise graphs as every other step of up to the largest bucket's tokens does.
         warmup_steps: eager runs on a side stream before each capture (compile, lazy init).
         postprocess: applied to the model's output inside every step and graph, e.g. greedy
             sampling `lambda logits: logits.argmax(-1)`: `run` then returns tokens, and the
@@ -162,6 +164,10 @@ class CUDAGraphRunner:
             )
         warmup_steps = as_int("warmup_steps (capture needs a warmed-up step)", warmup_steps)
         check_cache_list(kv_caches)
+        decode_graphs = not isinstance(capture_sizes, list | tuple | range) or len(capture_sizes) > 0
+        if not decode_graphs and not piecewise:
+            raise ValueError("capture_sizes=[] captures no graph: pass piecewise=True to serve every step of up to "
+                             "the largest bucket's tokens through the piecewise graphs, or name decode sizes")
         if piecewise and spec.attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"piecewise graphs serve DECODER specs, not {spec.attn_type.name}: run "
                                       "these steps with piecewise=False")
@@ -183,7 +189,7 @@ class CUDAGraphRunner:
         self.spec = spec
         self.kv_caches = kv_caches
         self.state = backend.get_state_cls()(spec) if state is None else state
-        self.sizes = capture_sizes_for(max_batch_size, capture_sizes)  # largest first
+        self.sizes = capture_sizes_for(max_batch_size, capture_sizes) if decode_graphs else []  # largest first
         # block-table widths per size, largest (the full table) first
         self.widths = capture_widths_for(self.state.graph_table_widths(),
                                          -(-spec.max_seq_len_to_capture // spec.block_size))
@@ -196,7 +202,7 @@ class CUDAGraphRunner:
         self._cache_ptrs: list[int] = []
         self._output: torch.Tensor | None = None  # every graph copies its output rows here
         self._graph_seconds = 0.0  # of the last capture: in the decode graphs' capture blocks only
-        top = self.sizes[0]
+        top = self.sizes[0] if self.sizes else 0
         # static model inputs; zeros are a valid token id and position for any model
         self._input_ids = torch.zeros(top, dtype=INPUT_DTYPE, device=spec.device)
         self._positions = torch.zeros(top, dtype=INPUT_DTYPE, device=spec.device)
@@ -218,7 +224,7 @@ class CUDAGraphRunner:
         so pool_bytes and seconds cover them too. Piecewise buckets are captured first (the
         largest token counts).
         """
-        if self._captured:
+        if self.capture_stats:
             raise RuntimeError("this runner is captured already; make a new runner to capture again")
         self._check_caches_at_capture()
         cuda = self.use_cuda_graphs
@@ -238,10 +244,11 @@ class CUDAGraphRunner:
                     piecewise_stats = self.piecewise.capture(pool)
                     # the pool as the piecewise graphs left it; the decode graphs reuse its free memory
                     piecewise_stats["pool_bytes"] = _pool_bytes(pool, device) if cuda else None
-                with self.state.graph_capture(self.sizes[0]):
-                    for bs, width in _progress(graphs, self.progress,
-                                               desc=f"capturing {self.backend.get_name()} graphs"):
-                        self._captured[bs, width] = self._capture_size(bs, width, pool, side_stream)
+                if graphs:
+                    with self.state.graph_capture(self.sizes[0]):
+                        for bs, width in _progress(graphs, self.progress,
+                                                   desc=f"capturing {self.backend.get_name()} graphs"):
+                            self._captured[bs, width] = self._capture_size(bs, width, pool, side_stream)
         except BaseException:
             self._captured.clear()  # half a set of graphs would route batches to sizes never captured
             raise
@@ -259,8 +266,9 @@ class CUDAGraphRunner:
             "piecewise": piecewise_stats,
         }
         logger.info(
-            "captured %d %s graphs (sizes %d..%d, table widths %s blocks) in %.1f s; graph pool %s",
-            len(self._captured), self.backend.get_name(), self.sizes[-1], self.sizes[0], self.widths,
+            "captured %d %s graphs (sizes %s, table widths %s blocks) in %.1f s; graph pool %s",
+            len(self._captured), self.backend.get_name(),
+            f"{self.sizes[-1]}..{self.sizes[0]}" if self.sizes else "none", self.widths,
             self.capture_stats["seconds"], _mib(self.capture_stats["pool_bytes"]),
         )
         return self.capture_stats
@@ -324,7 +332,7 @@ class CUDAGraphRunner:
         captured tensors). Returns the model output for the step's tokens, [num_tokens, ...],
         a tensor the caller owns (a later step never overwrites it). `counts` records the path.
         """
-        if not self._captured:
+        if not self.capture_stats:  # set once a capture has finished (a piecewise-only one captures no decode graph)
             raise RuntimeError("call runner.capture() before runner.run()")
         md = attn_metadata
         self._check_inputs(md, input_ids, positions)
@@ -333,7 +341,7 @@ class CUDAGraphRunner:
         path = choose_path(
             num_prefills=md.num_prefills, num_seqs=md.num_seqs,
             max_seq_len=md.longest_seq_len,
-            largest_size=self.sizes[0], max_seq_len_to_capture=self.spec.max_seq_len_to_capture,
+            largest_size=self.sizes[0] if self.sizes else 0, max_seq_len_to_capture=self.spec.max_seq_len_to_capture,
             num_tokens=md.num_tokens,
             largest_piecewise_tokens=None if self.piecewise is None else self.piecewise.sizes[0],
         )
