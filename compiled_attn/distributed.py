@@ -89,8 +89,10 @@ def _rank_main(rank: int, world_size: int, port: int, device_type: str, fn: Call
 # CUDA graphs of a sharded model
 
 
-def check_capture_sizes_agree(sizes: Sequence[int], group: dist.ProcessGroup | None) -> None:
-    """ValueError on every rank unless all ranks capture the same sizes in the same order.
+def check_capture_sizes_agree(sizes: Sequence[int], group: dist.ProcessGroup | None,
+                              what: str = "CUDA-graph capture sizes") -> None:
+    """ValueError on every rank unless all ranks capture the same sizes (`what`: the decode
+    graphs' batch sizes or the piecewise graphs' token buckets) in the same order.
 
     Each captured graph holds collectives; a rank capturing a size the others skip would wait
     at replay for partners that never come (a hang, not an error). Call before capture; it
@@ -103,14 +105,16 @@ def check_capture_sizes_agree(sizes: Sequence[int], group: dist.ProcessGroup | N
     dist.all_gather_object(gathered, list(sizes), group=group)
     if any(s != gathered[0] for s in gathered):
         per_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(gathered))
-        raise ValueError(f"ranks disagree on the CUDA-graph capture sizes ({per_rank}); pass the same sizes on all")
+        raise ValueError(f"ranks disagree on the {what} ({per_rank}); pass the same sizes on all")
 
 
 def capture_sharded(runner: Any, group: dist.ProcessGroup | None) -> dict[str, Any]:
     """`runner.capture()` for a sharded model: checks first that every rank captures the same
-    sizes (largest first, so the graphs' collectives line up), then captures; returns its stats.
+    sizes and piecewise buckets (largest first, so the graphs' collectives line up), then
+    captures; returns its stats.
 
     runner: a `compiled_attn.graphs.CUDAGraphRunner` over this rank's model and KV caches.
     """
     check_capture_sizes_agree(runner.sizes, group)
+    check_capture_sizes_agree([] if runner.piecewise is None else runner.piecewise.sizes, group, "piecewise buckets")
     return runner.capture()

@@ -174,6 +174,13 @@ def gloo_rank_checks(group: dist.ProcessGroup, device: torch.device) -> dict:
         distributed.check_capture_sizes_agree([8, 4, 2, 1] if rank == 0 else [8, 4, 2], group)
     except ValueError as e:
         out["sizes_error"] = str(e)
+    pw = CUDAGraphRunner(shard, ca.get_attn_backend(SDPA), spec, caches_for(TINY, spec), use_cuda_graphs=False,
+                         capture_sizes=[], progress=False, piecewise=True, piecewise_sizes=[16, 8] if rank else [16],
+                         piece_compiler="eager")
+    try:  # the pieces hold the collectives too: different buckets would hang at replay
+        distributed.capture_sharded(pw, group)
+    except ValueError as e:
+        out["buckets_error"] = str(e)
     try:
         build_model(TINY, seed=0, backend=SDPA, device="cuda", tp_group=group)
     except ValueError as e:
@@ -243,6 +250,7 @@ def test_runner_static_step_with_collectives_matches_unsharded(ranks):
 def test_ranks_disagreeing_on_capture_sizes_raise_on_every_rank(ranks):
     for r in ranks:
         assert "ranks disagree" in r["sizes_error"] and "rank 1: [8, 4, 2]" in r["sizes_error"]
+        assert "disagree on the piecewise buckets" in r["buckets_error"] and "rank 1: [16, 8]" in r["buckets_error"]
 
 
 def test_gloo_group_for_a_cuda_model_raises(ranks):

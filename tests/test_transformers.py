@@ -78,6 +78,9 @@ def test_register_makes_the_implementation_valid_and_it_runs_only_in_an_engine()
         model(torch.tensor([[1, 2, 3]]))
     with pytest.raises(ValueError, match="attn_implementation='compiled_attn'"):
         ca_hf.PagedEngine(hf_random.eager_twin(model), compile=False)
+    # the runner's own refusal would name piecewise=True, which the engine does not take
+    with pytest.raises(ValueError, match=r"capture_sizes=\[\] .* name batch sizes, or pass cuda_graphs=False"):
+        ca_hf.PagedEngine(model, compile=False, capture_sizes=[])
 
 
 EXPECTED_GROUPS = {  # family -> {group: (layers, window, soft-cap)}; tiny configs have 3 layers, window 6

@@ -89,7 +89,10 @@ def measure_point(model: Llama, compiled, backend, batch: int, ctx: int, weight_
         return row
     runner = caches = None  # free the paged caches before the peer allocates its own
     torch.cuda.empty_cache()
-    peer = torch.compile(GptFastDecoder(model, batch, ctx + 16), mode="reduce-overhead", fullgraph=True)
+    # dynamic=False: a static graph per point, as gpt-fast's one batch size per process (Dynamo's
+    # automatic dynamic shapes would otherwise make the second point's batch symbolic)
+    peer = torch.compile(GptFastDecoder(model, batch, ctx + 16), mode="reduce-overhead", fullgraph=True,
+                         dynamic=False)
     input_pos = torch.tensor([ctx], device="cuda")
     peer_ids = ids.clone().view(batch, 1)  # a fresh tensor: `ids` carries our unbacked-size marks, the peer is static
     record("gpt-fast", step_seconds(lambda: peer(peer_ids, input_pos)))

@@ -189,6 +189,7 @@ class CUDAGraphRunner:
         self.spec = spec
         self.kv_caches = kv_caches
         self.state = backend.get_state_cls()(spec) if state is None else state
+        max_batch_size = as_int("max_batch_size", max_batch_size)
         self.sizes = capture_sizes_for(max_batch_size, capture_sizes) if decode_graphs else []  # largest first
         # block-table widths per size, largest (the full table) first
         self.widths = capture_widths_for(self.state.graph_table_widths(),
@@ -249,15 +250,15 @@ class CUDAGraphRunner:
                         for bs, width in _progress(graphs, self.progress,
                                                    desc=f"capturing {self.backend.get_name()} graphs"):
                             self._captured[bs, width] = self._capture_size(bs, width, pool, side_stream)
+            if cuda:
+                torch.cuda.synchronize(device)
         except BaseException:
             self._captured.clear()  # half a set of graphs would route batches to sizes never captured
             raise
-        if cuda:
-            torch.cuda.synchronize(device)
         self.capture_stats = {
             "num_graphs": len(self._captured),
             "sizes": list(self.sizes),
-            "table_widths": list(self.widths),
+            "table_widths": list(self.widths) if self.sizes else [],
             "seconds": time.perf_counter() - start,
             "graph_seconds": self._graph_seconds,
             "pool_bytes": _pool_bytes(pool, device) if cuda else None,
@@ -268,7 +269,7 @@ class CUDAGraphRunner:
         logger.info(
             "captured %d %s graphs (sizes %s, table widths %s blocks) in %.1f s; graph pool %s",
             len(self._captured), self.backend.get_name(),
-            f"{self.sizes[-1]}..{self.sizes[0]}" if self.sizes else "none", self.widths,
+            f"{self.sizes[-1]}..{self.sizes[0]}" if self.sizes else "none", self.capture_stats["table_widths"],
             self.capture_stats["seconds"], _mib(self.capture_stats["pool_bytes"]),
         )
         return self.capture_stats

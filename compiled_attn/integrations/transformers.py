@@ -248,6 +248,9 @@ class PagedEngine:
         if impl != IMPLEMENTATION:
             raise ValueError(f"the model runs attn_implementation={impl!r}: call ca_hf.register() and load it with "
                              f"attn_implementation={IMPLEMENTATION!r}")
+        if cuda_graphs and isinstance(capture_sizes, list | tuple | range) and len(capture_sizes) == 0:
+            raise ValueError("capture_sizes=[] leaves the engine's CUDA graphs nothing to capture: name batch sizes, "
+                             "or pass cuda_graphs=False")
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.model = model.eval()
