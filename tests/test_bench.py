@@ -19,6 +19,8 @@ from compiled_attn.bench.report import print_table
 from compiled_attn.bench.suite import seconds_line, show_rows_as_measured
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 
+TINY_LOOP = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+
 
 def test_plots_draw_the_decode_grid_only():
     fi = "compiled_attn.bench.decode_flashinfer"
@@ -232,6 +234,28 @@ def test_decode_loop_fp8_flashinfer_variant_names_flashinfers_decode():
     assert dl.VARIANT_ENV["fp8-flashinfer"] == {dl.FLASHINFER_GRAPH_DECODE_ENV: "flashinfer"}
     assert dl.VARIANT_BACKEND["fp8-flashinfer"] == "FLASHINFER"
     assert "fp8-flashinfer" in dl.VARIANTS
+
+
+def test_decode_loop_rows_split_setup_from_timed_seconds(monkeypatch):
+    """A decode-loop row says how long its side took to build, compile and run its first loop
+    (`setup s`) and how long its timed loops took (`timed s`): the first loop (a 0.3 s
+    stand-in for the compile) is setup, the timed loops (4 ms each) are not."""
+    import time
+
+    calls = []
+
+    def fake_loop(steps: int, sync_each: bool) -> None:
+        calls.append(sync_each)
+        time.sleep(0.3 if len(calls) == 1 else 0.004)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(dl, "peer_loop", lambda model, batch, ctx: fake_loop)
+    monkeypatch.setattr(dl, "nominal_bandwidth", lambda: 1e12)
+    model = build_model(TINY_LOOP, seed=0, backend="TORCH_SDPA")
+    row = dl.measure_peer(model, batch=2, ctx=16, compiles=1, repeats=3)
+    assert calls == [False] + [False] * 3 + [True] * 3  # one warm-up, then pipelined and synced loops
+    assert 0.3 <= row["setup s"] < 0.6 and row["timed s"] < 0.2
+    assert row["ms/step"] < 1.0  # the timed loops' ~0.07 ms a step, not the warm-up's 5.4
 
 
 @pytest.mark.parametrize("sides", [("peer", "ours"), ("ours",), ("peer",)])

@@ -252,9 +252,20 @@ def loop_ms(loop: Callable[[int, bool], torch.Tensor], sync_each: bool, repeats:
     return float(np.median(times))
 
 
-def loop_times(loop: Callable[[int, bool], torch.Tensor], repeats: int = REPEATS) -> tuple[float, float]:
-    """(pipelined, synced) ms per step of `loop`, after one warm-up loop: the second mode needs none."""
-    return loop_ms(loop, False, repeats), loop_ms(loop, True, repeats, warm_up=False)
+def loop_times(loop: Callable[[int, bool], torch.Tensor], repeats: int = REPEATS,
+               warm_up: bool = True) -> tuple[float, float]:
+    """(pipelined, synced) ms per step of `loop`, after one warm-up loop unless the caller ran it
+    (`warm_up_seconds`): the second mode needs none."""
+    return loop_ms(loop, False, repeats, warm_up), loop_ms(loop, True, repeats, warm_up=False)
+
+
+def warm_up_seconds(loop: Callable[[int, bool], torch.Tensor]) -> float:
+    """Wall seconds of one untimed pipelined loop: where a side compiles, captures and first
+    runs its kernels (the peer compiles and records its graphs in its first steps)."""
+    start = time.perf_counter()
+    loop(STEPS, False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def bytes_per_step(model: Llama, batch: int, ctx: int) -> int:
@@ -287,16 +298,23 @@ def fresh_draws(compiles: int) -> dict:
 
 
 def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int = REPEATS) -> dict:
-    """The best of `compiles` fresh peer compiles (each timed pipelined and synced)."""
-    times = []
+    """The best of `compiles` fresh peer compiles (each timed pipelined and synced). `setup s`:
+    the wall seconds of the draws' builds, compiles and first loops; `timed s`: of their timed
+    loops (where a `--quick` run's time goes)."""
+    times, seconds = [], {"setup s": 0.0, "timed s": 0.0}
     with torch._inductor.config.patch({**PEER_INDUCTOR, **fresh_draws(compiles)}):
         for _ in range(compiles):
+            start = time.perf_counter()
             loop = peer_loop(model, batch, ctx)
-            times.append(loop_times(loop, repeats))
+            warm_up_seconds(loop)
+            warm = time.perf_counter()
+            times.append(loop_times(loop, repeats, warm_up=False))
+            seconds["setup s"] += warm - start
+            seconds["timed s"] += time.perf_counter() - warm
             del loop
             torch.cuda.empty_cache()
     return {**_row(model, batch, ctx, "peer (gpt-fast)", *min(times)),
-            "peer compiles ms": [round(t[0], 3) for t in times]}
+            "peer compiles ms": [round(t[0], 3) for t in times], **{k: round(s, 1) for k, s in seconds.items()}}
 
 
 VARIANTS = ("compile", "dynamic", "fp8", "fp8-flashinfer", "flashinfer-decode", "cudnn-decode", "triton-decode",
@@ -332,17 +350,25 @@ def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> 
 def measure_ours(model: Llama, batch: int, ctx: int, variant: str = "compile", repeats: int = REPEATS,
                  compiles: int = 1) -> dict:
     """The row of `paged_loop(model, batch, ctx, variant)`, the best of `compiles` fresh compiles:
-    loop times and host work per step."""
-    draws = []
+    loop times and host work per step; `setup s` / `timed s` as the peer's (the setup: the
+    caches, the runner's compile and capture, the first loop)."""
+    draws, seconds = [], {"setup s": 0.0, "timed s": 0.0}
     with torch._inductor.config.patch(fresh_draws(compiles)):
         for _ in range(compiles):
+            start = time.perf_counter()
             reset_dynamo()  # a fresh trace and compile, as the peer's
             ours = paged_loop(model, batch, ctx, variant)
-            draws.append((loop_times(ours.loop, repeats), ours.host_us(), ours.runner.backend.get_name()))
+            warm_up_seconds(ours.loop)
+            warm = time.perf_counter()
+            draws.append((loop_times(ours.loop, repeats, warm_up=False), ours.host_us(),
+                          ours.runner.backend.get_name()))
+            seconds["setup s"] += warm - start
+            seconds["timed s"] += time.perf_counter() - warm
             del ours
             torch.cuda.empty_cache()
     times, host_us, name = min(draws, key=lambda d: d[0])
-    row = {**_row(model, batch, ctx, f"ours {name} ({variant})", *times), **host_us}
+    row = {**_row(model, batch, ctx, f"ours {name} ({variant})", *times), **host_us,
+           **{k: round(s, 1) for k, s in seconds.items()}}
     if compiles > 1:
         row["ours compiles ms"] = [round(d[0][0], 3) for d in draws]
     return row
