@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_triton_decode import run_under_interpreter
 
 import compiled_attn as ca
 from compiled_attn.registry import BACKEND_CLASSES
@@ -313,15 +314,4 @@ def interpreter_write_cases() -> None:
 def test_cuda_write_logic_through_the_interpreter():
     """The CUDA cache write's launch logic and kernel on the CPU (Triton's interpreter), so that CI
     covers what the gpu-marked test above checks on a device."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    tests = Path(__file__).parent
-    path = [str(tests), str(tests.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(path)}
-    script = "import test_cache_ops as t; t.interpreter_write_cases()"
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_under_interpreter("import test_cache_ops as t; t.interpreter_write_cases()", 300)

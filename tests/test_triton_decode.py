@@ -254,16 +254,21 @@ def interpreter_state_case() -> None:
                 assert rel_err(out[i : i + 1], ref) <= 2e-3, (kv_cache_dtype, i, n)
 
 
-def test_interpreter_matches_the_float64_reference():
-    """The kernels' indexing, masks, splits and merge, run by Triton's interpreter on the CPU,
-    alone and behind a FLASHINFER State's graph decode."""
+def run_under_interpreter(script: str, timeout: int) -> None:
+    """`script` in a fresh Python with TRITON_INTERPRET=1 (the flag is read when triton is first
+    imported) and the tests folder importable; fails the test with its stderr unless it exits 0."""
     pytest.importorskip("triton")
     tests = Path(__file__).parent
     path = [str(tests), str(tests.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(path)}
-    script = "import test_triton_decode as t; t.interpreter_cases(); t.interpreter_state_case()"
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_interpreter_matches_the_float64_reference():
+    """The kernels' indexing, masks, splits and merge, run by Triton's interpreter on the CPU,
+    alone and behind a FLASHINFER State's graph decode."""
+    run_under_interpreter("import test_triton_decode as t; t.interpreter_cases(); t.interpreter_state_case()", 600)
 
 
 def test_what_the_kernels_addressing_assumes_is_refused_before_a_launch():
