@@ -119,11 +119,11 @@ def rows_8b(name: str, iters: int, quick: bool) -> list[dict]:
                                                                   config.vocab_size), iters)]
     if first.counts["piecewise"] == 0:
         raise RuntimeError("the piecewise rows did not take the piecewise path")
-    rows.append(_capture_row(name, "first capture (compiles included)", stats))
+    rows.append(_capture_row(name, "8B", "first capture (compiles included)", stats))
     del first
     reset_dynamo()  # the compiled code holds the pieces, their graphs and pool: gone, as in a new process
     torch.cuda.empty_cache()
-    rows.append(_capture_row(name, "second capture (warm compile caches)", runner().capture()))
+    rows.append(_capture_row(name, "8B", "second capture (warm compile caches)", runner().capture()))
     return rows
 
 
@@ -143,9 +143,9 @@ def _step_rows(runner: CUDAGraphRunner, name: str, what: str, md: ca.AttentionMe
     return rows
 
 
-def _capture_row(name: str, what: str, stats: dict) -> dict:
+def _capture_row(name: str, model: str, what: str, stats: dict) -> dict:
     pw = stats["piecewise"]
-    return _row(name, "8B", what, path="capture", capture_s=stats["seconds"], piecewise_s=pw["seconds"],
+    return _row(name, model, what, path="capture", capture_s=stats["seconds"], piecewise_s=pw["seconds"],
                 piece_compile_s=pw["compile_seconds"],
                 graphs_only_s=stats["graph_seconds"] + pw["graph_seconds"], decode_graphs=stats["num_graphs"],
                 piecewise_graphs=pw["num_graphs"], pool_mib=_mib(stats["pool_bytes"]),
@@ -165,7 +165,7 @@ def rows_small_decode(name: str, iters: int) -> list[dict]:
     caches = [c.normal_() for c in allocate_kv_caches(config, backend, spec)]
     runner = CUDAGraphRunner(model, backend, spec, caches, compile=True, capture_sizes=[1], max_batch_size=1,
                              piecewise=True, piecewise_sizes=[1], progress=False)
-    runner.capture()
+    stats = runner.capture()
     md, ids, pos = step_inputs(backend, spec, [ctx], [1], config.vocab_size)
 
     def compiled() -> torch.Tensor:
@@ -180,7 +180,8 @@ def rows_small_decode(name: str, iters: int) -> list[dict]:
     times = {path: eager_time_us(fn, iters=iters) for path, fn in paths.items()}
     what = f"decode B=1, ctx {ctx}, {config.num_layers} layers"
     return [_row(name, "16-layer", what, path=path, tokens=1, us=us, kernel_us=kernel_us(paths[path]),
-                 x_graph=us / times["full graph"]) for path, us in times.items()]
+                 x_graph=us / times["full graph"]) for path, us in times.items()] + [
+        _capture_row(name, "16-layer", f"capture: decode size 1 and bucket 1, {config.num_layers} layers", stats)]
 
 
 def run(quick: bool, backends: tuple[str, ...] | None = None) -> list[dict]:
