@@ -14,7 +14,7 @@ from compiled_attn.abstract import (
     AttentionType,
     kv_cache_torch_dtype,
 )
-from compiled_attn.dynamo import mark_token_dim
+from compiled_attn.dynamo import floats_as_constants, mark_token_dim
 from compiled_attn.forward_context import get_forward_context, set_forward_context
 from compiled_attn.layer import Attention
 from compiled_attn.registry import BackendUnavailableError, get_attn_backend
@@ -32,6 +32,7 @@ __all__ = [
     "get_attn_backend",
     "get_forward_context",
     "kv_cache_torch_dtype",
+    "floats_as_constants",
     "mark_token_dim",
     "set_forward_context",
 ]

@@ -74,7 +74,7 @@ def generate(
         if runner is not None:
             logits = runner.run(md, ids, pos)[last_token_rows(query_lens)]
         else:
-            with ca.set_forward_context(md):
+            with ca.floats_as_constants(), ca.set_forward_context(md):
                 logits = model(ids, pos, caches)[last_token_rows(query_lens)]
         next_tokens = logits.argmax(-1).tolist()  # the host needs the tokens: this syncs
         elapsed = time.perf_counter() - t0

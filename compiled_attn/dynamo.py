@@ -1,6 +1,9 @@
-"""What the caller of a compiled model marks so that Dynamo compiles it once for every token count."""
+"""What the caller of a compiled model marks so that Dynamo compiles it once for every token
+count, and traces its Python floats as constants."""
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -21,3 +24,22 @@ def mark_token_dim(*tensors: torch.Tensor) -> None:
     """
     for t in tensors:
         torch._dynamo.decorators.mark_unbacked(t, 0)
+
+
+def floats_as_constants() -> AbstractContextManager[None]:
+    """Trace a model's Python floats (a norm's eps, a scale kept on a module) as constants.
+
+    Under `torch.compile(dynamic=True)` Dynamo lifts each float it reads, module attributes and
+    globals alike, into a 0-d float64 CPU input. Inductor then packs them with a C++ kernel on
+    every step and copies them to the device: a CUDA graph replays that copy from a host buffer,
+    and loading the compiled graph on a fresh process needs a C++ compiler (on an H100 host, tens
+    of seconds of CPU feature checks and builds). A model's constants never change, so
+    specialising them costs no recompiles. The patch matters while
+    Dynamo traces: wrap the calls that may trace (the first, and any that recompile).
+
+    Example::
+
+        with ca.floats_as_constants(), ca.set_forward_context(md):
+            logits = compiled_model(input_ids, positions, kv_caches)
+    """
+    return torch._dynamo.config.patch(specialize_float=True)

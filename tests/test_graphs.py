@@ -431,6 +431,51 @@ def test_fallbacks_run_eagerly_and_match(tiny_model):
     assert runner.counts == {"graph": 1, "piecewise": 0, "eager_prefill": 3, "eager_oversize": 1, "eager_overlong": 1}
 
 
+class InputRecorder:
+    """A Dynamo backend that keeps the dtype and device of every graph input it is handed."""
+
+    def __init__(self) -> None:
+        self.graphs: list[list[tuple[torch.dtype, str]]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.graphs.append([(t.dtype, t.device.type) for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm.forward
+
+
+@pytest.mark.parametrize("runner_compiles", [False, True])
+def test_runner_traces_the_models_floats_as_constants(tiny_model, monkeypatch, runner_compiles):
+    """Under dynamic=True Dynamo lifts each RMSNorm's eps into a float64 CPU input (Inductor's C++
+    kernel and a host-to-device copy every step); every graph the runner traces, for its graphs
+    and for eager steps, holds none: a caller's compiled model and the runner's own compile."""
+    spec = cpu_spec()
+    torch._dynamo.reset()
+    recorder = InputRecorder()
+    real_compile = torch.compile
+    if runner_compiles:  # the runner's own torch.compile(dynamic=True, options=...), here on the recorder
+        monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(
+            fn, fullgraph=kw["fullgraph"], dynamic=kw["dynamic"], backend=recorder))
+        model = tiny_model
+    else:
+        model = torch.compile(tiny_model, fullgraph=True, dynamic=True, backend=recorder)
+    runner = static_runner(model, spec, random_caches(spec, 0), capture_sizes=[1, 4], max_batch_size=4,
+                           compile=runner_compiles)
+    eng = Engine(spec, runner.run)
+    eng.step(prompts(3, seed=5, vocab=TINY.vocab_size))  # a prefill: the eager path
+    assert runner.counts["eager_prefill"] == 1 and recorder.graphs
+    # the inputs are the ids, positions, caches and weights (float32 on this CPU model); unpatched,
+    # each graph also holds one float64 per norm
+    for inputs in recorder.graphs:
+        assert (torch.float64, "cpu") not in inputs, inputs
+    torch._dynamo.reset()
+
+
+def test_floats_as_constants_restores_dynamos_setting():
+    before = torch._dynamo.config.specialize_float
+    with ca.floats_as_constants():
+        assert torch._dynamo.config.specialize_float is True
+    assert torch._dynamo.config.specialize_float == before
+
+
 def test_result_belongs_to_the_caller(tiny_model):
     spec = cpu_spec()
     runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[2], max_batch_size=2)

@@ -64,18 +64,18 @@ def measure_backend(config: LlamaConfig, name: str, backend: type[ca.AttentionBa
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
     md, ids, pos = _step(config, backend, spec, MIXES[0], seed=0)
     start = time.perf_counter()
-    with ca.set_forward_context(md):
+    with ca.floats_as_constants(), ca.set_forward_context(md):
         compiled(ids, pos, caches)
     compile_s = time.perf_counter() - start
     first = counter.frame_count
     for i, mix in enumerate(MIXES[1:], 1):
         md, ids, pos = _step(config, backend, spec, mix, seed=i)
-        with ca.set_forward_context(md):
+        with ca.floats_as_constants(), ca.set_forward_context(md):
             compiled(ids, pos, caches)
     md, ids, pos = _step(config, backend, spec, ([], [40] * 8), seed=99)  # 8 decodes
 
     def decode(fn) -> None:
-        with ca.set_forward_context(md):
+        with ca.floats_as_constants(), ca.set_forward_context(md):
             fn(ids, pos, caches)
 
     return {

@@ -78,7 +78,7 @@ def measure_point(model: Llama, compiled, backend, batch: int, ctx: int, weight_
     ca.mark_token_dim(ids, pos)
     for label, fn, iters in (("eager", model, 5), ("compiled", compiled, 20)):
         def step(fn=fn) -> None:
-            with ca.set_forward_context(md):
+            with ca.floats_as_constants(), ca.set_forward_context(md):
                 fn(ids, pos, caches)
         record(label, step_seconds(step, iters))
     runner = CUDAGraphRunner(compiled, backend, spec, caches, max_batch_size=batch, capture_sizes=[batch],

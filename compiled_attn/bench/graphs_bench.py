@@ -95,7 +95,7 @@ def _latency_rows(backend: type[ca.AttentionBackend], iters: int, with_reduce_ov
         md, ids, pos = _decode_step(backend, spec, batch)
 
         def direct(fn, md=md, ids=ids, pos=pos):
-            with ca.set_forward_context(md):
+            with ca.floats_as_constants(), ca.set_forward_context(md):
                 return fn(ids, pos, caches)
 
         times = {

@@ -132,7 +132,7 @@ def _step_rows(runner: CUDAGraphRunner, name: str, what: str, md: ca.AttentionMe
     """The step through the runner's compiled model without graphs, then through runner.run."""
 
     def compiled() -> torch.Tensor:
-        with ca.set_forward_context(md):
+        with ca.floats_as_constants(), ca.set_forward_context(md):
             return runner.model(ids, pos, runner.kv_caches)
 
     rows = []
@@ -169,7 +169,7 @@ def rows_small_decode(name: str, iters: int) -> list[dict]:
     md, ids, pos = step_inputs(backend, spec, [ctx], [1], config.vocab_size)
 
     def compiled() -> torch.Tensor:
-        with ca.set_forward_context(md):
+        with ca.floats_as_constants(), ca.set_forward_context(md):
             return runner.model(ids, pos, caches)
 
     paths = {

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from compiled_attn.abstract import AttentionBackend, AttentionMetadata, AttentionSpec, AttentionState, AttentionType
-from compiled_attn.dynamo import mark_token_dim
+from compiled_attn.dynamo import floats_as_constants, mark_token_dim
 from compiled_attn.forward_context import set_forward_context
 from compiled_attn.graphs.buckets import (
     GRAPH,
@@ -308,7 +308,8 @@ class CUDAGraphRunner:
         """The model on the first `bs` rows of the static inputs (under the caller's context)."""
         ids, pos = self._input_ids[:bs], self._positions[:bs]
         self._mark_tokens(ids, pos)
-        return self.model(ids, pos, self.kv_caches)
+        with floats_as_constants():
+            return self.model(ids, pos, self.kv_caches)
 
     def _mark_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Unbacked token count for a model compiled by the caller (no size recompiles); a model
@@ -357,7 +358,7 @@ class CUDAGraphRunner:
             if self.piecewise is not None:  # the compiled pieces at the step's own size, no graphs
                 return self.piecewise.run_unpadded(md, input_ids, positions, caches)
             self._mark_tokens(input_ids, positions)
-            with set_forward_context(md):
+            with floats_as_constants(), set_forward_context(md):
                 return self.model(input_ids, positions, caches)
         self._check_caches(caches)
         n = md.num_seqs

@@ -393,7 +393,7 @@ class PagedEngine:
         if self.runner is not None:
             return self.runner.run(md, ids, pos)
         ca.mark_token_dim(ids, pos)
-        with ca.set_forward_context(md):
+        with ca.floats_as_constants(), ca.set_forward_context(md):
             return self._step_fn(ids, pos, self.kv_caches)
 
     def _record(self, r: ServedRequest, token: int, logits: torch.Tensor | None) -> RequestOutput:
