@@ -213,11 +213,23 @@ def test_compile_seconds_survive_a_reset():
 
 
 def test_compiles_line_names_the_suites_that_compiled():
-    idle = {"graphs": 0, "compile s": 0.0, "backend s": 0.0, "fx cache hit": 0, "fx cache miss": 0,
-            "fx cache bypass": 0}
-    e2e = {**idle, "graphs": 1, "compile s": 61.2, "backend s": 52.0, "fx cache hit": 1}
+    idle = {"graphs": 0, "compile s": 0.0, "backend s": 0.0, "autotune s": 0.0, "fx cache hit": 0,
+            "fx cache miss": 0, "fx cache bypass": 0}
+    e2e = {**idle, "graphs": 1, "compile s": 61.2, "backend s": 52.0, "autotune s": 2.4, "fx cache hit": 1}
     assert compiles_line({"compiled_attn.bench.ceilings": idle, "compiled_attn.bench.e2e": e2e}) == (
-        "suite compiles: e2e 1 graphs 61 s (trace 9 s; fx cache 1 hit, 0 miss, 0 bypass)")
+        "suite compiles: e2e 1 graphs 61 s (trace 9 s, then autotune 2 s; fx cache 1 hit, 0 miss, 0 bypass)")
+
+
+def test_autotune_seconds_sum_inductors_runtime_tuning(monkeypatch):
+    """`autotune s`: Inductor's runtime config benchmarks and coordinate-descent tuning, timed by
+    Dynamo under two keys (GPU only: stand-in entries here), kept across `reset_dynamo`."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    before = compile_counts()["autotune s"]
+    for key, seconds in (("CachingAutotuner.benchmark_all_configs", [1.5, 0.25]),
+                         ("CachingAutotuner.coordinate_descent_tuning", [2.0])):
+        monkeypatch.setitem(compilation_time_metrics, key, [*compilation_time_metrics.get(key, ()), *seconds])
+    assert compile_counts()["autotune s"] == pytest.approx(before + 3.75)
 
 
 def test_several_compiles_are_fresh_tuning_draws():

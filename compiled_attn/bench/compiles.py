@@ -18,17 +18,21 @@ from torch._dynamo.utils import compilation_time_metrics, counters
 CACHES = {"fx cache": ("inductor", "fxgraph_cache_"), "aot cache": ("aot_autograd", "autograd_cache_")}
 OUTCOMES = ("hit", "miss", "bypass")
 COMPILE_KEY = "_compile.compile_inner"
-# column -> Dynamo's timing key (`compilation_time_metrics`): the whole compile, of it the backend
-# (AOTAutograd and Inductor: the rest is Dynamo's trace and guards), of that Inductor's codegen
-# (a cache miss) and the loading of compiled modules and waiting for their kernels (hit or miss)
-PHASES = {"compile s": COMPILE_KEY, "backend s": "OutputGraph.call_user_compiler",
-          "codegen s": "fx_codegen_and_compile", "load s": "PyCodeCache.load_by_key_path",
-          "kernel wait s": "async_compile.wait"}
+# column -> Dynamo's timing keys (`compilation_time_metrics`), summed: the whole compile, of it the
+# backend (AOTAutograd and Inductor: the rest is Dynamo's trace and guards), of that Inductor's
+# codegen (a cache miss) and the loading of compiled modules and waiting for their kernels (hit or
+# miss); and, outside the compiles, Inductor's runtime autotuning (a kernel's configs benchmarked,
+# coordinate descent included, at its first launch where no cached choice fits: a warm H100 run's
+# profile had 14 s of it)
+PHASES = {"compile s": (COMPILE_KEY,), "backend s": ("OutputGraph.call_user_compiler",),
+          "codegen s": ("fx_codegen_and_compile",), "load s": ("PyCodeCache.load_by_key_path",),
+          "kernel wait s": ("async_compile.wait",),
+          "autotune s": ("CachingAutotuner.benchmark_all_configs", "CachingAutotuner.coordinate_descent_tuning")}
 _seconds_before_resets = dict.fromkeys(PHASES, 0.0)  # what torch._dynamo.reset() cleared, by column
 
 
 def _phase_seconds(column: str) -> float:
-    return sum(compilation_time_metrics.get(PHASES[column], ()))
+    return sum(sum(compilation_time_metrics.get(key, ())) for key in PHASES[column])
 
 
 def reset_dynamo() -> None:
@@ -57,10 +61,12 @@ def counts_since(before: dict[str, float]) -> dict[str, float]:
 
 
 def compiles_line(compiles: dict[str, dict[str, float]]) -> str:
-    """`suite compiles: e2e 1 graphs 61 s (trace 9 s; fx cache 1 hit, 0 miss, 0 bypass), ...` for
-    the suites that compiled, from their `counts_since`: trace = compile s - backend s."""
+    """`suite compiles: e2e 1 graphs 61 s (trace 9 s, then autotune 2 s; fx cache 1 hit, 0 miss, 0
+    bypass), ...` for the suites that compiled, from their `counts_since`: trace = compile s -
+    backend s; autotune: Inductor's runtime autotuning, after the compiles."""
     parts = [f"{module.rsplit('.', 1)[-1]} {c['graphs']:.0f} graphs {c['compile s']:.0f} s "
-             f"(trace {c['compile s'] - c['backend s']:.0f} s; fx cache {c['fx cache hit']:.0f} hit, "
+             f"(trace {c['compile s'] - c['backend s']:.0f} s, then autotune {c['autotune s']:.0f} s; "
+             f"fx cache {c['fx cache hit']:.0f} hit, "
              f"{c['fx cache miss']:.0f} miss, {c['fx cache bypass']:.0f} bypass)"
              for module, c in compiles.items() if c["graphs"]]
     return f"suite compiles: {', '.join(parts) or 'none'}"
