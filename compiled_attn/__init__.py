@@ -29,10 +29,10 @@ __all__ = [
     "AttentionState",
     "AttentionType",
     "BackendUnavailableError",
+    "floats_as_constants",
     "get_attn_backend",
     "get_forward_context",
     "kv_cache_torch_dtype",
-    "floats_as_constants",
     "mark_token_dim",
     "set_forward_context",
 ]

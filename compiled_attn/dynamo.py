@@ -33,9 +33,13 @@ def floats_as_constants() -> AbstractContextManager[None]:
     globals alike, into a 0-d float64 CPU input. Inductor then packs them with a C++ kernel on
     every step and copies them to the device: a CUDA graph replays that copy from a host buffer,
     and loading the compiled graph on a fresh process needs a C++ compiler (on an H100 host, tens
-    of seconds of CPU feature checks and builds). A model's constants never change, so
-    specialising them costs no recompiles. The patch matters while
-    Dynamo traces: wrap the calls that may trace (the first, and any that recompile).
+    of seconds of CPU feature checks and builds). Specialised, a float recompiles the model once
+    per value it takes: nothing for a model's constants. The patch matters while Dynamo traces:
+    wrap every call that may trace (the first, and any that recompile); a graph traced without it
+    keeps its float inputs. It costs about 16 us a call (development CPU). Since torch 2.12 the
+    patch holds for the calling thread only; torch 2.11 patches Dynamo's config for the process,
+    so two threads inside it at once may leave it on after both leave (floats then stay
+    constants process-wide, which costs only recompiles for floats that change).
 
     Example::
 

@@ -217,12 +217,12 @@ def test_compiles_line_names_the_suites_that_compiled():
             "fx cache miss": 0, "fx cache bypass": 0}
     e2e = {**idle, "graphs": 1, "compile s": 61.2, "backend s": 52.0, "autotune s": 2.4, "fx cache hit": 1}
     assert compiles_line({"compiled_attn.bench.ceilings": idle, "compiled_attn.bench.e2e": e2e}) == (
-        "suite compiles: e2e 1 graphs 61 s (trace 9 s, then autotune 2 s; fx cache 1 hit, 0 miss, 0 bypass)")
+        "suite compiles: e2e 1 graphs 61 s (trace 9 s; fx cache 1 hit, 0 miss, 0 bypass) then autotune 2 s")
 
 
 def test_autotune_seconds_sum_inductors_runtime_tuning(monkeypatch):
     """`autotune s`: Inductor's runtime config benchmarks and coordinate-descent tuning, timed by
-    Dynamo under two keys (GPU only: stand-in entries here), kept across `reset_dynamo`."""
+    Dynamo under their own keys (GPU only: stand-in entries here), summed."""
     from torch._dynamo.utils import compilation_time_metrics
 
     before = compile_counts()["autotune s"]

@@ -443,10 +443,12 @@ class InputRecorder:
 
 
 @pytest.mark.parametrize("runner_compiles", [False, True])
-def test_runner_traces_the_models_floats_as_constants(tiny_model, monkeypatch, runner_compiles):
+@pytest.mark.parametrize("first_call", ["graph decode", "eager prefill"])
+def test_runner_traces_the_models_floats_as_constants(tiny_model, monkeypatch, runner_compiles, first_call):
     """Under dynamic=True Dynamo lifts each RMSNorm's eps into a float64 CPU input (Inductor's C++
-    kernel and a host-to-device copy every step); every graph the runner traces, for its graphs
-    and for eager steps, holds none: a caller's compiled model and the runner's own compile."""
+    kernel and a host-to-device copy every step). The runner traces without them wherever its
+    first call into the model is, a graph step's static buffers or an eager step, for a caller's
+    compiled model and for its own compile."""
     spec = cpu_spec()
     torch._dynamo.reset()
     recorder = InputRecorder()
@@ -457,23 +459,33 @@ def test_runner_traces_the_models_floats_as_constants(tiny_model, monkeypatch, r
         model = tiny_model
     else:
         model = torch.compile(tiny_model, fullgraph=True, dynamic=True, backend=recorder)
-    runner = static_runner(model, spec, random_caches(spec, 0), capture_sizes=[1, 4], max_batch_size=4,
-                           compile=runner_compiles)
-    eng = Engine(spec, runner.run)
-    eng.step(prompts(3, seed=5, vocab=TINY.vocab_size))  # a prefill: the eager path
-    assert runner.counts["eager_prefill"] == 1 and recorder.graphs
+    caches = random_caches(spec, 0)
+    runner = static_runner(model, spec, caches, capture_sizes=[1, 4], max_batch_size=4, compile=runner_compiles)
+    first = prompts(3, seed=5, vocab=TINY.vocab_size)
+    if first_call == "graph decode":  # the prompts eagerly outside the runner, then 3 decodes through it
+        eng = Engine(spec, direct(tiny_model, caches))
+        eng.step(first)
+        eng.call = runner.run
+        eng.step({name: [1] for name in first})
+        assert runner.counts["graph"] == 1
+    else:
+        Engine(spec, runner.run).step(first)
+        assert runner.counts["eager_prefill"] == 1
+    assert len(recorder.graphs) == 1  # traced by that first call
     # the inputs are the ids, positions, caches and weights (float32 on this CPU model); unpatched,
-    # each graph also holds one float64 per norm
-    for inputs in recorder.graphs:
-        assert (torch.float64, "cpu") not in inputs, inputs
+    # the graph also holds one float64 per norm
+    assert (torch.float64, "cpu") not in recorder.graphs[0], recorder.graphs[0]
     torch._dynamo.reset()
 
 
-def test_floats_as_constants_restores_dynamos_setting():
-    before = torch._dynamo.config.specialize_float
-    with ca.floats_as_constants():
-        assert torch._dynamo.config.specialize_float is True
-    assert torch._dynamo.config.specialize_float == before
+def test_floats_as_constants_restores_dynamos_setting_however_the_block_ends():
+    with torch._dynamo.config.patch(specialize_float=False):
+        with ca.floats_as_constants():
+            assert torch._dynamo.config.specialize_float is True
+        assert torch._dynamo.config.specialize_float is False
+        with pytest.raises(RuntimeError, match="traced"), ca.floats_as_constants():
+            raise RuntimeError("traced")
+        assert torch._dynamo.config.specialize_float is False
 
 
 def test_result_belongs_to_the_caller(tiny_model):

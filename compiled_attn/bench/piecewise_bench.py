@@ -18,7 +18,8 @@ against the compiled model without graphs, each beside the step's summed GPU ker
 - The 16-layer bench model (`graphs_bench.CONFIG`) at batch 1, ctx 512: a 1-token decode
   replayed as the full decode graph, forced through the piecewise graphs (bucket 1: every piece
   replayed, the ops eager between them), and compiled without graphs; `x_graph` = us / the full
-  graph's (goal for the piecewise row: <= 1.5).
+  graph's (goal for the piecewise row: <= 1.5); then that runner's capture row (decode size 1
+  and bucket 1).
 
     python -m compiled_attn.bench.piecewise_bench [--quick] [--backend FLASHINFER ...]
 """
@@ -174,13 +175,15 @@ def rows_small_decode(name: str, iters: int) -> list[dict]:
 
     def compiled() -> torch.Tensor:
         with ca.set_forward_context(md):
-            return runner.model(ids, pos, caches)  # traced at size 1 by the runner's capture
+            return runner.model(ids, pos, caches)
 
     paths = {
         "full graph": lambda: runner.run(md, ids, pos),
         "piecewise (forced)": lambda: runner.piecewise.run(md, ids, pos),
         "compiled, no graphs": compiled,
     }
+    with ca.floats_as_constants():  # a first call may trace (the capture traced size 1 already)
+        compiled()
     times = {path: eager_time_us(fn, iters=iters) for path, fn in paths.items()}
     what = f"decode B=1, ctx {ctx}, {config.num_layers} layers"
     return [_row(name, "16-layer", what, path=path, tokens=1, us=us, kernel_us=kernel_us(paths[path]),

@@ -174,8 +174,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # F.embedding with the weight alone: nn.Embedding.forward passes its float norm_type,
-        # which torch.compile(dynamic=True) first traces as a symbolic float and then, finding
-        # it cannot stay one, re-traces the whole model to specialize it (twice the trace time).
+        # which torch.compile(dynamic=True) (outside `ca.floats_as_constants`) first traces as a
+        # symbolic float and then, finding it cannot stay one, re-traces the whole model.
         if self.tp.group_name is None:
             return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.start) & (input_ids < self.stop)
