@@ -35,17 +35,19 @@ status=0
 if [[ -f .whl/fi-xqa-src.tar.xz ]]; then tar xJf .whl/fi-xqa-src.tar.xz -C /tmp/site; fi
 # INDUCTOR_CACHE=1: Inductor's and Triton's caches (compiled graphs, kernels, coordinate-descent
 # results) live in /tmp/inductor-cache, loaded from the carried .whl/inductor-cache.tar.xz.NN and
-# written back as $OUT/inductor-cache.tar.xz.NN (15 MB parts: copy them into .whl/, as the
-# FlashInfer JIT cache). A warm cache skips recompiles, and it also replays the cached tuning
-# draws: a peer's "best of N fresh compiles" then times one tuning N times.
+# written back as $OUT/inductor-cache.tar.xz.NN (15 MB parts: `bash scripts/repack_inductor_cache.sh
+# DIR` recompresses them into .whl/ at about half the size, as the FlashInfer JIT cache). A warm
+# cache skips recompiles, and it also replays the cached tuning draws: a peer's "best of N fresh
+# compiles" then times one tuning N times.
 if [[ "${INDUCTOR_CACHE:-0}" == 1 ]]; then
   export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TRITON_CACHE_DIR=/tmp/inductor-cache/triton
   mkdir -p "$TRITON_CACHE_DIR"
   if ls .whl/inductor-cache.tar.xz.* >/dev/null 2>&1; then
     cat .whl/inductor-cache.tar.xz.* | tar xJf - -C "$TORCHINDUCTOR_CACHE_DIR"
   fi
-  save_inductor_cache() {
-    tar cf - -C "$TORCHINDUCTOR_CACHE_DIR" . | xz -T0 -6 | split -b 15m -d - "$OUT/inductor-cache.tar.xz."
+  save_inductor_cache() {  # files grouped by extension (xz finds more to share); repack_inductor_cache.sh shrinks it further
+    (cd "$TORCHINDUCTOR_CACHE_DIR" && find . -type f | awk -F. '{print $NF "\t" $0}' | sort | cut -f2- \
+      | tar cf - --no-recursion -T -) | xz -T0 -6 | split -b 15m -d - "$OUT/inductor-cache.tar.xz."
     ls -la "$OUT"/inductor-cache.tar.xz.*
   }
 fi
