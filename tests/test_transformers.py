@@ -125,6 +125,28 @@ def test_eager_engine_matches_transformers_without_runner(family):
     assert tokens == ref_tokens and max_logit_error(logits, ref_logits) <= LOGITS_ATOL
 
 
+def test_compiled_engine_without_runner_traces_the_models_floats_as_constants(family, monkeypatch):
+    """Without graphs the engine calls its own torch.compile(dynamic=True) step: the model's floats
+    (RMSNorm eps, rotary scaling) must reach the graph as constants, not float64 CPU inputs."""
+    _, model, _, (ref_tokens, _) = family
+    torch._dynamo.reset()
+    graphs = []
+    real_compile = torch.compile
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: list):
+        graphs.append([(t.dtype, t.device.type) for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, fullgraph=kw["fullgraph"],
+                                                                        dynamic=kw["dynamic"], backend=recording))
+    engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=True, cuda_graphs=False,
+                               keep_logits=True, max_num_batched_tokens=8)
+    tokens, _ = serve(engine)
+    assert tokens == ref_tokens and graphs
+    assert all((torch.float64, "cpu") not in inputs for inputs in graphs), graphs
+    torch._dynamo.reset()
+
+
 def test_generate_returns_the_new_tokens_of_every_prompt(family):
     _, model, _, (ref_tokens, _) = family
     engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=False, cuda_graphs=False)
