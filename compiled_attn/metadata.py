@@ -276,8 +276,8 @@ def packed_copy(arrays: dict[str, np.ndarray], copy: Callable[[torch.Tensor], to
     views = {}
     for name, a in arrays.items():
         start = offsets[name] // a.itemsize
-        flat = typed[_TORCH_DTYPES[a.dtype]][start : start + a.size]
-        views[name] = flat if a.ndim == 1 else flat.view(a.shape)
+        row = typed[_TORCH_DTYPES[a.dtype]][start : start + a.size]
+        views[name] = row if a.ndim == 1 else row.view(a.shape)
     return views
 
 

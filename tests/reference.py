@@ -1,4 +1,5 @@
-"""The float64 reference every backend is checked against, and random paged batches.
+"""The float64 reference every backend is checked against, random paged batches, and a Dynamo
+backend that records graph inputs.
 
 Plain torch, one request at a time, over the *logical* key sequence (no paging), so it shares
 no code with the backends. Batches come with a cache whose every unused slot holds NaN: real
@@ -291,3 +292,14 @@ def flex_on_cpu(monkeypatch) -> None:
 
     monkeypatch.setattr(flex_decode, "flex_attention", sparse_flex)
     monkeypatch.setattr(flex_decode, "compiled_attend", lambda: flex_decode.attend)
+
+
+class InputRecorder:
+    """A Dynamo backend that keeps the dtype and device of every graph input it is handed."""
+
+    def __init__(self) -> None:
+        self.graphs: list[list[tuple[torch.dtype, str]]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.graphs.append([(t.dtype, t.device.type) for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm.forward

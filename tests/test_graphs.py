@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import flex_on_cpu
+from reference import InputRecorder, flex_on_cpu
 
 import compiled_attn as ca
 from compiled_attn.backends import flashinfer as fib
@@ -429,17 +429,6 @@ def test_fallbacks_run_eagerly_and_match(tiny_model):
     for batch in steps:
         torch.testing.assert_close(eng.step(batch), ref.step(batch), rtol=1e-4, atol=1e-4)
     assert runner.counts == {"graph": 1, "piecewise": 0, "eager_prefill": 3, "eager_oversize": 1, "eager_overlong": 1}
-
-
-class InputRecorder:
-    """A Dynamo backend that keeps the dtype and device of every graph input it is handed."""
-
-    def __init__(self) -> None:
-        self.graphs: list[list[tuple[torch.dtype, str]]] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        self.graphs.append([(t.dtype, t.device.type) for t in example_inputs if isinstance(t, torch.Tensor)])
-        return gm.forward
 
 
 @pytest.mark.parametrize("runner_compiles", [False, True])

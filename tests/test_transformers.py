@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import InputRecorder
 from torch._dynamo.utils import counters
 
 pytest.importorskip("transformers")
@@ -130,20 +131,15 @@ def test_compiled_engine_without_runner_traces_the_models_floats_as_constants(fa
     (RMSNorm eps, rotary scaling) must reach the graph as constants, not float64 CPU inputs."""
     _, model, _, (ref_tokens, _) = family
     torch._dynamo.reset()
-    graphs = []
+    recorder = InputRecorder()
     real_compile = torch.compile
-
-    def recording(gm: torch.fx.GraphModule, example_inputs: list):
-        graphs.append([(t.dtype, t.device.type) for t in example_inputs if isinstance(t, torch.Tensor)])
-        return gm.forward
-
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, fullgraph=kw["fullgraph"],
-                                                                        dynamic=kw["dynamic"], backend=recording))
+                                                                        dynamic=kw["dynamic"], backend=recorder))
     engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=True, cuda_graphs=False,
                                keep_logits=True, max_num_batched_tokens=8)
     tokens, _ = serve(engine)
-    assert tokens == ref_tokens and graphs
-    assert all((torch.float64, "cpu") not in inputs for inputs in graphs), graphs
+    assert tokens == ref_tokens and recorder.graphs
+    assert all((torch.float64, "cpu") not in inputs for inputs in recorder.graphs), recorder.graphs
     torch._dynamo.reset()
 
 

@@ -30,6 +30,11 @@ EAGER_OVERLONG = "eager_overlong"  # a sequence longer than spec.max_seq_len_to_
 PATHS = (GRAPH, PIECEWISE, EAGER_PREFILL, EAGER_OVERSIZE, EAGER_OVERLONG)
 
 
+def names_no_sizes(sizes: Iterable[int] | None) -> bool:
+    """Whether `sizes` is an empty list of capture sizes (`[]`: no decode graphs), not a default."""
+    return isinstance(sizes, list | tuple | range) and len(sizes) == 0
+
+
 def capture_sizes_for(max_batch_size: int, sizes: Iterable[int] | None = None) -> list[int]:
     """The batch sizes to capture, largest first: `sizes` (default DEFAULT_CAPTURE_SIZES) up to
     `max_batch_size`, without duplicates.

@@ -36,6 +36,7 @@ from compiled_attn.graphs.buckets import (
     capture_widths_for,
     choose_path,
     fill_padded,
+    names_no_sizes,
     pick_batch_size,
     pick_table_width,
     piecewise_sizes_for,
@@ -164,7 +165,7 @@ class CUDAGraphRunner:
             )
         warmup_steps = as_int("warmup_steps (capture needs a warmed-up step)", warmup_steps)
         check_cache_list(kv_caches)
-        decode_graphs = not isinstance(capture_sizes, list | tuple | range) or len(capture_sizes) > 0
+        decode_graphs = not names_no_sizes(capture_sizes)
         if not decode_graphs and not piecewise:
             raise ValueError("capture_sizes=[] captures no graph: pass piecewise=True to serve every step of up to "
                              "the largest bucket's tokens through the piecewise graphs, or name decode sizes")

@@ -29,6 +29,7 @@ from torch import nn
 
 import compiled_attn as ca
 from compiled_attn.graphs import CUDAGraphRunner
+from compiled_attn.graphs.buckets import names_no_sizes
 from compiled_attn.graphs.runner import WithPostprocess
 from compiled_attn.groups import GroupedMetadata, GroupedState
 from compiled_attn.paging import NULL_BLOCK, ScheduledStep, Scheduler, ServedRequest, window_blocks
@@ -248,7 +249,7 @@ class PagedEngine:
         if impl != IMPLEMENTATION:
             raise ValueError(f"the model runs attn_implementation={impl!r}: call ca_hf.register() and load it with "
                              f"attn_implementation={IMPLEMENTATION!r}")
-        if cuda_graphs and isinstance(capture_sizes, list | tuple | range) and len(capture_sizes) == 0:
+        if cuda_graphs and names_no_sizes(capture_sizes):
             raise ValueError("capture_sizes=[] leaves the engine's CUDA graphs nothing to capture: name batch sizes, "
                              "or pass cuda_graphs=False")
         param = next(model.parameters())
