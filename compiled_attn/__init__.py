@@ -14,7 +14,7 @@ from compiled_attn.abstract import (
     AttentionType,
     kv_cache_torch_dtype,
 )
-from compiled_attn.dynamo import coordinate_descent_options, floats_as_constants, mark_token_dim
+from compiled_attn.dynamo import floats_as_constants, mark_token_dim
 from compiled_attn.forward_context import get_forward_context, set_forward_context
 from compiled_attn.layer import Attention
 from compiled_attn.registry import BackendUnavailableError, get_attn_backend
@@ -29,7 +29,6 @@ __all__ = [
     "AttentionState",
     "AttentionType",
     "BackendUnavailableError",
-    "coordinate_descent_options",
     "floats_as_constants",
     "get_attn_backend",
     "get_forward_context",

@@ -1,5 +1,5 @@
 """What the caller of a compiled model marks so that Dynamo compiles it once for every token
-count, and traces its Python floats as constants; the Inductor options that tune its kernels."""
+count, and traces its Python floats as constants."""
 
 from __future__ import annotations
 
@@ -47,20 +47,3 @@ def floats_as_constants() -> AbstractContextManager[None]:
             logits = compiled_model(input_ids, positions, kv_caches)
     """
     return torch._dynamo.config.patch(specialize_float=True)
-
-
-def coordinate_descent_options(torch_version: str = torch.__version__) -> dict[str, bool]:
-    """Inductor options (`torch.compile(options=...)`) that tune every Triton kernel by coordinate
-    descent and keep the tuned configs for the next process.
-
-    torch 2.11's FX graph cache loads a cached graph's kernels as static launchers and then drops
-    the tuned config of every kernel that had one heuristic config, so each such kernel is tuned
-    again at its first launch in every process (PyTorch issue 172819, fixed in 2.12). On an H100
-    that was 53 s of a warm `bench --quick`, and a new draw of kernel timings each start. Before
-    2.12 the kernels keep Triton's own launcher, which reads the configs back from the autotune
-    cache; a CUDA graph replays the same kernels either way.
-    """
-    options = {"coordinate_descent_tuning": True}
-    if torch.torch_version.TorchVersion(torch_version) < (2, 12):
-        options["use_static_cuda_launcher"] = False
-    return options

@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
-import os
 import random
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -39,7 +34,6 @@ from compiled_attn.graphs import (
 )
 from compiled_attn.graphs import pick_batch_size as pick
 from compiled_attn.graphs.buckets import capture_widths_for
-from compiled_attn.graphs.runner import COMPILE_OPTIONS
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 from compiled_attn.paging import BlockAllocator, Request, last_token_rows, schedule
 from compiled_attn.testing.agreement import min_top1_agreement, near_tie
@@ -974,71 +968,6 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name):
 
     assert greedy_agreement(ref, eng, prompts(3, seed=5, vocab=GPU_CONFIG.vocab_size), 16, next_step) >= 0.9
     assert runner.counts["graph"] == 15
-
-
-# A fresh process: capture a compile=True runner on the one-layer GPU model with COMPILE_OPTIONS
-# from argv[1] (JSON); print how many configs coordinate descent
-# timed and how many graphs the FX graph cache served.
-TUNING_PROCESS = """
-import dataclasses, json, sys
-import torch
-from torch._dynamo.utils import counters
-import compiled_attn as ca
-import test_graphs as t
-from compiled_attn.graphs import runner as runner_module
-runner_module.COMPILE_OPTIONS = json.loads(sys.argv[1])
-config = dataclasses.replace(t.GPU_CONFIG, num_layers=1)
-spec = t.gpu_spec("TORCH_SDPA")
-backend = ca.get_attn_backend("TORCH_SDPA", spec)
-model = t.build_model(config, seed=0, backend="TORCH_SDPA", dtype=torch.bfloat16, device="cuda")
-runner = t.CUDAGraphRunner(model, backend, spec, t.allocate_kv_caches(config, backend, spec), capture_sizes=[1, 2],
-                           max_batch_size=2, progress=False, compile=True)
-runner.capture()
-print(json.dumps({"timed": counters["inductor"]["coordesc_tuning_bench"],
-                  "fx hits": counters["inductor"]["fxgraph_cache_hit"]}))
-"""
-
-
-def tuning_counts(cache: Path, options: dict) -> dict:
-    """TUNING_PROCESS's counts, run in a new Python with `cache` as Inductor's and Triton's cache."""
-    tests = Path(__file__).parent
-    path = [str(tests), str(tests.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "TORCHINDUCTOR_CACHE_DIR": str(cache),
-           "TRITON_CACHE_DIR": str(cache / "triton")}
-    done = subprocess.run([sys.executable, "-c", TUNING_PROCESS, json.dumps(options)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.gpu
-@pytest.mark.long(60)
-@pytest.mark.parametrize("options", ["ours", "coordinate descent alone"])
-def test_a_new_process_reuses_the_tuned_kernels(tmp_path, options):
-    """The runner's compile tunes its kernels once: a second process with the same Inductor
-    cache loads the graphs from the FX graph cache and times no config. With coordinate descent
-    alone, torch 2.11 tunes again (the bug `ca.coordinate_descent_options` works around), which
-    shows that the counts can tell the two apart."""
-    if options == "ours":
-        compile_options, retunes = COMPILE_OPTIONS, False
-    elif torch.torch_version.TorchVersion(torch.__version__) < (2, 12):
-        compile_options, retunes = {"coordinate_descent_tuning": True}, True
-    else:
-        pytest.skip(f"torch {torch.__version__} keeps the tuned configs of cached static launchers")
-    first = tuning_counts(tmp_path, compile_options)
-    assert first["timed"] > 0, first  # the cold process tuned
-    second = tuning_counts(tmp_path, compile_options)
-    assert second["fx hits"] >= 1, second
-    assert (second["timed"] > 0) == retunes, second
-
-
-def test_coordinate_descent_options_keep_triton_launchers_before_torch_2_12():
-    assert ca.coordinate_descent_options("2.11.0+cu130") == {"coordinate_descent_tuning": True,
-                                                              "use_static_cuda_launcher": False}
-    assert ca.coordinate_descent_options("2.12.0a0+git5") == ca.coordinate_descent_options("2.11.0")
-    assert ca.coordinate_descent_options("2.12.0") == {"coordinate_descent_tuning": True}
-    assert ca.coordinate_descent_options("2.13.0+cpu") == {"coordinate_descent_tuning": True}
-    assert ca.coordinate_descent_options() == COMPILE_OPTIONS
 
 
 def greedy_agreement(ref: Engine, eng: Engine, step: dict, steps: int,

@@ -62,10 +62,8 @@ SIDES = ("peer", "ours")
 QUICK_POINTS = ((1, 1024), (64, 1024))
 GRID = tuple((b, c) for c in (1024, 4096) for b in (1, 8, 64, 256))
 FP8_POINTS = ((64, 4096),)  # backends with fp8 caches (FLASHINFER): e4m3, against the bf16 peer
-# What gpt-fast's generate.py sets before compiling its decode step; on torch 2.11 also Triton's
-# own kernel launcher, which keeps the tuning for the next process (`ca.coordinate_descent_options`:
-# the peer's replayed graphs launch the same kernels).
-PEER_INDUCTOR = {**ca.coordinate_descent_options(), "triton.unique_kernel_names": True}
+# What gpt-fast's generate.py sets before compiling its decode step.
+PEER_INDUCTOR = {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True}
 
 
 # ---------------------------------------------------------------------------------------------
