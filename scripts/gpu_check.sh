@@ -21,7 +21,9 @@
 # "--quick --backend FLASHINFER"; "--profile" with the adapter part writes both sides' kernel tables). "tests" runs every GPU test but the fuzzer's (the piecewise and
 # transformers ones too); PYTEST_ARGS narrows them. INDUCTOR_CACHE=1 carries Inductor's caches
 # between runs (below); CLOCK_LOG=1 logs the card's clocks, temperature and power once a second
-# ($OUT/clocks.csv); GRID_ORDER="ours peer" runs the grid's sides in that order.
+# ($OUT/clocks.csv); GRID_ORDER="ours peer" runs the grid's sides in that order. "autotune": which
+# kernels a warm process tunes again (scripts/autotune_probe.py: PROBE_SUITE, default decode_loop,
+# run cold then warm on a fresh cache; PROBE_ARGS e.g. "--static-launcher 0"; ~5 min).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PARTS=${PARTS:-"tests fuzz bench"}
@@ -122,6 +124,11 @@ if [[ " $PARTS " == *" grid "* ]]; then
     done
     grep -h "^{" "$OUT/grid-$point-peer.log" "$OUT/grid-$point-ours.log" | cut -c1-240
   done
+fi
+if [[ " $PARTS " == *" autotune "* ]]; then
+  timeout "${PROBE_TIMEOUT:-540}" python3 scripts/autotune_probe.py --suite "${PROBE_SUITE:-decode_loop}" --out "$OUT" \
+    ${PROBE_ARGS:-} 2>&1 | tee "$OUT/autotune-probe.log" | tail -40
+  status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ " $PARTS " == *" flex "* ]]; then  # the gate of a paged TORCH_SDPA decode through FlexAttention
   timeout "${FLEX_TIMEOUT:-420}" python3 scripts/flex_paged_probe.py --out "$OUT" ${FLEX_ARGS:-} 2>&1 | tee "$OUT/flex-probe.log" | tail -60
