@@ -48,6 +48,7 @@ from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name, nominal_bandwidth
 from compiled_attn.cli import point
 from compiled_attn.graphs import CUDAGraphRunner
+from compiled_attn.inductor_cache import keep_tuned_configs
 from compiled_attn.models.llama import Llama, LlamaConfig, allocate_kv_caches, apply_rotary
 from compiled_attn.registry import BACKEND_CLASSES
 
@@ -302,6 +303,7 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
     the wall seconds of the draws' builds, compiles and first loops; `timed s`: of their timed
     loops (where a `--quick` run's time goes)."""
     times, seconds = [], {"setup s": 0.0, "timed s": 0.0}
+    keep_tuned_configs()  # as ours (the runner's compile): a warm cache's tuning is reused on torch 2.11
     with torch._inductor.config.patch({**PEER_INDUCTOR, **fresh_draws(compiles)}):
         for _ in range(compiles):
             start = time.perf_counter()

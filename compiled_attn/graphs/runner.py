@@ -42,6 +42,7 @@ from compiled_attn.graphs.buckets import (
     piecewise_sizes_for,
 )
 from compiled_attn.graphs.piecewise import PiecewiseGraphs
+from compiled_attn.inductor_cache import keep_tuned_configs
 from compiled_attn.validation import as_int, check_cache_list
 
 logger = logging.getLogger(__name__)
@@ -184,6 +185,8 @@ class CUDAGraphRunner:
                 device=spec.device, use_cuda_graphs=use_cuda_graphs, piece_compiler=piece_compiler,
                 options=COMPILE_OPTIONS if compile else None, warmup_steps=warmup_steps,
             )
+        if compile:
+            keep_tuned_configs()  # torch 2.11: else a new process tunes every kernel again
         self.model = torch.compile(step, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS) if compile else step
         self._unbacked_tokens = not compile
         self.backend = backend

@@ -1,0 +1,177 @@
+"""inductor_cache: a new process reuses the coordinate-descent results of the graphs it loads from
+Inductor's FX cache (torch 2.11 tuned them again: PyTorch issue 172819).
+
+The recheck's logic runs here on stand-in autotuners (any torch, no Triton); the GPU tests run a
+compile=True runner in two processes that share one cache and count the configs timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from compiled_attn import inductor_cache
+
+
+@dataclasses.dataclass(eq=False)  # identity, as Triton's Config
+class Config:  # what triton_config_to_hashable reads of a Triton Config
+    kwargs: dict
+    num_warps: int
+    num_stages: int = 1
+
+
+class Autotuner:
+    """The attributes of a loaded static CachingAutotuner that the recheck reads and sets."""
+
+    def __init__(self, configs: list[Config], fn_loaded: bool = True) -> None:
+        self.compile_results = [SimpleNamespace(config=c) for c in configs]
+        self.filename, self.inductor_meta = "/cache/ab/kernel.py", {"coordinate_descent_tuning": True}
+        self.fn = SimpleNamespace(fn=object() if fn_loaded else None)
+        self.compiled: list[Config] = []
+
+    def _precompile_config(self, cfg: Config) -> SimpleNamespace:
+        self.compiled.append(cfg)
+        return SimpleNamespace(config=cfg)
+
+
+def random_config(rng: random.Random) -> Config:
+    return Config({"XBLOCK": rng.choice([1, 2, 4]), "R0_BLOCK": rng.choice([512, 1024, 2048, 4096])},
+                  rng.choice([1, 2, 4, 8, 16, 32]))
+
+
+def with_cache(monkeypatch, answer: Config | None) -> list:
+    """check_autotune_cache answering `answer` (a hit) or nothing (a miss); returns its calls."""
+    from torch._inductor.runtime import triton_heuristics
+
+    calls = []
+
+    def check(configs, filename, inductor_meta):
+        calls.append((list(configs), filename))
+        if answer is None:
+            return configs, None, {"autotune_cache_state": "miss", "num_configs": len(configs)}
+        return [answer], object(), {"autotune_cache_state": "hit", "best_config": "..."}
+
+    monkeypatch.setattr(triton_heuristics, "check_autotune_cache", check)
+    return calls
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_single_heuristic_config_gives_way_to_the_cached_coordinate_descent_result(monkeypatch, seed):
+    """torch 2.11 kept the one heuristic config here, so `run` tuned again from it."""
+    rng = random.Random(seed)
+    start = random_config(rng)
+    best = Config({**start.kwargs, "R0_BLOCK": start.kwargs["R0_BLOCK"] * 2}, start.num_warps)
+    best.found_by_coordesc = True
+    tuner = Autotuner([start], fn_loaded=seed % 2 == 0)
+    jit = SimpleNamespace(fn=object())  # a Triton JITFunction: its Python function at .fn
+    loaded_jit = tuner.fn
+    calls = with_cache(monkeypatch, best)
+    inductor_cache.recheck_autotune_cache(tuner, lambda: SimpleNamespace(fn=jit))
+    assert calls == [([start], tuner.filename)]
+    assert tuner.compiled == [best] and [r.config for r in tuner.compile_results] == [best]
+    assert tuner.compile_results[0].config.found_by_coordesc
+    assert tuner.fn is (jit if seed % 2 else loaded_jit)  # reloaded where pickling dropped it
+    assert tuner.autotune_cache_info["autotune_cache_state"] == "hit"
+
+
+@pytest.mark.parametrize("by_coordesc", [True, False])
+def test_a_loaded_config_equal_to_the_cached_one_is_kept_and_marked(monkeypatch, by_coordesc):
+    """Several loaded configs, the cached best equal to one of them (another object, as after
+    unpickling): that one stays, not compiled again, marked as the cache says."""
+    rng = random.Random(7)
+    loaded = [random_config(rng) for _ in range(4)]
+    loaded = list({(tuple(sorted(c.kwargs.items())), c.num_warps): c for c in loaded}.values())
+    pick = loaded[-1]
+    best = Config(dict(pick.kwargs), pick.num_warps, pick.num_stages)
+    best.found_by_coordesc = by_coordesc
+    tuner = Autotuner(loaded)
+    with_cache(monkeypatch, best)
+    inductor_cache.recheck_autotune_cache(tuner, lambda: pytest.fail("nothing to reload"))
+    assert [r.config for r in tuner.compile_results] == [pick] and tuner.compiled == []
+    assert pick.found_by_coordesc is by_coordesc
+
+
+def test_a_cache_miss_leaves_the_loaded_configs(monkeypatch):
+    rng = random.Random(3)
+    loaded = [random_config(rng) for _ in range(3)]
+    tuner = Autotuner(loaded)
+    with_cache(monkeypatch, None)
+    inductor_cache.recheck_autotune_cache(tuner, lambda: pytest.fail("nothing to reload"))
+    assert [r.config for r in tuner.compile_results] == loaded and tuner.compiled == []
+    assert tuner.autotune_cache_info == {"autotune_cache_state": "miss", "num_configs": 3}
+    assert not any(hasattr(c, "found_by_coordesc") for c in loaded)
+
+
+def test_installed_before_torch_2_12_only(monkeypatch):
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    original = CachingAutotuner.recheck_autotune_cache
+    monkeypatch.setattr(CachingAutotuner, "recheck_autotune_cache", original)  # restored after the test
+    assert not inductor_cache.keep_tuned_configs("2.12.0")
+    assert not inductor_cache.keep_tuned_configs("2.13.0+cpu")
+    assert CachingAutotuner.recheck_autotune_cache is original
+    for version in ("2.11.0+cu130", "2.12.0a0+git5", "2.11.0"):  # idempotent
+        assert inductor_cache.keep_tuned_configs(version)
+        assert CachingAutotuner.recheck_autotune_cache is inductor_cache.recheck_autotune_cache
+
+
+# A fresh process: capture a compile=True runner on a one-layer GPU model; argv[1] "off" leaves
+# torch's recheck as it is. Prints how many configs coordinate descent timed and how many graphs
+# the FX graph cache served.
+TUNING_PROCESS = """
+import dataclasses, json, sys
+import torch
+from torch._dynamo.utils import counters
+import compiled_attn as ca
+import test_graphs as t
+from compiled_attn.graphs import runner as runner_module
+if sys.argv[1] == "off":
+    runner_module.keep_tuned_configs = lambda: False
+config = dataclasses.replace(t.GPU_CONFIG, num_layers=1)
+spec = t.gpu_spec("TORCH_SDPA")
+backend = ca.get_attn_backend("TORCH_SDPA", spec)
+model = t.build_model(config, seed=0, backend="TORCH_SDPA", dtype=torch.bfloat16, device="cuda")
+runner = t.CUDAGraphRunner(model, backend, spec, t.allocate_kv_caches(config, backend, spec), capture_sizes=[1, 2],
+                           max_batch_size=2, progress=False, compile=True)
+runner.capture()
+print(json.dumps({"timed": counters["inductor"]["coordesc_tuning_bench"],
+                  "fx hits": counters["inductor"]["fxgraph_cache_hit"]}))
+"""
+
+
+def tuning_counts(cache: Path, recheck: str) -> dict:
+    """TUNING_PROCESS's counts, in a new Python with `cache` as Inductor's and Triton's cache."""
+    tests = Path(__file__).parent
+    path = [str(tests), str(tests.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "TORCHINDUCTOR_CACHE_DIR": str(cache),
+           "TRITON_CACHE_DIR": str(cache / "triton")}
+    done = subprocess.run([sys.executable, "-c", TUNING_PROCESS, recheck], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.long(60)
+@pytest.mark.parametrize("recheck", ["ours", "torch's"])
+def test_a_new_process_reuses_the_tuned_kernels(tmp_path, recheck):
+    """The runner's compile tunes its kernels once: a second process on the same cache loads the
+    graphs from the FX cache and times no config. With torch 2.11's own recheck it tunes again,
+    which shows that the counts tell the two apart."""
+    if recheck == "torch's" and torch.torch_version.TorchVersion(torch.__version__) >= (2, 12):
+        pytest.skip(f"torch {torch.__version__} reuses cached coordinate-descent results itself")
+    option = "on" if recheck == "ours" else "off"
+    first = tuning_counts(tmp_path, option)
+    assert first["timed"] > 0, first  # the cold process tuned
+    second = tuning_counts(tmp_path, option)
+    assert second["fx hits"] >= 1, second
+    assert (second["timed"] > 0) == (recheck == "torch's"), second
