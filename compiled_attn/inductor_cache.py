@@ -10,6 +10,14 @@ at its first launch in every new process: 30-99 s of warm decode-loop benches on
 (BENCHMARKS.md, twenty-second session), and a new draw of kernel timings each start. PyTorch
 issue 172819; torch 2.12 applies the cached config for any number of configs and marks it.
 `keep_tuned_configs` gives torch 2.11 that behaviour.
+
+Left as torch has them (a review against 2.11's source; not yet measured which matter): kernels
+compiled in worker processes come back unpickled and unmarked (an FX-cache miss, or a kernel
+that cannot launch statically); an FX entry written while the autotune cache already held the
+kernel's best stores that config alone, whose hash then misses; a reduction that gains a
+halved-block config at load (`_dynamic_scale_rblock`) picks between two configs and saves the
+winner unmarked, so the next process tunes it again. `scripts/autotune_probe.py` lists what a
+warm process still tunes and what the autotune cache said for each.
 """
 
 from __future__ import annotations
