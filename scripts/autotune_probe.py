@@ -10,8 +10,9 @@ seconds. It prints, for the warm process, the kernels tuned again, grouped by ca
 
     python3 scripts/autotune_probe.py --suite decode_loop --out "$OUT"   # on the device, ~5 min
 
-`--static-launcher 0` runs both processes with Inductor's static CUDA launcher off (torch 2.11's
-FX cache drops the tuned config of a single-config static launcher: PyTorch issue 172819).
+`--torch-recheck` leaves torch's own `recheck_autotune_cache` in place (the library installs
+`inductor_cache.keep_tuned_configs` on torch 2.11: PyTorch issue 172819); `--static-launcher 0`
+runs both processes with Inductor's static CUDA launcher off.
 """
 
 from __future__ import annotations
@@ -56,15 +57,18 @@ def wrap(name):
 
 for name in ("benchmark_all_configs", "_coordinate_descent_tuning"):
     wrap(name)
+if os.environ.get("PROBE_TORCH_RECHECK") == "1":  # keep_tuned_configs then installs torch's own
+    import compiled_attn.inductor_cache as inductor_cache
+    inductor_cache.recheck_autotune_cache = CachingAutotuner.recheck_autotune_cache
 from compiled_attn.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
-def run_bench(suite: str, cache: Path, log: Path, out: Path, static: str | None) -> float:
+def run_bench(suite: str, cache: Path, log: Path, out: Path, static: str | None, torch_recheck: bool) -> float:
     """One bench process on `cache`, its tunings appended to `log`; returns its wall seconds."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache / "triton"),
-           "PROBE_LOG": str(log)}
+           "PROBE_LOG": str(log), "PROBE_TORCH_RECHECK": "1" if torch_recheck else "0"}
     if static is not None:
         env["TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER"] = static
     start = time.perf_counter()
@@ -97,12 +101,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--static-launcher", choices=("0", "1"), default=None,
                         help="TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER for both processes (default: torch's)")
+    parser.add_argument("--torch-recheck", action="store_true", help="without keep_tuned_configs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cache = Path(tempfile.mkdtemp(prefix="autotune-probe-"))
     for phase in ("cold", "warm"):
         log = args.out / f"autotune-{phase}.jsonl"
-        seconds = run_bench(args.suite, cache, log, Path(tempfile.mkdtemp()), args.static_launcher)
+        seconds = run_bench(args.suite, cache, log, Path(tempfile.mkdtemp()), args.static_launcher,
+                            args.torch_recheck)
         print(f"== {phase} process: {seconds:.0f} s; {summary(log)}", flush=True)
 
 

@@ -23,7 +23,7 @@
 # between runs (below); CLOCK_LOG=1 logs the card's clocks, temperature and power once a second
 # ($OUT/clocks.csv); GRID_ORDER="ours peer" runs the grid's sides in that order. "autotune": which
 # kernels a warm process tunes again (scripts/autotune_probe.py: PROBE_SUITE, default decode_loop,
-# run cold then warm on a fresh cache; PROBE_ARGS e.g. "--static-launcher 0"; ~5 min).
+# run cold then warm on a fresh cache; PROBE_ARGS e.g. "--torch-recheck"; ~5 min).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PARTS=${PARTS:-"tests fuzz bench"}
