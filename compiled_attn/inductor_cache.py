@@ -37,7 +37,7 @@ def keep_tuned_configs(torch_version: str = torch.__version__) -> bool:
     `options={"coordinate_descent_tuning": True}` yourself."""
     if torch.torch_version.TorchVersion(torch_version) >= _FIXED_IN:
         return False
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner  # imports Triton: on use only
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner  # only where torch needs the fix
 
     CachingAutotuner.recheck_autotune_cache = recheck_autotune_cache
     return True
