@@ -11,13 +11,16 @@ at its first launch in every new process: 30-99 s of warm decode-loop benches on
 issue 172819; torch 2.12 applies the cached config for any number of configs and marks it.
 `keep_tuned_configs` gives torch 2.11 that behaviour.
 
-Left as torch has them (a review against 2.11's source; not yet measured which matter): kernels
-compiled in worker processes come back unpickled and unmarked (an FX-cache miss, or a kernel
-that cannot launch statically); an FX entry written while the autotune cache already held the
-kernel's best stores that config alone, whose hash then misses; a reduction that gains a
-halved-block config at load (`_dynamic_scale_rblock`) picks between two configs and saves the
-winner unmarked, so the next process tunes it again. `scripts/autotune_probe.py` lists what a
-warm process still tunes and what the autotune cache said for each.
+Two more 2.11 paths re-tuned a kernel in every process, and are closed here too (found by a
+review against 2.11's source): an FX entry written while the autotune cache already held the
+kernel's best keeps that config alone, and its hash then misses the cache entry (written under
+the hash of the heuristic configs, which the kernel's own cache handle still has); and a
+reduction given a halved-block config at load (`_dynamic_scale_rblock`) benchmarks the two
+and saves the winner unmarked, so the next process tunes it again (coordinate descent has
+tried that block already). Left as torch has it: kernels compiled in worker processes come
+back unmarked (an FX-cache miss, or a kernel that cannot launch statically).
+`scripts/autotune_probe.py` lists what a warm process still tunes and what the autotune cache
+said for each.
 """
 
 from __future__ import annotations
@@ -47,17 +50,26 @@ def recheck_autotune_cache(self: Any, reload_kernel_from_src: Any) -> None:
     """`CachingAutotuner.recheck_autotune_cache` as torch 2.12 has it: a loaded static autotuner
     whose autotune cache holds a best config keeps only that config, compiled if it is not
     among the loaded ones, marked as coordinate descent's when it was (so `run` does not tune
-    it again)."""
+    it again). Also: the kernel's own cache handle is asked when the loaded configs' hash
+    misses, and a coordinate-descent config gets no halved-block rival at load."""
     from torch._inductor.runtime import triton_heuristics
     from torch._inductor.runtime.runtime_utils import triton_config_to_hashable
 
     configs = [result.config for result in self.compile_results]
     cached, _, info = triton_heuristics.check_autotune_cache(configs, self.filename, self.inductor_meta)
+    if info.get("autotune_cache_state") == "miss":
+        # an entry written with the best config alone: the handle keeps the heuristic configs' hash
+        handle = getattr(self.save_cache_hook, "__self__", None)
+        best = handle.read_best(self.inductor_meta, configs) if handle is not None else None
+        if best is not None:
+            cached, info = [best], {**info, "autotune_cache_state": "hit", "via": "kernel's cache handle"}
     self.autotune_cache_info = info
     if info.get("autotune_cache_state") != "hit":
         return
     (best,) = cached
     by_coordesc = getattr(best, "found_by_coordesc", False)
+    if by_coordesc:  # its blocks are tuned: a halved-block rival would be benchmarked and saved unmarked
+        self.inductor_meta = {**self.inductor_meta, "dynamic_scale_rblock": False}
     key = triton_config_to_hashable(best)
     for result in self.compile_results:
         if triton_config_to_hashable(result.config) == key:

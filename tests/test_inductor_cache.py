@@ -36,6 +36,7 @@ class Autotuner:
         self.compile_results = [SimpleNamespace(config=c) for c in configs]
         self.filename, self.inductor_meta = "/cache/ab/kernel.py", {"coordinate_descent_tuning": True}
         self.fn = SimpleNamespace(fn=object() if fn_loaded else None)
+        self.save_cache_hook = None  # or the bound `save` of the kernel's AutotuneCache
         self.compiled: list[Config] = []
 
     def _precompile_config(self, cfg: Config) -> SimpleNamespace:
@@ -73,7 +74,7 @@ def test_a_single_heuristic_config_gives_way_to_the_cached_coordinate_descent_re
     best.found_by_coordesc = True
     tuner = Autotuner([start], fn_loaded=seed % 2 == 0)
     jit = SimpleNamespace(fn=object())  # a Triton JITFunction: its Python function at .fn
-    loaded_jit = tuner.fn
+    loaded_jit, meta = tuner.fn, tuner.inductor_meta
     calls = with_cache(monkeypatch, best)
     inductor_cache.recheck_autotune_cache(tuner, lambda: SimpleNamespace(fn=jit))
     assert calls == [([start], tuner.filename)]
@@ -81,6 +82,9 @@ def test_a_single_heuristic_config_gives_way_to_the_cached_coordinate_descent_re
     assert tuner.compile_results[0].config.found_by_coordesc
     assert tuner.fn is (jit if seed % 2 else loaded_jit)  # reloaded where pickling dropped it
     assert tuner.autotune_cache_info["autotune_cache_state"] == "hit"
+    # coordinate descent tried the halved block: no rival config at load (saved unmarked by 2.11)
+    assert tuner.inductor_meta == {"coordinate_descent_tuning": True, "dynamic_scale_rblock": False}
+    assert meta == {"coordinate_descent_tuning": True}  # a copy: the dict may be the kernel source's
 
 
 @pytest.mark.parametrize("by_coordesc", [True, False])
@@ -98,6 +102,7 @@ def test_a_loaded_config_equal_to_the_cached_one_is_kept_and_marked(monkeypatch,
     inductor_cache.recheck_autotune_cache(tuner, lambda: pytest.fail("nothing to reload"))
     assert [r.config for r in tuner.compile_results] == [pick] and tuner.compiled == []
     assert pick.found_by_coordesc is by_coordesc
+    assert ("dynamic_scale_rblock" in tuner.inductor_meta) is by_coordesc
 
 
 def test_a_cache_miss_leaves_the_loaded_configs(monkeypatch):
@@ -109,6 +114,39 @@ def test_a_cache_miss_leaves_the_loaded_configs(monkeypatch):
     assert [r.config for r in tuner.compile_results] == loaded and tuner.compiled == []
     assert tuner.autotune_cache_info == {"autotune_cache_state": "miss", "num_configs": 3}
     assert not any(hasattr(c, "found_by_coordesc") for c in loaded)
+
+
+class Handle:
+    """A kernel's AutotuneCache as pickled with it: `read_best` under the heuristic configs' hash."""
+
+    def __init__(self, best: Config | None) -> None:
+        self.best, self.reads = best, []
+
+    def read_best(self, inductor_meta: dict, configs: list[Config]) -> Config | None:
+        self.reads.append(list(configs))
+        return self.best
+
+    def save(self, *args, **kwargs) -> None:
+        pytest.fail("the recheck saves nothing")
+
+
+@pytest.mark.parametrize("in_cache", [True, False])
+def test_an_entry_saved_with_the_best_config_alone_reads_it_through_the_kernels_handle(monkeypatch, in_cache):
+    """The FX entry holds [best] only (written while the autotune cache had it): its hash misses,
+    the kernel's own cache handle (hash of the heuristic configs) still finds the entry."""
+    rng = random.Random(11)
+    alone = random_config(rng)
+    best = Config(dict(alone.kwargs), alone.num_warps, alone.num_stages)
+    best.found_by_coordesc = True
+    tuner = Autotuner([alone])
+    handle = Handle(best if in_cache else None)
+    tuner.save_cache_hook = handle.save
+    with_cache(monkeypatch, None)
+    inductor_cache.recheck_autotune_cache(tuner, lambda: pytest.fail("nothing to reload"))
+    assert handle.reads == [[alone]]
+    assert [r.config for r in tuner.compile_results] == [alone] and tuner.compiled == []
+    assert getattr(alone, "found_by_coordesc", False) is in_cache
+    assert tuner.autotune_cache_info["autotune_cache_state"] == ("hit" if in_cache else "miss")
 
 
 def test_installed_before_torch_2_12_only(monkeypatch):
