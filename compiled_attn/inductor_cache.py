@@ -57,18 +57,24 @@ def recheck_autotune_cache(self: Any, reload_kernel_from_src: Any) -> None:
 
     configs = [result.config for result in self.compile_results]
     cached, _, info = triton_heuristics.check_autotune_cache(configs, self.filename, self.inductor_meta)
-    if info.get("autotune_cache_state") == "miss":
-        # an entry written with the best config alone: the handle keeps the heuristic configs' hash
-        handle = getattr(self.save_cache_hook, "__self__", None)
-        best = handle.read_best(self.inductor_meta, configs) if handle is not None else None
+    # an entry written with the best config alone: the kernel's cache handle keeps the hash of the
+    # heuristic configs, under which the autotune cache holds the kernel's entry
+    handle = getattr(self.save_cache_hook, "__self__", None)
+    if (info.get("autotune_cache_state") == "miss" and handle is not None
+            and handle.configs_hash != triton_heuristics.hash_configs(configs)):
+        best = handle.read_best(self.inductor_meta, configs)
         if best is not None:
-            cached, info = [best], {**info, "autotune_cache_state": "hit", "via": "kernel's cache handle"}
+            cached = [best]
+            info = {"autotune_cache_state": "hit", "best_config": triton_config_to_hashable(best),
+                    "via": "the kernel's cache handle"}
     self.autotune_cache_info = info
     if info.get("autotune_cache_state") != "hit":
         return
     (best,) = cached
     by_coordesc = getattr(best, "found_by_coordesc", False)
-    if by_coordesc:  # its blocks are tuned: a halved-block rival would be benchmarked and saved unmarked
+    blocks = [k for k in best.kwargs if k.startswith("R")]  # what _dynamic_scale_rblock halves: the largest
+    if by_coordesc and blocks and max(blocks, key=best.kwargs.__getitem__) in ("R0_BLOCK", "R1_BLOCK"):
+        # coordinate descent tried it halved: 2.11 would benchmark that rival and save the winner unmarked
         self.inductor_meta = {**self.inductor_meta, "dynamic_scale_rblock": False}
     key = triton_config_to_hashable(best)
     for result in self.compile_results:

@@ -119,8 +119,8 @@ def test_a_cache_miss_leaves_the_loaded_configs(monkeypatch):
 class Handle:
     """A kernel's AutotuneCache as pickled with it: `read_best` under the heuristic configs' hash."""
 
-    def __init__(self, best: Config | None) -> None:
-        self.best, self.reads = best, []
+    def __init__(self, best: Config | None, configs_hash: str = "hash of the heuristic configs") -> None:
+        self.best, self.reads, self.configs_hash = best, [], configs_hash
 
     def read_best(self, inductor_meta: dict, configs: list[Config]) -> Config | None:
         self.reads.append(list(configs))
@@ -147,6 +147,29 @@ def test_an_entry_saved_with_the_best_config_alone_reads_it_through_the_kernels_
     assert [r.config for r in tuner.compile_results] == [alone] and tuner.compiled == []
     assert getattr(alone, "found_by_coordesc", False) is in_cache
     assert tuner.autotune_cache_info["autotune_cache_state"] == ("hit" if in_cache else "miss")
+
+
+def test_a_miss_under_the_handles_own_hash_is_not_read_twice(monkeypatch):
+    from torch._inductor.runtime.triton_heuristics import hash_configs
+
+    loaded = [random_config(random.Random(5))]
+    tuner = Autotuner(loaded)
+    handle = Handle(None, hash_configs(loaded))
+    tuner.save_cache_hook = handle.save
+    with_cache(monkeypatch, None)
+    inductor_cache.recheck_autotune_cache(tuner, lambda: pytest.fail("nothing to reload"))
+    assert handle.reads == [] and tuner.autotune_cache_info["autotune_cache_state"] == "miss"
+
+
+def test_a_split_reduction_keeps_its_load_time_rival(monkeypatch):
+    """`_dynamic_scale_rblock` halves the largest R* argument: RSPLIT, which coordinate descent
+    does not tune, keeps its rival."""
+    best = Config({"XBLOCK": 1, "R0_BLOCK": 32, "RSPLIT": 64}, 8)
+    best.found_by_coordesc = True
+    tuner = Autotuner([Config({"XBLOCK": 1, "R0_BLOCK": 16, "RSPLIT": 64}, 8)])
+    with_cache(monkeypatch, best)
+    inductor_cache.recheck_autotune_cache(tuner, lambda: pytest.fail("nothing to reload"))
+    assert tuner.compiled == [best] and "dynamic_scale_rblock" not in tuner.inductor_meta
 
 
 def test_installed_before_torch_2_12_only(monkeypatch):
