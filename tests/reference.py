@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -303,3 +307,15 @@ class InputRecorder:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         self.graphs.append([(t.dtype, t.device.type) for t in example_inputs if isinstance(t, torch.Tensor)])
         return gm.forward
+
+
+def run_python(script: str, *args: str, env: dict[str, str] | None = None, timeout: int) -> str:
+    """`script` (with `args`) in a fresh Python that can import the tests folder and the project,
+    with `env` added to this process's environment; fails the test with its stderr unless it
+    exits 0, else returns its stdout."""
+    tests = Path(__file__).parent
+    path = [str(tests), str(tests.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    done = subprocess.run([sys.executable, "-c", script, *args], env={**os.environ, **(env or {}),
+                          "PYTHONPATH": os.pathsep.join(path)}, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from reference import run_python
 
 from compiled_attn import inductor_cache
 
@@ -212,14 +210,9 @@ print(json.dumps({"timed": sum(n for k, n in counters["inductor"].items() if k.s
 
 def tuning_counts(cache: Path, recheck: str) -> dict:
     """TUNING_PROCESS's counts, in a new Python with `cache` as Inductor's and Triton's cache."""
-    tests = Path(__file__).parent
-    path = [str(tests), str(tests.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "TORCHINDUCTOR_CACHE_DIR": str(cache),
-           "TRITON_CACHE_DIR": str(cache / "triton")}
-    done = subprocess.run([sys.executable, "-c", TUNING_PROCESS, recheck], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_python(TUNING_PROCESS, recheck, env={"TORCHINDUCTOR_CACHE_DIR": str(cache),
+                                                   "TRITON_CACHE_DIR": str(cache / "triton")}, timeout=300)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.gpu

@@ -4,16 +4,13 @@ and on the CPU through Triton's interpreter (fp16 / fp32: the interpreter has no
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
-import subprocess
-import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from reference import reference_attention, rel_err
+from reference import reference_attention, rel_err, run_python
 
 import compiled_attn as ca
 
@@ -258,11 +255,7 @@ def run_under_interpreter(script: str, timeout: int) -> None:
     """`script` in a fresh Python with TRITON_INTERPRET=1 (the flag is read when triton is first
     imported) and the tests folder importable; fails the test with its stderr unless it exits 0."""
     pytest.importorskip("triton")
-    tests = Path(__file__).parent
-    path = [str(tests), str(tests.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(path)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_python(script, env={"TRITON_INTERPRET": "1"}, timeout=timeout)
 
 
 def test_interpreter_matches_the_float64_reference():
