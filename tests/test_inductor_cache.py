@@ -1,8 +1,9 @@
 """inductor_cache: a new process reuses the coordinate-descent results of the graphs it loads from
 Inductor's FX cache (torch 2.11 tuned them again: PyTorch issue 172819).
 
-The recheck's logic runs here on stand-in autotuners (any torch, no Triton); the GPU tests run a
-compile=True runner in two processes that share one cache and count the configs timed.
+The recheck's logic runs here on stand-in autotuners (any torch, no Triton); the GPU test runs a
+compile=True runner in four processes that share one cache (a cold one, two warm, one warm with
+torch's own recheck) and counts the configs each times.
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def tuning_counts(cache: Path, recheck: str) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.long(90)
+@pytest.mark.long(120)
 def test_a_new_process_reuses_the_tuned_kernels(tmp_path):
     """The runner's compile tunes its kernels once: later processes on the same cache load the
     graphs from the FX cache and time no config (a third process too: a config saved again
