@@ -309,6 +309,16 @@ class InputRecorder:
         return gm.forward
 
 
+def record_compiles(monkeypatch) -> InputRecorder:
+    """An InputRecorder that every `torch.compile` of the test compiles with instead of its own
+    backend (fullgraph and dynamic kept; options such as Inductor's dropped with Inductor)."""
+    recorder = InputRecorder()
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, fullgraph=kw["fullgraph"],
+                                                                        dynamic=kw["dynamic"], backend=recorder))
+    return recorder
+
+
 def run_python(script: str, *args: str, env: dict[str, str] | None = None, timeout: int) -> str:
     """`script` (with `args`) in a fresh Python that can import the tests folder and the project,
     with `env` added to this process's environment; fails the test with its stderr unless it

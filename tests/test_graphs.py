@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import InputRecorder, flex_on_cpu
+from reference import flex_on_cpu, record_compiles
 
 import compiled_attn as ca
 from compiled_attn.backends import flashinfer as fib
@@ -440,14 +440,8 @@ def test_runner_traces_the_models_floats_as_constants(tiny_model, monkeypatch, r
     compiled model and for its own compile."""
     spec = cpu_spec()
     torch._dynamo.reset()
-    recorder = InputRecorder()
-    real_compile = torch.compile
-    if runner_compiles:  # the runner's own torch.compile(dynamic=True, options=...), here on the recorder
-        monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(
-            fn, fullgraph=kw["fullgraph"], dynamic=kw["dynamic"], backend=recorder))
-        model = tiny_model
-    else:
-        model = torch.compile(tiny_model, fullgraph=True, dynamic=True, backend=recorder)
+    recorder = record_compiles(monkeypatch)  # the runner's own torch.compile or the caller's
+    model = tiny_model if runner_compiles else torch.compile(tiny_model, fullgraph=True, dynamic=True)
     caches = random_caches(spec, 0)
     runner = static_runner(model, spec, caches, capture_sizes=[1, 4], max_batch_size=4, compile=runner_compiles)
     first = prompts(3, seed=5, vocab=TINY.vocab_size)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import InputRecorder
+from reference import record_compiles
 from torch._dynamo.utils import counters
 
 pytest.importorskip("transformers")
@@ -131,10 +131,7 @@ def test_compiled_engine_without_runner_traces_the_models_floats_as_constants(fa
     (RMSNorm eps, rotary scaling) must reach the graph as constants, not float64 CPU inputs."""
     _, model, _, (ref_tokens, _) = family
     torch._dynamo.reset()
-    recorder = InputRecorder()
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, fullgraph=kw["fullgraph"],
-                                                                        dynamic=kw["dynamic"], backend=recorder))
+    recorder = record_compiles(monkeypatch)
     engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=True, cuda_graphs=False,
                                keep_logits=True, max_num_batched_tokens=8)
     tokens, _ = serve(engine)
