@@ -47,9 +47,8 @@ if [[ "${INDUCTOR_CACHE:-0}" == 1 ]]; then
   if ls .whl/inductor-cache.tar.xz.* >/dev/null 2>&1; then
     cat .whl/inductor-cache.tar.xz.* | tar xJf - -C "$TORCHINDUCTOR_CACHE_DIR"
   fi
-  save_inductor_cache() {  # files grouped by extension (xz finds more to share); repack_inductor_cache.sh shrinks it further
-    (cd "$TORCHINDUCTOR_CACHE_DIR" && find . -type f | awk -F. '{print $NF "\t" $0}' | sort | cut -f2- \
-      | tar cf - --no-recursion -T -) | xz -T0 -6 | split -b 15m -d - "$OUT/inductor-cache.tar.xz."
+  save_inductor_cache() {  # fast xz on many threads; repack_inductor_cache.sh shrinks it further
+    bash scripts/tar_by_extension.sh "$TORCHINDUCTOR_CACHE_DIR" | xz -T0 -6 | split -b 15m -d - "$OUT/inductor-cache.tar.xz."
     ls -la "$OUT"/inductor-cache.tar.xz.*
   }
 fi

@@ -10,8 +10,7 @@ src=${1:?usage: bash scripts/repack_inductor_cache.sh DIR_WITH_THE_PARTS}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 cat "$src"/inductor-cache.tar.xz.* | tar xJf - -C "$tmp"
-(cd "$tmp" && find . -type f | awk -F. '{print $NF "\t" $0}' | sort | cut -f2- | tar cf - --no-recursion -T -) \
-  | xz -9e -T2 > "$tmp.xz"
+bash scripts/tar_by_extension.sh "$tmp" | xz -9e -T2 > "$tmp.xz"
 rm -f .whl/inductor-cache.tar.xz.*
 split -b 15m -d "$tmp.xz" .whl/inductor-cache.tar.xz.
 rm -f "$tmp.xz"
