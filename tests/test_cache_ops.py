@@ -4,6 +4,8 @@ of any value (even another NaN pattern) shows."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_triton_decode import run_under_interpreter
@@ -276,6 +278,96 @@ def test_update_cuda_matches_cpu_bit_for_bit(kv_cache_dtype):
     cache_cuda = nan_cache(spec, device="cuda")
     write(md_cuda, key.cuda(), value.cuda(), cache_cuda, k_scale=0.5, v_scale=2.0, backend=backend)
     assert same_bits(cache_cuda.cpu(), cache)
+
+
+def on_cuda(t: torch.Tensor, shift: int) -> torch.Tensor:
+    """A contiguous copy of `t` on CUDA, `shift` elements past the start of its allocation."""
+    return torch.empty(t.numel() + shift, dtype=t.dtype, device="cuda")[shift:].copy_(t.reshape(-1)).view(t.shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_write_launched_as_compiled_fits_any_alignment_and_stride(dtype):
+    """The cache write's kernel is compiled at the first call of a signature and launched directly
+    after it (`triton_cache`). Later calls of that signature whose tensors start off 16-byte
+    boundaries, or whose rows are an odd number of elements apart, must still write what the CPU
+    path writes, bit for bit: a kernel specialised on the first call's alignment would not."""
+    from compiled_attn.ops.cache import write_kv_cache
+    from compiled_attn.ops.triton_cache import write_kv_cache_cuda
+
+    g = torch.Generator().manual_seed(3)
+    n, row = 9, HKV * D
+    slots = torch.randperm(NB * BS, generator=g)[:n]
+    slots[[2, 6]] = -1
+    key, value = (torch.randn(n, HKV, D, generator=g).to(dtype) for _ in range(2))
+    fused = torch.randn(n, 2 * row + 3, generator=g).to(dtype)  # [k | v | 3 spare]: rows 2 * row + 3 apart
+    fused_cuda = on_cuda(fused, 0)
+    cases = {  # name: (key, value on the CPU), (key, value, shift of the cache and slots on CUDA); aligned first
+        "aligned": ((key, value), (on_cuda(key, 0), on_cuda(value, 0), 0)),
+        "odd row strides": ((fused[:, :row].view(n, HKV, D), fused[:, row: 2 * row].view(n, HKV, D)),
+                            (fused_cuda[:, :row].view(n, HKV, D), fused_cuda[:, row: 2 * row].view(n, HKV, D), 0)),
+        "every tensor off 16 bytes": ((key, value), (on_cuda(key, 1), on_cuda(value, 1), 1)),
+    }
+    # the cases are what they say: rows 35 elements apart, every pointer off a 16-byte boundary
+    assert cases["odd row strides"][1][0].stride(0) % 16 and cases["every tensor off 16 bytes"][1][0].data_ptr() % 16
+    for name, ((k, v), (k_cuda, v_cuda, shift)) in cases.items():
+        expected = random_cache(seed=4, dtype=dtype)
+        cache = on_cuda(expected, shift)
+        write_kv_cache(k, v, expected, slots, 1.0, 1.0)  # the CPU path: masked index_put
+        write_kv_cache_cuda(k_cuda, v_cuda, cache, on_cuda(slots, shift), 1.0, 1.0)
+        assert same_bits(cache, expected), name
+
+
+def test_rows_aligned_names_what_vector_accesses_need():
+    """`ALIGNED` (16-byte loads and stores in the cache write) only where every row starts on a
+    16-byte boundary: each tensor's start, each row stride and the cache's row size, in bytes."""
+    pytest.importorskip("triton")
+    from compiled_attn.ops.triton_cache import rows_aligned
+
+    def shifted(shape, dtype=torch.bfloat16, by=0):  # `by` elements past a 64-byte-aligned start
+        base = torch.empty(math.prod(shape) + 64, dtype=dtype)
+        start = (-base.data_ptr() % 64) // base.element_size() + by
+        return base[start: start + math.prod(shape)].view(shape)
+
+    key, value, cache = shifted((3, 2, 64)), shifted((3, 2, 64)), shifted((2, 4, 16, 2, 64))
+    assert rows_aligned(key, value, cache, 128)
+    assert not rows_aligned(shifted((3, 2, 64), by=1), value, cache, 128)  # a start 2 bytes off
+    assert not rows_aligned(key, value, shifted((2, 4, 16, 2, 64), by=4), 128)  # 8 bytes off
+    fused = shifted((3, 2 * 128 + 4))  # rows 520 bytes apart: not a multiple of 16
+    assert not rows_aligned(fused[:, :128].view(3, 2, 64), value, cache, 128)
+    assert not rows_aligned(key, value, cache, 124)  # a row of 248 bytes
+    fp8 = shifted((2, 4, 16, 2, 64), torch.float8_e4m3fn)
+    assert rows_aligned(key, value, fp8, 128) and not rows_aligned(key, value, fp8, 120)  # 120 one-byte entries
+
+
+def test_cache_write_vectorizes_on_alignment_it_was_told():
+    """The cache write's kernel is compiled with no specialisation of its arguments (it is launched
+    as compiled later, `triton_cache`), so its 16-byte loads and stores come from `ALIGNED` alone:
+    the PTX for sm90 (compiled on the CPU with Triton's own ptxas) has them with it and none
+    without, where each thread moves 2-byte elements one at a time."""
+    pytest.importorskip("triton")
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from compiled_attn.ops.triton_cache import _write_kv_kernel
+
+    def memory_ops(aligned: bool) -> dict[str, int]:
+        types = ["*bf16", "*bf16", "*bf16", "*i64", "i64", "i64", "i64", "fp32", "fp32"]
+        constexprs = {"ROW": 1024, "BLOCK": 1024, "SCALE": False, "ALIGNED": aligned}  # 8 per thread
+        names = _write_kv_kernel.arg_names
+        signature = {**dict(zip(names, types)), **dict.fromkeys(constexprs, "constexpr")}
+        source = ASTSource(fn=_write_kv_kernel, signature=signature,
+                           constexprs={(names.index(k),): v for k, v in constexprs.items()})
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        return {op: len(re.findall(rf"{op}\.global\S*\.v4\.b32", ptx)) for op in ("ld", "st")} | {
+            "scalar": len(re.findall(r"(?:ld|st)\.global\S*\.b16", ptx))}
+
+    assert memory_ops(True) == {"ld": 2, "st": 2, "scalar": 0}
+    unaligned = memory_ops(False)
+    assert unaligned["ld"] == unaligned["st"] == 0 and unaligned["scalar"] > 0, unaligned
 
 
 def interpreter_write_cases() -> None:
