@@ -358,7 +358,7 @@ def test_cache_write_vectorizes_on_alignment_it_was_told():
         types = ["*bf16", "*bf16", "*bf16", "*i64", "i64", "i64", "i64", "fp32", "fp32"]
         constexprs = {"ROW": 1024, "BLOCK": 1024, "SCALE": False, "ALIGNED": aligned}  # 8 per thread
         names = _write_kv_kernel.arg_names
-        signature = {**dict(zip(names, types)), **dict.fromkeys(constexprs, "constexpr")}
+        signature = {**dict(zip(names[: len(types)], types, strict=True)), **dict.fromkeys(constexprs, "constexpr")}
         source = ASTSource(fn=_write_kv_kernel, signature=signature,
                            constexprs={(names.index(k),): v for k, v in constexprs.items()})
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
