@@ -11,7 +11,8 @@ facts of the arguments; the integers fixed at int64, the scales at fp32), and th
 matters, whether every row starts on a 16-byte boundary (then the loads and stores are 16 bytes
 wide), is ours to compute: the constexpr ALIGNED. A kernel compiled for (device, dtypes, row
 size, ALIGNED) is then valid for every call that has them, and is launched as compiled
-(`CompiledKernel[grid]`).
+(`CompiledKernel[grid]`): 33-37 us less host time a layer in that forced decode on an H200
+(twenty-fourth session).
 """
 
 from __future__ import annotations
