@@ -318,6 +318,50 @@ def test_cuda_write_launched_as_compiled_fits_any_alignment_and_stride(dtype):
         assert same_bits(cache, expected), name
 
 
+def test_cache_write_compiles_once_per_key_then_launches_as_compiled(monkeypatch):
+    """The launch logic of `write_kv_cache_cuda` on the CPU, with Triton's JIT and compiled kernel
+    stood in for: the first call of a (device, dtypes, row size, ALIGNED) key goes through the JIT
+    (which compiles and launches), every later call of that key launches the compiled kernel with
+    the same constexprs and this call's grid and arguments, and a call whose rows are off 16-byte
+    boundaries is a new key (its own kernel), never the aligned one's."""
+    triton = pytest.importorskip("triton")
+    from compiled_attn.ops import triton_cache
+
+    launches = []
+
+    class Compiled:  # what JITFunction.run returns: launched as `kernel[grid](*args)`
+        def __init__(self, aligned):
+            self.aligned = aligned
+
+        def __getitem__(self, grid):
+            return lambda *args: launches.append(("compiled", self.aligned, grid, args))
+
+    class Jit:
+        def __getitem__(self, grid):
+            def run(*args):
+                launches.append(("jit", args[-1], grid, args))
+                return Compiled(args[-1])
+            return run
+
+    monkeypatch.setattr(triton_cache, "_write_kv_kernel", Jit())
+    monkeypatch.setattr(triton_cache, "_compiled", {})
+    n, row = 5, HKV * D  # a 64-byte row: aligned wherever the tensors start on 16 bytes
+    slots = torch.arange(n)
+    cache = random_cache(dtype=torch.float32)
+    fused = torch.randn(n, 2 * row + 1)  # k and v column slices, rows 68 bytes apart: not aligned
+    aligned = (torch.randn(n, HKV, D), torch.randn(n, HKV, D))
+    unaligned = (fused[:, :row].view(n, HKV, D), fused[:, row: 2 * row].view(n, HKV, D))
+    assert triton_cache.rows_aligned(*aligned, cache, row) and not triton_cache.rows_aligned(*unaligned, cache, row)
+    for k, v in (aligned, aligned, unaligned, aligned, unaligned):
+        triton_cache.write_kv_cache_cuda(k, v, cache, slots[: k.shape[0]], 1.0, 1.0)
+    assert [(how, a) for how, a, _, _ in launches] == [
+        ("jit", True), ("compiled", True), ("jit", False), ("compiled", True), ("compiled", False)]
+    for how, a, grid, args in launches:
+        assert grid == ((n,) if how == "jit" else (n, 1, 1))
+        assert args[-4:] == (row, triton.next_power_of_2(row), False, a)  # ROW, BLOCK, SCALE, ALIGNED
+        assert args[4] == args[0].stride(0) and args[6] == cache.stride(0)
+
+
 def test_rows_aligned_names_what_vector_accesses_need():
     """`ALIGNED` (16-byte loads and stores in the cache write) only where every row starts on a
     16-byte boundary: each tensor's start, each row stride and the cache's row size, in bytes."""
