@@ -4,8 +4,6 @@ of any value (even another NaN pattern) shows."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from test_triton_decode import run_under_interpreter
@@ -280,9 +278,11 @@ def test_update_cuda_matches_cpu_bit_for_bit(kv_cache_dtype):
     assert same_bits(cache_cuda.cpu(), cache)
 
 
-def on_cuda(t: torch.Tensor, shift: int) -> torch.Tensor:
-    """A contiguous copy of `t` on CUDA, `shift` elements past the start of its allocation."""
-    return torch.empty(t.numel() + shift, dtype=t.dtype, device="cuda")[shift:].copy_(t.reshape(-1)).view(t.shape)
+def placed(t: torch.Tensor, shift: int, device: str = "cuda") -> torch.Tensor:
+    """A contiguous copy of `t` on `device`, starting `shift` elements past a 64-byte boundary."""
+    base = torch.empty(t.numel() + 64 + shift, dtype=t.dtype, device=device)
+    start = (-base.data_ptr() % 64) // t.element_size() + shift
+    return base[start: start + t.numel()].copy_(t.reshape(-1)).view(t.shape)
 
 
 @pytest.mark.gpu
@@ -301,20 +301,20 @@ def test_cuda_write_launched_as_compiled_fits_any_alignment_and_stride(dtype):
     slots[[2, 6]] = -1
     key, value = (torch.randn(n, HKV, D, generator=g).to(dtype) for _ in range(2))
     fused = torch.randn(n, 2 * row + 3, generator=g).to(dtype)  # [k | v | 3 spare]: rows 2 * row + 3 apart
-    fused_cuda = on_cuda(fused, 0)
+    fused_cuda = placed(fused, 0)
     cases = {  # name: (key, value on the CPU), (key, value, shift of the cache and slots on CUDA); aligned first
-        "aligned": ((key, value), (on_cuda(key, 0), on_cuda(value, 0), 0)),
+        "aligned": ((key, value), (placed(key, 0), placed(value, 0), 0)),
         "odd row strides": ((fused[:, :row].view(n, HKV, D), fused[:, row: 2 * row].view(n, HKV, D)),
                             (fused_cuda[:, :row].view(n, HKV, D), fused_cuda[:, row: 2 * row].view(n, HKV, D), 0)),
-        "every tensor off 16 bytes": ((key, value), (on_cuda(key, 1), on_cuda(value, 1), 1)),
+        "every tensor off 16 bytes": ((key, value), (placed(key, 1), placed(value, 1), 1)),
     }
     # the cases are what they say: rows 35 elements apart, every pointer off a 16-byte boundary
     assert cases["odd row strides"][1][0].stride(0) % 16 and cases["every tensor off 16 bytes"][1][0].data_ptr() % 16
     for name, ((k, v), (k_cuda, v_cuda, shift)) in cases.items():
         expected = random_cache(seed=4, dtype=dtype)
-        cache = on_cuda(expected, shift)
+        cache = placed(expected, shift)
         write_kv_cache(k, v, expected, slots, 1.0, 1.0)  # the CPU path: masked index_put
-        write_kv_cache_cuda(k_cuda, v_cuda, cache, on_cuda(slots, shift), 1.0, 1.0)
+        write_kv_cache_cuda(k_cuda, v_cuda, cache, placed(slots, shift), 1.0, 1.0)
         assert same_bits(cache, expected), name
 
 
@@ -368,10 +368,8 @@ def test_rows_aligned_names_what_vector_accesses_need():
     pytest.importorskip("triton")
     from compiled_attn.ops.triton_cache import rows_aligned
 
-    def shifted(shape, dtype=torch.bfloat16, by=0):  # `by` elements past a 64-byte-aligned start
-        base = torch.empty(math.prod(shape) + 64, dtype=dtype)
-        start = (-base.data_ptr() % 64) // base.element_size() + by
-        return base[start: start + math.prod(shape)].view(shape)
+    def shifted(shape, dtype=torch.bfloat16, by=0):  # alignment is all that counts here, not values
+        return placed(torch.empty(shape, dtype=dtype), by, "cpu")
 
     key, value, cache = shifted((3, 2, 64)), shifted((3, 2, 64)), shifted((2, 4, 16, 2, 64))
     assert rows_aligned(key, value, cache, 128)
@@ -389,10 +387,9 @@ def test_cache_write_vectorizes_on_alignment_it_was_told():
     as compiled later, `triton_cache`), so its 16-byte loads and stores come from `ALIGNED` alone:
     the PTX for sm90 (compiled on the CPU with Triton's own ptxas) has them with it and none
     without, where each thread moves 2-byte elements one at a time."""
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
     import re
 
-    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
