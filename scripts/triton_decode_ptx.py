@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from compiled_attn.ops.triton_decode import _split_kernel
+from compiled_attn.ops.triton_decode import _pairs_kernel, _split_kernel
 
 ARGS = ("q_ptr", "k_ptr", "v_ptr", "table_ptr", "lens_ptr", "out_ptr", "part_ptr", "lse_ptr",
         "q_stride_t", "q_stride_h", "kv_stride_blk", "kv_stride_tok", "kv_stride_h", "table_stride",
@@ -51,14 +51,15 @@ COUNTED = {
 def compile_shape(cache: str, fp16_mma: bool, block_n: int, warps: int, stages: int, group: int,
                   head_size: int = 128, direct: bool = False) -> triton.compiler.CompiledKernel:
     """`_split_kernel` for sm90 at one launch shape, over bf16 queries and a `cache` cache
-    (`fp16_mma`: an fp8 cache's pairs widened to fp16, `DecodeConfig.fp16_mma`)."""
+    (`fp16_mma`: `_pairs_kernel`, an fp8 cache's pairs widened to fp16, `DecodeConfig.fp16_mma`)."""
     types = ["*bf16", CACHE_TYPES[cache], CACHE_TYPES[cache], "*i32", "*i32", "*bf16", "*fp32", "*fp32",
              *["i32"] * 8, "fp32", "fp32", "i32"]
     constexprs = {"GROUP": group, "BLOCK_H": max(16, triton.next_power_of_2(group)), "D": head_size, "PAGE": 16,
-                  "BLOCK_N": block_n, "DIRECT": direct, "PAIRS": fp16_mma, "E5M2": cache == "e5m2"}
+                  "BLOCK_N": block_n, "DIRECT": direct} | ({"E5M2": cache == "e5m2"} if fp16_mma else {})
     signature = {**dict(zip(ARGS, types, strict=True)), **dict.fromkeys(constexprs, "constexpr")}
     attrs = {(ARGS.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
-    source = ASTSource(fn=_split_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    source = ASTSource(fn=_pairs_kernel if fp16_mma else _split_kernel, signature=signature, constexprs=constexprs,
+                       attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 

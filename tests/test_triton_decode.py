@@ -117,7 +117,10 @@ def test_fp16_mma_widens_fp8_pairs_in_registers():
     """What `fp16_mma` is for, pinned in the PTX for sm90 (compiled on the CPU with Triton's own
     ptxas, `scripts/triton_decode_ptx.py`): no 8-bit reads of the tile from shared memory, no
     bf16 repacking, and one `cvt.rn.f16x2` per pair: 64 a thread for a 64 x 128 K and V tile
-    over 128 threads. (Triton's own widening had both on 3.9; that is Triton's to change.)"""
+    over 128 threads. (Triton's own widening had both on 3.9; that is Triton's to change.) The
+    tile is copied to shared memory 16 bytes at a time and read back only by ldmatrix, in the
+    MMA operands' layout: no 2-byte shared reads, as when the whole tile was widened first and
+    moved through shared memory again as fp16 (32 `ld.shared.b16` and 16 8-byte copies here)."""
     pytest.importorskip("triton")
     path = Path(__file__).parent.parent / "scripts" / "triton_decode_ptx.py"
     spec = importlib.util.spec_from_file_location("triton_decode_ptx", path)
@@ -127,6 +130,7 @@ def test_fp16_mma_widens_fp8_pairs_in_registers():
         pairs = ptx.row(ptx.compile_shape(cache, True, 64, 4, 3, group=4))
         assert pairs["ld.shared 8-bit"] == 0 and pairs["cvt.bf16.f16"] == 0, (cache, pairs)
         assert pairs["fp8 cvt"] == 64, (cache, pairs)
+        assert pairs["ld.shared.b16"] == 0 and pairs["cp.async 8B"] == 0, (cache, pairs)
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)])

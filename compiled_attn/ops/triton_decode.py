@@ -9,12 +9,13 @@ end of a request write an empty partial (lse -inf) that the merge weighs at zero
     at a time, gathered through the block table; online softmax in fp32, exp2 domain. An fp8
     cache is read as stored and widened to the query's dtype (exact for e4m3 and e5m2), its
     k_scale folded into the score scale and its v_scale into the output's normalization. With
-    `fp16_mma` an fp8 cache is read two bytes at a time and each pair widened to fp16 by one
-    `cvt` in registers (exact; sm89 and later), and both products run in fp16: each query row is
-    scaled into fp16's range by a power of two (exact for entries within 2^28 of the row's
-    largest; folded back into the score scale) and the probabilities are rounded to fp16 (11
-    bits, where bf16 has 8). Triton's own widening reads the tile back from
-    shared memory byte by byte (`scripts/triton_decode_ptx.py`).
+    `fp16_mma` (`_pairs_kernel`, sm89 and later) an fp8 cache is read two bytes at a time, the
+    head dimension's even and odd elements widened to fp16 apart (exact, `cvt` in registers)
+    for two products each, and both products run in fp16: each query row is scaled into fp16's
+    range by a power of two (exact for entries within 2^28 of the row's largest; folded back
+    into the score scale) and the probabilities are rounded to fp16 (11 bits, where bf16 has 8).
+    Triton's own widening reads the tile back from shared memory byte by byte
+    (`scripts/triton_decode_ptx.py`).
     merge (batch, heads): the splits' partial outputs weighed by their log-sum-exp.
 
 One split writes the output directly (no partials, no merge launch).
@@ -47,18 +48,68 @@ class DecodeConfig:
 
 
 @triton.jit
-def _widen_pairs(pairs, E5M2: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """[BLOCK_N, D // 2] uint16, two fp8 values each (element 2j in the low byte; e4m3, or e5m2
-    with E5M2) -> [BLOCK_N, D] fp16, exact: one `cvt.rn.f16x2.{e4m3,e5m2}x2` a pair."""
+def _even_bytes(pairs, E5M2: tl.constexpr):
+    """uint16 fp8 pairs (element 2j in the low byte) -> fp16 of element 2j, exact: one
+    `cvt.rn.f16x2.{e4m3,e5m2}x2` for two pairs, their low bytes gathered by a `prmt`. One input
+    and one output, so Triton widens in the MMA operand's own layout (see `_pairs_kernel`)."""
     if not E5M2:
-        low, high = tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
-                                              "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True,
-                                              pack=1)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x0020; mov.b32 {lo, hi}, t; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; }", "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x0020; mov.b32 {lo, hi}, t; "
+        "cvt.rn.f16x2.e5m2x2 $0, lo; }", "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _odd_bytes(pairs, E5M2: tl.constexpr):
+    """uint16 fp8 pairs -> fp16 of element 2j + 1 (the high bytes), as `_even_bytes`."""
+    if not E5M2:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x0031; mov.b32 {lo, hi}, t; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; }", "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x0031; mov.b32 {lo, hi}, t; "
+        "cvt.rn.f16x2.e5m2x2 $0, lo; }", "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _tile_rows(tok0, end, table, kv_head, kv_stride_blk, kv_stride_tok, kv_stride_h,
+               PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cache rows (element offsets) of tokens tok0 .. tok0 + BLOCK_N through the block table,
+    and which of them are live (< end)."""
+    tok = tok0 + tl.arange(0, BLOCK_N)
+    live = tok < end
+    block = tl.load(table + tok // PAGE, mask=live, other=0)
+    return block.to(tl.int64) * kv_stride_blk + (tok % PAGE) * kv_stride_tok + kv_head * kv_stride_h, live
+
+
+@triton.jit
+def _softmax_step(s, live, m, lsum):
+    """One tile of the online softmax (exp2 domain): its probabilities, the factor that rescales
+    what came before, and the running max and sum."""
+    s = tl.where(live[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, lsum * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _finish(acc, m, lsum, v_scale, seq, split, num_splits, heads, h_mask, out_ptr, part_ptr, lse_ptr,
+            out_stride_t, out_stride_h, GROUP: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr):
+    """Normalize and store a program's [BLOCK_H, D] rows: the output itself with one split, else
+    the split's partial and its log-sum-exp (a split with no tokens: zeros, lse -inf)."""
+    d = tl.arange(0, D)
+    safe = tl.where(lsum > 0.0, lsum, 1.0)
+    acc = acc * (v_scale / safe)[:, None]
+    if DIRECT:
+        dst = out_ptr + seq.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h + d[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
     else:
-        low, high = tl.inline_asm_elementwise("{ .reg .b32 t; cvt.rn.f16x2.e5m2x2 t, $2; mov.b32 {$0, $1}, t; }",
-                                              "=h,=h,h", [pairs], dtype=(tl.float16, tl.float16), is_pure=True,
-                                              pack=1)
-    return tl.reshape(tl.join(low, high), [BLOCK_N, D])
+        row_id = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [B, H, S]
+        tl.store(part_ptr + row_id[:, None] * D + d[None, :], acc, mask=h_mask[:, None])
+        tl.store(lse_ptr + row_id, m + tl.log2(lsum), mask=h_mask)
 
 
 @triton.jit
@@ -68,7 +119,7 @@ def _split_kernel(
     out_stride_t, out_stride_h, qk_scale, v_scale,
     num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PAIRS: tl.constexpr, E5M2: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -84,50 +135,75 @@ def _split_kernel(
     h_mask = h < GROUP
     q = tl.load(q_ptr + seq.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
                 mask=h_mask[:, None], other=0.0)
-    if PAIRS:  # fp16 products: each query row times 2^-shift, its largest entry in [2^13, 2^14]
-        qf = q.to(tl.float32)
-        largest = tl.max(tl.abs(qf), 1)
-        shift = tl.where(largest > 0.0, tl.ceil(tl.log2(largest)) - 14.0, 0.0)
-        q = (qf * tl.exp2(-shift)[:, None]).to(tl.float16)
-        row_scale = qk_scale * tl.exp2(shift)  # [BLOCK_H]: the shift folded back into the scores
-    else:
-        row_scale = qk_scale + tl.zeros([BLOCK_H], tl.float32)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     table = table_ptr + seq.to(tl.int64) * table_stride
     for tok0 in range(start, end, BLOCK_N):
-        tok = tok0 + tl.arange(0, BLOCK_N)
-        live = tok < end
-        block = tl.load(table + tok // PAGE, mask=live, other=0)
-        row = block.to(tl.int64) * kv_stride_blk + (tok % PAGE) * kv_stride_tok + kv_head * kv_stride_h
-        if PAIRS:
-            pair = (row // 2)[:, None] + tl.arange(0, D // 2)[None, :]
-            k = _widen_pairs(tl.load(k_ptr.to(tl.pointer_type(tl.uint16)) + pair, mask=live[:, None], other=0),
-                             E5M2, BLOCK_N, D)
-            v = _widen_pairs(tl.load(v_ptr.to(tl.pointer_type(tl.uint16)) + pair, mask=live[:, None], other=0),
-                             E5M2, BLOCK_N, D)
-        else:
-            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
-            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * row_scale[:, None]
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
+        row, live = _tile_rows(tok0, end, table, kv_head, kv_stride_blk, kv_stride_tok, kv_stride_h, PAGE, BLOCK_N)
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+        p, alpha, m, lsum = _softmax_step(s, live, m, lsum)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-        m = m_new
+    _finish(acc, m, lsum, v_scale, seq, split, num_splits, heads, h_mask, out_ptr, part_ptr, lse_ptr,
+            out_stride_t, out_stride_h, GROUP, D, DIRECT)
 
-    safe = tl.where(lsum > 0.0, lsum, 1.0)  # a split with no tokens: zeros, lse -inf
-    acc = acc * (v_scale / safe)[:, None]
-    if DIRECT:
-        dst = out_ptr + seq.to(tl.int64) * out_stride_t + heads[:, None] * out_stride_h + d[None, :]
-        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
-    else:
-        row_id = (seq.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [B, H, S]
-        tl.store(part_ptr + row_id[:, None] * D + d[None, :], acc, mask=h_mask[:, None])
-        tl.store(lse_ptr + row_id, m + tl.log2(lsum), mask=h_mask)
+
+@triton.jit
+def _pairs_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+    q_stride_t, q_stride_h, kv_stride_blk, kv_stride_tok, kv_stride_h, table_stride,
+    out_stride_t, out_stride_h, qk_scale, v_scale,
+    num_splits,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, E5M2: tl.constexpr,
+):
+    """`_split_kernel` over an fp8 cache read as uint16 byte pairs (`fp16_mma`), with fp16
+    products split by the parity of the head dimension: q K^T = q_even K_even^T + q_odd K_odd^T,
+    and P V = [P V_even, P V_odd] interleaved at the end. Each half is an elementwise function of
+    the pair tile, so Triton moves the widening after the tile's load from shared memory into
+    the MMA operand's layout (ldmatrix of 16-bit pairs): no round trip of the widened fp16 tile
+    through shared memory, which held this kernel at about 55 % of the HBM bandwidth."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    j = tl.arange(0, D // 2)
+    heads = kv_head * GROUP + h
+    h_mask = h < GROUP
+    q = tl.load(q_ptr + seq.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
+                mask=h_mask[:, None], other=0.0).to(tl.float32)
+    # fp16 products: each query row times 2^-shift, its largest entry in [2^13, 2^14]
+    largest = tl.max(tl.abs(q), 1)
+    shift = tl.where(largest > 0.0, tl.ceil(tl.log2(largest)) - 14.0, 0.0)
+    q_even, q_odd = tl.split(tl.reshape((q * tl.exp2(-shift)[:, None]).to(tl.float16), [BLOCK_H, D // 2, 2]))
+    row_scale = qk_scale * tl.exp2(shift)  # [BLOCK_H]: the shift folded back into the scores
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_H], tl.float32)
+    acc_even = tl.zeros([BLOCK_H, D // 2], tl.float32)
+    acc_odd = tl.zeros([BLOCK_H, D // 2], tl.float32)
+    table = table_ptr + seq.to(tl.int64) * table_stride
+    k_pairs = k_ptr.to(tl.pointer_type(tl.uint16))
+    v_pairs = v_ptr.to(tl.pointer_type(tl.uint16))
+    for tok0 in range(start, end, BLOCK_N):
+        row, live = _tile_rows(tok0, end, table, kv_head, kv_stride_blk, kv_stride_tok, kv_stride_h, PAGE, BLOCK_N)
+        pair = (row // 2)[:, None] + j[None, :]
+        k = tl.trans(tl.load(k_pairs + pair, mask=live[:, None], other=0))  # [D // 2, BLOCK_N]
+        s = tl.dot(q_odd, _odd_bytes(k, E5M2), tl.dot(q_even, _even_bytes(k, E5M2))) * row_scale[:, None]
+        p, alpha, m, lsum = _softmax_step(s, live, m, lsum)
+        p = p.to(tl.float16)  # 11 bits, where bf16 has 8
+        v = tl.load(v_pairs + pair, mask=live[:, None], other=0)
+        acc_even = tl.dot(p, _even_bytes(v, E5M2), acc_even * alpha[:, None])
+        acc_odd = tl.dot(p, _odd_bytes(v, E5M2), acc_odd * alpha[:, None])
+    _finish(tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_H, D]), m, lsum, v_scale, seq, split, num_splits, heads,
+            h_mask, out_ptr, part_ptr, lse_ptr, out_stride_t, out_stride_h, GROUP, D, DIRECT)
 
 
 @triton.jit
@@ -201,14 +277,16 @@ class PagedDecode:
         group = num_heads // num_kv_heads
         cfg = self.config
         direct = cfg.num_splits == 1
-        _split_kernel[(batch, num_kv_heads, cfg.num_splits)](
+        pairs = self._pairs(k_cache)
+        kernel = _pairs_kernel if pairs else _split_kernel
+        fp8_format = {"E5M2": k_cache.dtype == torch.float8_e5m2} if pairs else {}
+        kernel[(batch, num_kv_heads, cfg.num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out,
             out if direct else self._partials, out if direct else self._lse,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1), scale * k_scale * LOG2E, v_scale, cfg.num_splits,
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=head_size, PAGE=page,
-            BLOCK_N=cfg.block_n, DIRECT=direct, PAIRS=self._pairs(k_cache),
-            E5M2=k_cache.dtype == torch.float8_e5m2, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_N=cfg.block_n, DIRECT=direct, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_format,
         )
         if not direct:
             _merge_kernel[(batch, num_heads)](
