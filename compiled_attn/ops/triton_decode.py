@@ -234,9 +234,12 @@ def default_config(batch_size: int, num_kv_heads: int, device: torch.device, *,
     2}, tiles {32, 64, 128}, warps/stages {4/2, 4/3, 8/3}) at B=8 and B=64 (ctx 1024 and 4096) and
     at B=256 ctx 1024; 0.4 / 0.7 us from it at B=1 (ctx 1024 / 4096), 2.5 us at B=256 ctx 4096.
     Other batch sizes were not timed (32 q / 8 kv heads). An `fp8_cache` is read by `fp16_mma`
-    where the card has sm89's conversions: 212.9 us against 293.9 widened at B=64 ctx 4096 (e4m3,
-    H200, this launch shape); fp8 keeps the bf16 rule, within 9 % of the best of the 27 shapes
-    at each of the 8 points (`--sweep-caches fp8`). Products transposed (K q^T, V^T P: the cache
+    (`_pairs_kernel`) where the card has sm89's conversions: 161.3 us at B=64 ctx 4096 (e4m3,
+    H200, this launch shape; 212.3 when the widened tile went through shared memory, 293.9 for
+    Triton's own widening). fp8 keeps the bf16 rule: within 8 % of the best of the 27 shapes at
+    each point from B=8 up, 0.2 / 0.8 us from it at B=1 (`--sweep-caches fp8`, twenty-fifth
+    session).
+    Products transposed (K q^T, V^T P: the cache
     tile as the MMAs' rows, Hopper's warpgroup MMA) were slower at each of the 9 points timed (1.6
     to 17 %) and are gone."""
     props = torch.cuda.get_device_properties(device)
