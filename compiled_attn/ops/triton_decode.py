@@ -74,6 +74,16 @@ def _odd_bytes(pairs, E5M2: tl.constexpr):
 
 
 @triton.jit
+def _split_span(lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
+    """The tokens [start, end) of the request `seq` that split `split` of `num_splits` reads: an
+    equal share of its live tiles (none past its end)."""
+    seq_len = tl.load(lens_ptr + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    return start, tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+
+@triton.jit
 def _tile_rows(tok0, end, table, kv_head, kv_stride_blk, kv_stride_tok, kv_stride_h,
                PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The cache rows (element offsets) of tokens tok0 .. tok0 + BLOCK_N through the block table,
@@ -124,10 +134,7 @@ def _split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    start, end = _split_span(lens_ptr, seq, split, num_splits, BLOCK_N)
 
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
@@ -168,10 +175,7 @@ def _pairs_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    start, end = _split_span(lens_ptr, seq, split, num_splits, BLOCK_N)
 
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
