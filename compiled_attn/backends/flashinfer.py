@@ -71,11 +71,11 @@ NO_SPLIT_KV_MIN_PAIRS = 512
 # 16-bit queries over a cache of the same dtype, head size 128, no ALiBi / soft-cap (cuDNN's decode
 # graph has neither) and no window: the measured case, widened to fp16, other GQA groups and page
 # sizes (not timed; Triton compiles a variant for each); windows and other head sizes were not
-# measured. Triton reads fp8 caches too (`triton_decode_reason`; cuDNN's graph does not): the 8B
-# loop at B=64 ctx 4096, e4m3, on an H200 ran 11.872 ms a step with Triton's fp16 products
-# (`DecodeConfig.fp16_mma`) against 12.269 on FlashInfer's fp8 decode (one call, one compile each;
-# 0.85x before fp16_mma, when Triton widened fp8 to bf16); per kernel call faster at 7 of the 8
-# points of `--triton-sweep --sweep-caches fp8`, 0.2 % slower at B=256 ctx 4096. Eager steps stay
+# measured. Triton reads fp8 caches too (`triton_decode_reason`; cuDNN's graph does not): with
+# fp16 products (`DecodeConfig.fp16_mma`) its kernel call is faster than FlashInfer's fp8 decode
+# at all 8 points of `--triton-sweep --sweep-caches fp8` on an H200 (161.3 vs 217.6 us at B=64 ctx
+# 4096, 6.6 vs 15.1 at B=1 ctx 1024; twenty-fifth session), and the 8B loop at B=64 ctx 4096, e4m3,
+# ran 10.373 ms a step against the bf16 peer's 13.080 (1.261x). Eager steps stay
 # on FlashInfer's wrappers: cuDNN builds a graph per shape (milliseconds), which a CUDA graph pays
 # once at capture.
 CUDNN_DECODE_CAPABILITY = (9, 0)
