@@ -271,8 +271,9 @@ def test_interpreter_matches_the_float64_reference():
 def test_what_the_kernels_addressing_assumes_is_refused_before_a_launch():
     """A head size the kernel cannot tile, more rows than the split buffers hold, caches of
     different layouts, heads not a multiple of the KV heads, a strided head dimension, a cache
-    of integers or of two fp8 formats, fp16_mma over an odd fp8 layout or off sm89+: each a
-    ValueError naming it, before anything is launched (these run on the CPU)."""
+    of integers or of two fp8 formats, fp16_mma at a head size its halves cannot tile, over an
+    odd fp8 layout or off sm89+: each a ValueError naming it, before anything is launched (these
+    run on the CPU)."""
     td = pytest.importorskip("compiled_attn.ops.triton_decode")
     cfg = td.DecodeConfig(num_splits=2)
     with pytest.raises(ValueError, match="power-of-two head size >= 16, not 48"):
@@ -294,6 +295,9 @@ def test_what_the_kernels_addressing_assumes_is_refused_before_a_launch():
         args = {**dict(q=q[:2], k=kv[0], v=kv[1], out=torch.empty(2, 8, 32)), **over}
         with pytest.raises(ValueError, match=message):
             decode.run(args["q"], args["k"], args["v"], tables, lens, args["out"], 0.1)
+    with pytest.raises(ValueError, match="head sizes >= 32, not 16"):
+        td.PagedDecode(2, 8, 16, td.DecodeConfig(num_splits=2, fp16_mma=True), "cpu")
+    td.PagedDecode(2, 8, 16, cfg, "cpu")  # without fp16_mma, 16 stays served
     # fp16_mma reads fp8 byte pairs, with sm89's cvt: an odd start, and a device without it
     pairs = td.PagedDecode(2, 8, 32, td.DecodeConfig(num_splits=2, fp16_mma=True), "cpu")
     fp8 = kv.to(torch.float8_e4m3fn)

@@ -261,6 +261,10 @@ class PagedDecode:
                  device: torch.device | str) -> None:
         if head_size < 16 or head_size & (head_size - 1):
             raise ValueError(f"the Triton decode takes a power-of-two head size >= 16, not {head_size}")
+        if config.fp16_mma and head_size < 32:
+            raise ValueError(f"fp16_mma splits the head dimension into even and odd halves, each the depth of an MMA "
+                             f"(>= 16): head sizes >= 32, not {head_size} (DecodeConfig(fp16_mma=False) reads an fp8 "
+                             "cache widened to the queries' dtype)")
         self.config = config
         self._rows = (batch_size, num_heads, head_size)
         self._launched = False
