@@ -80,14 +80,15 @@ def test_decode_matches_the_float64_reference(shape, config):
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("fp16_mma", [False, True], ids=["widened", "fp16-mma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_fp8_caches_match_the_float64_reference(cache_dtype, fp16_mma, dtype):
+@pytest.mark.parametrize("head_size", [32, 128])
+def test_fp8_caches_match_the_float64_reference(cache_dtype, fp16_mma, dtype, head_size):
     """fp8 caches storing K / k_scale and V / v_scale, bf16 or fp16 queries, split and direct: each way of
     widening against the reference on the scaled-back cache. One request's query reaches 3e4,
     past fp16's 2^14 headroom, and one stays near 1e-6: fp16_mma's power-of-two scaling of each
-    query row is exercised both ways."""
+    query row is exercised both ways. Head size 32 is fp16_mma's smallest (halves of 16)."""
     td = _decode_module()
     torch.manual_seed(5)
-    num_heads, num_kv_heads, head_size, page = 32, 8, 128, 16
+    num_heads, num_kv_heads, page = 32, 8, 16
     lens = [1, page + 1, 300, 1100]
     batch = len(lens)
     tables, num_blocks = shuffled_tables(lens, page, 1200 // page)
