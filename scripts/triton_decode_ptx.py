@@ -10,15 +10,24 @@ fp8 cache adds (byte-wise shared loads, conversions). Times need the GPU
 Arguments are specialized as a launch over our caches specializes them: every pointer 16-byte
 aligned and every stride a multiple of 16. The device's Triton may differ from this machine's.
 
+`--sass` adds what the wheel's `cuobjdump` and `nvdisasm` read from the cubin: registers a thread,
+the programs an H100 / H200 SM holds by registers and shared memory, and the SASS instructions of
+the kernel's main loop (the longest backward branch: one tile), with its conversions, shared loads
+and MMAs. Those are what bound an fp8 tile once its bytes halve.
+
     python scripts/triton_decode_ptx.py [--block-n 64 128] [--warps 4] [--stages 3] [--group 4]
-        [--caches bf16 e4m3 e5m2]
+        [--caches bf16 e4m3 e5m2] [--sass]
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import tempfile
+from collections import Counter
 from itertools import product
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -72,6 +81,42 @@ def row(kernel: triton.compiler.CompiledKernel) -> dict[str, int]:
     return {"instructions": len(body), "shared KB": kernel.metadata.shared // 1024, **counts}
 
 
+# sm90: 64K 32-bit registers and 227 KB of shared memory a block may use, per SM
+SM_REGISTERS, SM_SHARED_BYTES = 65536, 227 * 1024
+SASS_COUNTED = ("F2FP", "PRMT", "LDSM", "LDS", "STS", "HMMA", "BAR")
+# an instruction line of `nvdisasm -c`: /*0a30*/  [@P0] OPCODE ...
+SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_row(kernel: triton.compiler.CompiledKernel, warps: int) -> dict[str, int]:
+    """Registers a thread, programs an SM holds, and the main loop's SASS (all, and SASS_COUNTED's),
+    from the cubin with the `cuobjdump` and `nvdisasm` beside Triton's `ptxas`."""
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tools / "cuobjdump", "--dump-resource-usage", cubin.name], capture_output=True,
+                               text=True, check=True).stdout
+        listing = subprocess.run([tools / "nvdisasm", "-c", cubin.name], capture_output=True, text=True,
+                                 check=True).stdout
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    programs = min(SM_REGISTERS // (registers * 32 * warps), SM_SHARED_BYTES // max(kernel.metadata.shared, 1),
+                   64 // warps)
+    opcodes, labels, loops = [], {}, []
+    for line in listing.splitlines():
+        if label := re.match(r"^(\.L_x_\d+):", line.strip()):
+            labels[label.group(1)] = len(opcodes)
+        elif op := SASS_LINE.match(line):
+            target = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+            if target and labels.get(target.group(1), len(opcodes)) < len(opcodes):  # a branch backwards
+                loops.append((labels[target.group(1)], len(opcodes)))
+            opcodes.append(op.group(1))
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    body = Counter(opcodes[start : end + 1])
+    return {"registers": registers, "programs / SM": programs, "loop SASS": end + 1 - start,
+            **{f"loop {op}": body[op] for op in SASS_COUNTED}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
@@ -79,6 +124,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[3])
     parser.add_argument("--group", type=int, default=4, help="query heads per KV head")
     parser.add_argument("--caches", nargs="+", choices=list(CACHE_TYPES), default=["bf16", "e4m3"])
+    parser.add_argument("--sass", action="store_true", help="registers, occupancy and the main loop's SASS too")
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm90, GQA group {args.group}, head size 128")
     table = {}
@@ -87,7 +133,8 @@ def main() -> None:
         if fp16_mma and cache == "bf16":
             continue
         shape = f"{cache}{' fp16' if fp16_mma else ''} n{block_n} w{warps} st{stages}"
-        table[shape] = row(compile_shape(cache, fp16_mma, block_n, warps, stages, args.group))
+        kernel = compile_shape(cache, fp16_mma, block_n, warps, stages, args.group)
+        table[shape] = row(kernel) | (sass_row(kernel, warps) if args.sass else {})
     columns = list(next(iter(table.values())))
     print(f"{'shape':<30}" + "".join(f"{c:>14}" for c in columns))
     for shape, counts in table.items():
