@@ -81,7 +81,8 @@ def row(kernel: triton.compiler.CompiledKernel) -> dict[str, int]:
     return {"instructions": len(body), "shared KB": kernel.metadata.shared // 1024, **counts}
 
 
-# sm90: 64K 32-bit registers and 227 KB of shared memory a block may use, per SM
+# sm90: 64K 32-bit registers and 227 KB of shared memory a block may use, per SM (programs an SM holds is
+# an upper bound from these: allocation granularity and the per-block reserve are left out)
 SM_REGISTERS, SM_SHARED_BYTES = 65536, 227 * 1024
 SASS_COUNTED = ("F2FP", "PRMT", "LDSM", "LDS", "STS", "HMMA", "BAR")
 # an instruction line of `nvdisasm -c`: /*0a30*/  [@P0] OPCODE ...
