@@ -47,30 +47,24 @@ class DecodeConfig:
     fp16_mma: bool = False  # fp8 caches only: byte pairs widened to fp16 in registers, fp16 products
 
 
-@triton.jit
-def _even_bytes(pairs, E5M2: tl.constexpr):
-    """uint16 fp8 pairs (element 2j in the low byte) -> fp16 of element 2j, exact: one
-    `cvt.rn.f16x2.{e4m3,e5m2}x2` for two pairs, their low bytes gathered by a `prmt`. One input
-    and one output, so Triton widens in the MMA operand's own layout (see `_pairs_kernel`)."""
-    if not E5M2:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x0020; mov.b32 {lo, hi}, t; "
-            "cvt.rn.f16x2.e4m3x2 $0, lo; }", "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2)
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x0020; mov.b32 {lo, hi}, t; "
-        "cvt.rn.f16x2.e5m2x2 $0, lo; }", "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2)
+# `prmt` selectors gathering two uint16 fp8 pairs' low bytes (element 2j of the head dimension) or
+# high bytes (element 2j + 1) into one 16-bit half for `cvt`
+EVEN: tl.constexpr = tl.constexpr("0x0020")
+ODD: tl.constexpr = tl.constexpr("0x0031")
 
 
 @triton.jit
-def _odd_bytes(pairs, E5M2: tl.constexpr):
-    """uint16 fp8 pairs -> fp16 of element 2j + 1 (the high bytes), as `_even_bytes`."""
-    if not E5M2:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x0031; mov.b32 {lo, hi}, t; "
-            "cvt.rn.f16x2.e4m3x2 $0, lo; }", "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2)
+def _widen_half(pairs, BYTES: tl.constexpr, E5M2: tl.constexpr):
+    """uint16 fp8 pairs -> fp16 of their EVEN or ODD elements, exact: a `prmt` and one
+    `cvt.rn.f16x2.{e4m3,e5m2}x2` for two pairs. One input and one output, so Triton widens in the
+    MMA operand's own layout (see `_pairs_kernel`)."""
+    if E5M2:
+        cvt: tl.constexpr = tl.constexpr("cvt.rn.f16x2.e5m2x2")
+    else:
+        cvt: tl.constexpr = tl.constexpr("cvt.rn.f16x2.e4m3x2")
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, 0x0031; mov.b32 {lo, hi}, t; "
-        "cvt.rn.f16x2.e5m2x2 $0, lo; }", "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2)
+        "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, " + BYTES + "; mov.b32 {lo, hi}, t; " + cvt + " $0, lo; }",
+        "=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -200,12 +194,12 @@ def _pairs_kernel(
         row, live = _tile_rows(tok0, end, table, kv_head, kv_stride_blk, kv_stride_tok, kv_stride_h, PAGE, BLOCK_N)
         pair = (row // 2)[:, None] + j[None, :]
         k = tl.trans(tl.load(k_pairs + pair, mask=live[:, None], other=0))  # [D // 2, BLOCK_N]
-        s = tl.dot(q_odd, _odd_bytes(k, E5M2), tl.dot(q_even, _even_bytes(k, E5M2))) * row_scale[:, None]
+        s = tl.dot(q_odd, _widen_half(k, ODD, E5M2), tl.dot(q_even, _widen_half(k, EVEN, E5M2))) * row_scale[:, None]
         p, alpha, m, lsum = _softmax_step(s, live, m, lsum)
         p = p.to(tl.float16)  # 11 bits, where bf16 has 8
         v = tl.load(v_pairs + pair, mask=live[:, None], other=0)
-        acc_even = tl.dot(p, _even_bytes(v, E5M2), acc_even * alpha[:, None])
-        acc_odd = tl.dot(p, _odd_bytes(v, E5M2), acc_odd * alpha[:, None])
+        acc_even = tl.dot(p, _widen_half(v, EVEN, E5M2), acc_even * alpha[:, None])
+        acc_odd = tl.dot(p, _widen_half(v, ODD, E5M2), acc_odd * alpha[:, None])
     _finish(tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_H, D]), m, lsum, v_scale, seq, split, num_splits, heads,
             h_mask, out_ptr, part_ptr, lse_ptr, out_stride_t, out_stride_h, GROUP, D, DIRECT)
 
