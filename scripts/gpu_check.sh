@@ -23,7 +23,9 @@
 # between runs (below); CLOCK_LOG=1 logs the card's clocks, temperature and power once a second
 # ($OUT/clocks.csv); GRID_ORDER="ours peer" runs the grid's sides in that order. "autotune": which
 # kernels a warm process tunes again (scripts/autotune_probe.py: PROBE_SUITE, default decode_loop,
-# run cold then warm on a fresh cache; PROBE_ARGS e.g. "--torch-recheck"; ~5 min).
+# run cold then warm on a fresh cache; PROBE_ARGS e.g. "--torch-recheck"; ~5 min). "phases": the
+# runner's own host time on the decode-graph path, phase by phase (scripts/runner_phases.py,
+# PHASES_ARGS e.g. "--points 64x1024").
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PARTS=${PARTS:-"tests fuzz bench"}
@@ -84,6 +86,10 @@ if [[ " $PARTS " == *" tests "* ]]; then
   timeout -s INT -k 60 "${TEST_TIMEOUT:-560}" python3 -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=25 "${xdist[@]}" \
     --ignore=tests/test_fuzz.py ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
   status=${PIPESTATUS[0]}
+fi
+if [[ " $PARTS " == *" phases "* ]]; then  # where the runner's own host time goes, phase by phase
+  timeout "${PHASES_TIMEOUT:-300}" python3 scripts/runner_phases.py ${PHASES_ARGS:-} --out "$OUT" 2>&1 | tail -60
+  status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ " $PARTS " == *" loop "* ]]; then
   for point in 64x1024 1x1024; do

@@ -33,7 +33,7 @@ from compiled_attn.graphs import (
     pick_table_width,
 )
 from compiled_attn.graphs import pick_batch_size as pick
-from compiled_attn.graphs.buckets import capture_widths_for
+from compiled_attn.graphs.buckets import capture_widths_for, fill_padded
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 from compiled_attn.paging import BlockAllocator, Request, last_token_rows, schedule
 from compiled_attn.testing.agreement import min_top1_agreement, near_tie
@@ -113,6 +113,21 @@ def test_picked_width_holds_the_step_within_twice_its_need(max_blocks, block_siz
         return
     assert width == min(w for w in widths if w >= need)
     assert width <= max(2 * need - 1, -(-256 // block_size), 1)
+
+
+@given(st.lists(st.integers(1, 16), min_size=1, max_size=6))
+def test_padded_inputs_hold_each_step_then_zeros(counts):
+    """Steps of any sizes in a row: the buffers hold the step's ids and positions, zeros after
+    them (rows a larger earlier step wrote included), whatever they held before the first."""
+    ids_buf = torch.randint(1, 100, (16,), dtype=torch.int64)
+    pos_buf = torch.randint(1, 100, (16,), dtype=torch.int64)
+    zeros_from = 16  # the first step finds garbage everywhere
+    for n in counts:
+        ids, pos = torch.randint(1, 100, (n,), dtype=torch.int64), torch.randint(1, 100, (n,), dtype=torch.int64)
+        zeros_from = fill_padded(ids_buf, pos_buf, ids, pos, zeros_from)
+        assert zeros_from == n
+        assert torch.equal(ids_buf, torch.cat([ids, ids.new_zeros(16 - n)]))
+        assert torch.equal(pos_buf, torch.cat([pos, pos.new_zeros(16 - n)]))
 
 
 @pytest.mark.parametrize("widths", [(), (8, 16), (10, 0), (10, 11), (10, True), (10, 4.0)])
@@ -492,6 +507,19 @@ def test_replay_on_reallocated_caches_raises(tiny_model):
     caches[1] = caches[1].clone()  # the runner's own list, one layer replaced
     with pytest.raises(RuntimeError, match="captured with"):
         runner.run(md, ids, pos)
+
+
+def test_replay_on_caches_that_are_not_a_list_of_tensors_names_the_type(tiny_model):
+    """The graph path checks the list by mapping data_ptr over it: what is not a list of tensors
+    gets the same error as on every other path, not an address mismatch."""
+    spec = cpu_spec()
+    caches = random_caches(spec, 0)
+    runner = static_runner(tiny_model, spec, caches, capture_sizes=[1])
+    md, ids, pos = decode_md(spec, [5]), torch.tensor([3]), torch.tensor([4])
+    for bad in (caches[0], [caches[0], "cache"], [None] * len(caches)):
+        with pytest.raises(ValueError, match="kv_caches must be a list of cache tensors"):
+            runner.run(md, ids, pos, kv_caches=bad)
+    assert runner.counts["graph"] == 3
 
 
 @pytest.mark.parametrize(

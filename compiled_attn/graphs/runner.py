@@ -343,7 +343,6 @@ class CUDAGraphRunner:
         md = attn_metadata
         self._check_inputs(md, input_ids, positions)
         caches = self.kv_caches if kv_caches is None else kv_caches
-        check_cache_list(caches)
         path = choose_path(
             num_prefills=md.num_prefills, num_seqs=md.num_seqs,
             max_seq_len=md.longest_seq_len,
@@ -356,6 +355,7 @@ class CUDAGraphRunner:
             self._check_caches(caches)
             return self.piecewise.run(md, input_ids, positions)
         if path != GRAPH:
+            check_cache_list(caches)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("%s: %d requests, %d prefills, max_seq_len %d", path, md.num_seqs, md.num_prefills,
                              md.max_seq_len)
@@ -409,8 +409,16 @@ class CUDAGraphRunner:
         # Addresses only: a graph writes the memory it was captured with, whatever tensor the
         # caller holds now (no device sync). Every step reads them all: the list or a tensor in
         # it may have changed since the last (a new tensor, `set_`, `resize_`); one map over
-        # the list costs ~0.1 us a layer, half of a Python loop's.
-        if list(map(torch.Tensor.data_ptr, kv_caches)) != self._cache_ptrs:
+        # the list costs ~0.1 us a layer, half of a Python loop's. The map checks the elements'
+        # type too (`data_ptr` of a non-tensor raises), so `check_cache_list` runs only to name
+        # what is wrong.
+        try:
+            ptrs = list(map(torch.Tensor.data_ptr, kv_caches)) if isinstance(kv_caches, list | tuple) else None
+        except TypeError:
+            ptrs = None
+        if ptrs is None:
+            check_cache_list(kv_caches)
+        if ptrs != self._cache_ptrs:
             raise RuntimeError(
                 "the KV caches are not the ones the graphs were captured with (reallocated, resized or "
                 "replaced): a replay would write the old memory. Make and capture a new CUDAGraphRunner "
