@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+
 from compiled_attn.abstract import AttentionImpl, AttentionMetadata, AttentionType
 from compiled_attn.groups import GroupedMetadata
 from compiled_attn.validation import CheckedKind, StepFacts
@@ -63,6 +65,31 @@ class ForwardContext:
         return step
 
 
+@dataclass
+class PieceCapture(AttentionMetadata):
+    """The forward context while piecewise graphs warm up and capture one token bucket: no step,
+    only the static slot buffer of that bucket (all pads, -1). A DECODER layer's cache write is
+    captured inside a piece (`graphs.split.is_captured_write`) and reads that buffer at every
+    replay; the graphs fill it with each step's slots. The attention ops are skipped here."""
+
+    @property
+    def prefill_metadata(self) -> None:
+        return None
+
+    @property
+    def decode_metadata(self) -> None:
+        return None
+
+
+@contextmanager
+def capturing_pieces(slot_mapping: torch.Tensor) -> Iterator[ForwardContext]:
+    """The forward context of a piecewise capture whose cache writes read `slot_mapping`."""
+    md = PieceCapture(num_prefills=0, num_prefill_tokens=0, num_decode_tokens=slot_mapping.shape[0],
+                      slot_mapping=slot_mapping)
+    with _entered(ForwardContext(md)) as context:
+        yield context
+
+
 _forward_context: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
     "compiled_attn_forward_context", default=None
 )
@@ -89,7 +116,12 @@ def set_forward_context(
         raise ValueError(
             f"set_forward_context needs AttentionMetadata from a builder, got {type(attn_metadata)}"
         )
-    context = ForwardContext(attn_metadata)
+    with _entered(ForwardContext(attn_metadata)) as context:
+        yield context
+
+
+@contextmanager
+def _entered(context: ForwardContext) -> Iterator[ForwardContext]:
     token = _forward_context.set(context)
     try:
         yield context

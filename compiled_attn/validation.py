@@ -855,6 +855,39 @@ def _passed_before(call: Any, step: StepFacts, query: torch.Tensor, key: torch.T
                               and output.is_contiguous())
 
 
+class CapturedWrite(NamedTuple):
+    """A cache write that piecewise graphs capture inside a piece (`graphs.split.is_captured_write`):
+    the layer (a `forward_context.LayerCall`), its query / key dtype and trailing shapes, and
+    the cache it writes."""
+
+    call: Any
+    dtype: torch.dtype
+    query_shape: tuple[int, ...]  # [num_heads, head_size]
+    key_shape: tuple[int, ...]  # [num_kv_heads, head_size]
+    cache: torch.Tensor
+
+
+def check_captured_writes(md: AttentionMetadata, writes: Sequence[CapturedWrite]) -> None:
+    """`check_layer_call` of every captured write on the step `md`, as its op would run it
+    before writing, with stand-in query / key / value of the step's rows (no memory: every row
+    views one) and the real cache. Piecewise graphs call it before replaying writes that run no
+    Python, once per metadata kind (the layers remember the kinds they passed)."""
+    step = StepFacts(md)
+    device = md.slot_mapping.device if isinstance(getattr(md, "slot_mapping", None), torch.Tensor) else None
+    rows = getattr(md, "num_tokens", 0)
+    for write in writes:
+        query = _stand_in(rows, write.query_shape, write.dtype, device or write.cache.device)
+        key = _stand_in(rows, write.key_shape, write.dtype, device or write.cache.device)
+        check_layer_call(write.call, step, query, key, key, write.cache)
+
+
+def _stand_in(rows: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [rows, *shape] tensor whose rows all view one contiguous row: what the checks read of a
+    tensor (shape, dtype, device, a contiguous head dimension) at the cost of one row."""
+    row = torch.empty(shape, dtype=dtype, device=device)
+    return row.as_strided((rows, *shape), (0, *row.stride()))
+
+
 # ---------------------------------------------------------------------------------------------
 # Graph replay: everything a replay would otherwise read unchecked
 

@@ -116,18 +116,18 @@ def test_picked_width_holds_the_step_within_twice_its_need(max_blocks, block_siz
 
 
 @given(st.lists(st.integers(1, 16), min_size=1, max_size=6))
-def test_padded_inputs_hold_each_step_then_zeros(counts):
-    """Steps of any sizes in a row: the buffers hold the step's ids and positions, zeros after
-    them (rows a larger earlier step wrote included), whatever they held before the first."""
-    ids_buf = torch.randint(1, 100, (16,), dtype=torch.int64)
-    pos_buf = torch.randint(1, 100, (16,), dtype=torch.int64)
-    zeros_from = 16  # the first step finds garbage everywhere
+def test_padded_inputs_hold_each_step_then_pads(counts):
+    """Steps of any sizes in a row: the buffers hold the step's ids, positions and slots, pads
+    after them (zeros; -1 for slots), rows a larger earlier step wrote included, whatever they
+    held before the first."""
+    bufs = [torch.randint(1, 100, (16,), dtype=torch.int64) for _ in range(3)]
+    pads_from = 16  # the first step finds garbage everywhere
     for n in counts:
-        ids, pos = torch.randint(1, 100, (n,), dtype=torch.int64), torch.randint(1, 100, (n,), dtype=torch.int64)
-        zeros_from = fill_padded(ids_buf, pos_buf, ids, pos, zeros_from)
-        assert zeros_from == n
-        assert torch.equal(ids_buf, torch.cat([ids, ids.new_zeros(16 - n)]))
-        assert torch.equal(pos_buf, torch.cat([pos, pos.new_zeros(16 - n)]))
+        rows = [torch.randint(1, 100, (n,), dtype=torch.int64) for _ in range(3)]
+        pads_from = fill_padded(bufs, rows, pads_from, (0, 0, -1))
+        assert pads_from == n
+        for buf, row, pad in zip(bufs, rows, (0, 0, -1), strict=True):
+            assert torch.equal(buf, torch.cat([row, row.new_full((16 - n,), pad)]))
 
 
 @pytest.mark.parametrize("widths", [(), (8, 16), (10, 0), (10, 11), (10, True), (10, 4.0)])

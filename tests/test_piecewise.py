@@ -28,9 +28,11 @@ from test_graphs import (
     prompts,
     rel_err,
 )
+from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiled_attn as ca
+from compiled_attn import forward_context as fc
 from compiled_attn.forward_context import get_layer
 from compiled_attn.graphs import DEFAULT_PIECEWISE_SIZES, CUDAGraphRunner, choose_path
 from compiled_attn.graphs import piecewise as pw
@@ -146,6 +148,34 @@ submod_1: eager ops, token rows cut: ['q_2', 'k_2', 'v_1', 'output']
     compiled_attn.kv_cache_update(q_2, k_2, v_1, l_kv_caches_0_, 'TorchSDPAImpl.decoder.N')
     compiled_attn.torch_sdpa_attention(q_2, k_2, v_1, l_kv_caches_0_, output, 'TorchSDPAImpl.decoder.N')
 submod_2: piece, 10 inputs -> float32[u1, 128]""")
+
+
+    def test_captured_pieces_keep_each_layers_cache_write(self):
+        """With graphs the cache write stays in the piece before it (captured over the static
+        slots); only attention runs eagerly, and the backend knows each write's layer, shapes
+        and cache."""
+        torch._dynamo.reset()
+        config = dataclasses.replace(TINY, num_layers=1)
+        model = build_model(config, seed=0, backend="TORCH_SDPA")
+        spec = config.attention_spec(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, dtype=torch.float32, device="cpu")
+        backend = PiecewiseBackend(GraphControl(use_graphs=True), "eager", captures_writes=True)
+        md = ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(spec).build([5, 9], [5, 1], [[0, 1], [2, 3, 4]])
+        ids, pos = torch.randint(config.vocab_size, (6,)), torch.tensor([0, 1, 2, 3, 4, 8])
+        ca.mark_token_dim(ids, pos)
+        caches = random_caches(spec, 0, config)
+        with ca.set_forward_context(md):
+            torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(ids, pos, caches)
+        self.assertExpectedInline(split_summary(backend), """\
+submod_0: piece, 10 inputs -> float32[u1, 4, 16], float32[u1, 2, 16], float32[u1, 2, 16], float32[u1, 4, 16], float32[u1, 64]
+submod_1: eager ops, token rows cut: ['q_2', 'k_2', 'v_1', 'output']
+    compiled_attn.torch_sdpa_attention(q_2, k_2, v_1, l_kv_caches_0_, output, 'TorchSDPAImpl.decoder.N')
+submod_2: piece, 10 inputs -> float32[u1, 128]""")
+        piece = backend.pieces[0].module
+        writes = [n for n in piece.graph.nodes if n.op == "call_function" and "kv_cache_update" in str(n.target)]
+        assert len(writes) == 1
+        [write] = backend.writes
+        assert write.call is get_layer(writes[0].args[-1]) and write.cache is caches[0]
+        assert (write.dtype, write.query_shape, write.key_shape) == (torch.float32, (4, 16), (2, 16))
 
 
 def test_ops_without_a_symbolic_token_count_are_refused(sdpa_model):
@@ -312,22 +342,27 @@ def test_inductor_pieces_match_eager_with_postprocess():
 
 class ReplayOnCPU:
     """A CPU stand-in for a captured piece's CUDA graph: replay re-runs the piece on the tensors it
-    was captured with and writes the results into the outputs of the capture, which is what a
-    real replay does (fixed addresses in, fixed addresses out, whatever the call passes)."""
+    was captured with, under the forward context it was captured in (its cache writes read the
+    bucket's static slots, as the captured kernels do), and writes the results into the outputs
+    of the capture, which is what a real replay does (fixed addresses in, fixed addresses out,
+    whatever the call passes)."""
 
-    def __init__(self, fn, args, outputs) -> None:
+    def __init__(self, fn, args, outputs, context) -> None:
         self.fn, self.args, self.outputs = fn, args, outputs  # held: the addresses stay valid on CPU
+        self.context = context
 
     def replay(self) -> None:
-        fresh = self.fn(*self.args)
+        with fc._entered(self.context):
+            fresh = self.fn(*self.args)
         for old, new in zip(torch.utils._pytree.tree_leaves(self.outputs), torch.utils._pytree.tree_leaves(fresh),
                             strict=True):
             old.copy_(new)
 
 
 def capture_on_cpu(fn, args, pool):
+    context = ca.get_forward_context()
     outputs = fn(*args)
-    return ReplayOnCPU(fn, args, outputs), outputs
+    return ReplayOnCPU(fn, args, outputs, context), outputs
 
 
 def test_replays_of_captured_pieces_match_eager(monkeypatch, sdpa_model):
@@ -355,6 +390,34 @@ def test_replays_of_captured_pieces_match_eager(monkeypatch, sdpa_model):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_inductor_pieces_write_the_cache_in_place_and_match_eager(monkeypatch):
+    """Inductor compiles a piece with its layer's cache write like the whole model's: the op on the
+    cache argument itself (no copy of the cache in or out); replayed (simulated), steps match
+    eager, caches included."""
+    monkeypatch.setattr(pw, "capture_graph", capture_on_cpu)
+    torch._dynamo.reset()
+    config = dataclasses.replace(TINY, num_layers=1)
+    model = build_model(config, seed=0, backend="TORCH_SDPA")
+    spec = cpu_spec()
+    caches = random_caches(spec, 0, config)
+    graphs = PiecewiseGraphs(model, caches, sizes=[16, 4], device=torch.device("cpu"), use_cuda_graphs=True,
+                             piece_compiler="inductor", warmup_steps=1)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, codes = run_and_get_code(graphs.capture)
+    [code] = [c for c in codes if "kv_cache_update" in c]
+    assert re.search(r"compiled_attn\.kv_cache_update\.default\([^\n]*, arg\d+_1, '", code), code
+    assert "copy_" not in code and "clone" not in code, code
+    ref_caches = random_caches(spec, 0, config)
+    ref, eng = Engine(spec, direct(model, ref_caches)), Engine(spec, graphs.run)
+    step = prompts(2, seed=6, vocab=config.vocab_size, lo=2, hi=7)
+    for i in range(3):  # a prefill (bucket 16), then decodes (bucket 4)
+        want = ref.step(step)
+        torch.testing.assert_close(eng.step(step), want, rtol=1e-5, atol=1e-5, msg=f"step {i}")
+        step = {k: [t] for k, t in zip(step, want.argmax(-1).tolist(), strict=True)}
+    for got, want in zip(caches, ref_caches, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_steps_after_the_first_per_bucket_bypass_dynamo(monkeypatch, sdpa_model):
     """A bucket's first step goes through Dynamo and records the split module's inputs; later steps
     call it directly: with Dynamo's caches dropped and under another grad mode they compile
@@ -375,6 +438,31 @@ def test_steps_after_the_first_per_bucket_bypass_dynamo(monkeypatch, sdpa_model)
             torch.testing.assert_close(eng.step(step), want, rtol=1e-5, atol=1e-5, msg=f"step {i}")
         step = {k: [t] for k, t in zip(step, want.argmax(-1).tolist(), strict=True)}
     assert graphs.backend.num_compiles == 1
+
+
+def test_a_step_the_captured_writes_refuse_raises_before_anything_is_written(monkeypatch, sdpa_model):
+    """Nothing runs for a captured write at replay, so the graphs check the step first as its op
+    would: metadata built for another cache size (or another spec's heads) raises the op's error
+    and leaves every cache and the static slots as they were."""
+    monkeypatch.setattr(pw, "capture_graph", capture_on_cpu)
+    spec = cpu_spec()
+    caches = random_caches(spec, 0)
+    graphs = PiecewiseGraphs(sdpa_model, caches, sizes=[8], device=torch.device("cpu"), use_cuda_graphs=True,
+                             piece_compiler="eager", warmup_steps=1)
+    graphs.capture()
+    ids, pos = torch.randint(TINY.vocab_size, (5,)), torch.arange(5)
+    before = [c.clone() for c in caches]
+    sdpa = ca.get_attn_backend("TORCH_SDPA")
+    for other, match in ((dataclasses.replace(spec, num_blocks=spec.num_blocks * 2), "kv_cache has shape"),
+                         (dataclasses.replace(spec, num_kv_heads=spec.num_heads), "num_kv_heads")):
+        md = sdpa.get_builder_cls()(other).build([5], [5], [[7, 9]])
+        with pytest.raises(ValueError, match=match):
+            graphs.run(md, ids, pos)
+        assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+        assert torch.equal(graphs._slots, torch.full_like(graphs._slots, -1))
+    md = sdpa.get_builder_cls()(spec).build([5], [5], [[7, 9]])  # the spec's own: served
+    torch.testing.assert_close(graphs.run(md, ids, pos), direct(sdpa_model, random_caches(spec, 0))(md, ids, pos),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_a_model_returning_more_than_one_tensor_is_refused():

@@ -10,7 +10,7 @@ most the largest token bucket replays the pieces of the smallest bucket that hol
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -69,23 +69,28 @@ def piecewise_sizes_for(sizes: Iterable[int] | None = None) -> list[int]:
     return capture_sizes_for(INT32_MAX, DEFAULT_PIECEWISE_SIZES if sizes is None else sizes)
 
 
-def fill_padded(ids_buffer: torch.Tensor, positions_buffer: torch.Tensor, input_ids: torch.Tensor,
-                positions: torch.Tensor, zeros_from: int) -> int:
-    """A step's n ids and positions into the first rows of static buffers, every row after them
-    zeros: zeros are a valid id and position; the pad rows' outputs are dropped.
+def fill_padded(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], pads_from: int,
+                pad_values: Sequence[int] | None = None) -> int:
+    """A step's n rows of each source into the first rows of its static buffer, every row after
+    them a pad: `pad_values[i]` in buffer i (default zeros: a valid id and position, whose rows'
+    outputs are dropped; -1 for slots: pads write no cache).
 
-    zeros_from: the first row from which the buffers hold zeros already (what the last call
-    returned; 0 for new buffers): only rows an earlier, larger step wrote are zeroed again, so
+    pads_from: the first row from which the buffers hold pads already (what the last call
+    returned; 0 for new buffers): only rows an earlier, larger step wrote are padded again, so
     steps of one size fill no pads (each fill costs ~5 us of host time on a GPU). Returns n, the
-    next call's `zeros_from`.
+    next call's `pads_from`.
 
-    Both copies are one foreach call (one launch on CUDA): each torch call costs an H200's host
+    The copies are one foreach call (one launch on CUDA): each torch call costs an H200's host
     about 15 us (`scripts/runner_phases.py`), and this is on every step's critical path.
     """
-    n = input_ids.shape[0]
-    torch._foreach_copy_([ids_buffer[:n], positions_buffer[:n]], [input_ids, positions], non_blocking=True)
-    if n < zeros_from:
-        torch._foreach_zero_([ids_buffer[n:zeros_from], positions_buffer[n:zeros_from]])
+    n = sources[0].shape[0]
+    torch._foreach_copy_([buf[:n] for buf in buffers], list(sources), non_blocking=True)
+    if n < pads_from:
+        values = pad_values or [0] * len(buffers)
+        torch._foreach_zero_([buf[n:pads_from] for buf, pad in zip(buffers, values, strict=True) if pad == 0])
+        for buf, pad in zip(buffers, values, strict=True):
+            if pad:
+                buf[n:pads_from].fill_(pad)
     return n
 
 

@@ -6,12 +6,16 @@ here the model is compiled once (`fullgraph=True`) by a Dynamo backend that cuts
 the ops that read the forward context (`split.split_at_context_ops`: the cache write and the
 attention op of every layer). Each piece between them is compiled by Inductor for a symbolic
 token count and captured as one CUDA graph per token-count bucket, all into one memory pool;
-the ops run eagerly between the replays with the step's own metadata.
+the ops run eagerly between the replays with the step's own metadata. With CUDA graphs a
+DECODER layer's cache write stays inside its piece and is captured with it
+(`split.is_captured_write`): it reads the bucket's static slot buffer, which each step fills with
+its slots (pads -1), so a layer costs one eager op (attention) and one replay.
 
-A step of n tokens runs in the smallest bucket b >= n: ids and positions are copied into static
-buffers whose rows n..b-1 are pads (zeros). The pieces compute all b rows; an op between them
-gets its token rows cut to the step's n (`EagerOps`), so pad rows write no cache and are never
-attended to, and the pad rows of `output` keep whatever the pool held. Every piece is row-wise
+A step of n tokens runs in the smallest bucket b >= n: ids, positions (and slots) are copied
+into static buffers whose rows n..b-1 are pads (zeros; slot -1). The pieces compute all b rows;
+an op between them gets its token rows cut to the step's n (`EagerOps`), and a captured write
+skips the pad slots, so pad rows write no cache and are never attended to, and the pad rows of
+`output` keep whatever the pool held. Every piece is row-wise
 outside attention (a token's output depends on its own row and attention only), so pad rows
 never reach a live row; their outputs are dropped.
 
@@ -39,10 +43,18 @@ from torch.utils._pytree import tree_map_only
 
 from compiled_attn.abstract import AttentionMetadata
 from compiled_attn.dynamo import mark_token_dim
-from compiled_attn.forward_context import get_forward_context, get_layer, set_forward_context
+from compiled_attn.forward_context import capturing_pieces, get_forward_context, get_layer, set_forward_context
 from compiled_attn.graphs.buckets import fill_padded, pick_batch_size
-from compiled_attn.graphs.split import Piece, is_context_op, split_at_context_ops
+from compiled_attn.graphs.split import (
+    Piece,
+    is_captured_write,
+    is_context_op,
+    is_eager_op,
+    split_at_context_ops,
+)
+from compiled_attn.groups import GroupedMetadata
 from compiled_attn.ops.library import python_kernel
+from compiled_attn.validation import METADATA_KINDS_KEPT, CapturedWrite, check_captured_writes, metadata_kind
 
 logger = logging.getLogger(__name__)
 
@@ -158,15 +170,21 @@ class PiecewiseBackend:
 
     piece_compiler: "inductor" (`compile_fx` per piece, for a symbolic token count) or "eager"
     (the FX pieces as they are: fast to build, for tests of the splitting and padding).
+    captures_writes: leave DECODER layers' cache writes inside the pieces (`split.is_eager_op`);
+    `writes` then describes each (`validation.CapturedWrite`), in order. Only for captured
+    pieces: run as they are, padded, such a write would read the step's metadata with the
+    bucket's rows.
     """
 
     def __init__(self, control: GraphControl, piece_compiler: str = "inductor",
-                 options: dict[str, Any] | None = None) -> None:
+                 options: dict[str, Any] | None = None, captures_writes: bool = False) -> None:
         if piece_compiler not in PIECE_COMPILERS:
             raise ValueError(f"piece_compiler must be one of {PIECE_COMPILERS}, got {piece_compiler!r}")
         self.control = control
         self.piece_compiler = piece_compiler
         self.options = dict(options or {})
+        self.is_op = is_eager_op if captures_writes else is_context_op  # what runs eagerly between pieces
+        self.writes: list[CapturedWrite] = []  # the cache writes the pieces capture
         self.num_compiles = 0  # Dynamo graphs handed to this backend: 1 unless something recompiled
         self.split_module: fx.GraphModule | None = None
         self.pieces: list[Piece] = []
@@ -179,7 +197,9 @@ class PiecewiseBackend:
         self.num_compiles += 1
         # Dynamo's fake values, symbolic token count included (example_inputs are the real tensors).
         fake_inputs = [node.meta["example_value"] for node in gm.graph.find_nodes(op="placeholder")]
-        split, pieces = split_at_context_ops(gm)
+        split, pieces = split_at_context_ops(gm, self.is_op)
+        if self.is_op is is_eager_op:
+            self.writes = captured_writes(gm, example_inputs)
         token_counts = [t.shape[0] for t in fake_inputs
                         if isinstance(t, torch.Tensor) and t.dim() and isinstance(t.shape[0], torch.SymInt)]
         fake_mode = next(t.fake_mode for t in fake_inputs if isinstance(t, FakeTensor))
@@ -215,6 +235,23 @@ class PiecewiseBackend:
         return compile_fx(module, list(args), config_patches=self.options)
 
 
+def captured_writes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[CapturedWrite]:
+    """Each cache write of `gm` that the pieces capture: its layer, its query's and keys' dtype
+    and trailing shapes (Dynamo's fake values) and the cache it writes (the real tensor Dynamo
+    was called with for that placeholder)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    writes = []
+    for node in gm.graph.nodes:
+        if is_captured_write(node):
+            query, key, cache = node.args[0].meta["example_value"], node.args[1].meta["example_value"], node.args[3]
+            if cache.op != "placeholder":
+                raise NotImplementedError(f"a cache write of {node.args[-1]} writes a cache that is not a model "
+                                          "input: piecewise graphs capture writes into the caches passed to the model")
+            writes.append(CapturedWrite(get_layer(node.args[-1]), query.dtype, tuple(query.shape[1:]),
+                                        tuple(key.shape[1:]), example_inputs[placeholders.index(cache)]))
+    return writes
+
+
 class _CompilePieces(fx.Interpreter):
     """Runs the split module on Dynamo's fake inputs; at each submodule, compiles it with the fake
     arguments it receives there and puts its wrapper in its place."""
@@ -226,7 +263,7 @@ class _CompilePieces(fx.Interpreter):
     def call_module(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = getattr(self.split, target)
         outputs = module(*args, **kwargs)  # fake: shapes for the next pieces
-        if any(is_context_op(node) for node in module.graph.nodes):  # an op group
+        if any(self.backend.is_op(node) for node in module.graph.nodes):  # an op group
             if outputs not in ((), None):
                 raise NotImplementedError(f"ops between pieces must return nothing (they write their `output` "
                                           f"argument); {target} returns {type(outputs).__name__}")
@@ -291,7 +328,9 @@ class PiecewiseGraphs:
                  device: torch.device, use_cuda_graphs: bool, piece_compiler: str = "inductor",
                  options: dict[str, Any] | None = None, warmup_steps: int = 2) -> None:
         self.control = GraphControl(use_graphs=use_cuda_graphs)
-        self.backend = PiecewiseBackend(self.control, piece_compiler, options)
+        # with graphs, the cache writes are captured in the pieces (over the static slots below)
+        self.backend = PiecewiseBackend(self.control, piece_compiler, options, captures_writes=use_cuda_graphs)
+        self._write_kinds: set[Any] = set()  # metadata kinds every captured write was checked against
         # dynamic=False: only the token count (marked unbacked each call) is symbolic; the cache and
         # weight shapes stay static, so Inductor specialises every kernel to them.
         self.compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False)
@@ -305,7 +344,12 @@ class PiecewiseGraphs:
         # static model inputs; zeros are a valid token id and position for any model
         self._input_ids = torch.zeros(top, dtype=torch.int64, device=device)
         self._positions = torch.zeros(top, dtype=torch.int64, device=device)
-        self._zeros_from = 0  # rows of both from here on hold zeros (`fill_padded`)
+        self._slots = torch.full((top,), -1, dtype=torch.int64, device=device)  # what captured writes read
+        self._pads_from = 0  # rows of these buffers from here on hold pads (`fill_padded`)
+
+    @property
+    def captures_writes(self) -> bool:
+        return self.backend.is_op is is_eager_op
 
     def capture(self, pool: Any = None) -> dict[str, Any]:
         """Compile (at the first warm-up) and capture every bucket, largest first, into `pool`;
@@ -325,14 +369,15 @@ class PiecewiseGraphs:
         for bucket in self.sizes:
             # Without graphs one warm-up compiles everything (the token count is symbolic).
             warmups = self.warmup_steps if cuda else int(bucket == self.sizes[0])
-            with _on(warm_stream), control.serving(None, skip_ops=True):  # the compiled pieces, for real
-                for _ in range(warmups):
+            with _on(warm_stream), control.serving(None, skip_ops=True), self._capturing(bucket):
+                for _ in range(warmups):  # the compiled pieces, for real
                     self._static_step(bucket)
             if cuda:
                 if on_cuda:
                     capture_stream.wait_stream(warm_stream)
                 started = time.perf_counter()
-                with _on(capture_stream), control.serving(bucket, capturing=True, skip_ops=True):
+                with _on(capture_stream), control.serving(bucket, capturing=True, skip_ops=True), \
+                        self._capturing(bucket):
                     self._bucket_step(bucket)  # its output dies here: the pool reuses it
                 graph_seconds += time.perf_counter() - started
         if on_cuda:
@@ -348,6 +393,12 @@ class PiecewiseGraphs:
             "graph_seconds": graph_seconds,  # in the capture forwards only (no warm-up, no compile)
         }
         return self.capture_stats
+
+    def _capturing(self, bucket: int) -> contextlib.AbstractContextManager:
+        """The forward context of a bucket's warm-up and capture: the writes the pieces capture
+        read the bucket's static slots (pads: nothing is written). Without captured writes, none
+        (the ops are skipped)."""
+        return capturing_pieces(self._slots[:bucket]) if self.captures_writes else contextlib.nullcontext()
 
     def _static_step(self, bucket: int) -> torch.Tensor:
         ids, pos = self._input_ids[:bucket], self._positions[:bucket]
@@ -385,16 +436,41 @@ class PiecewiseGraphs:
 
     def run(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The step (md.num_tokens <= sizes[0]) padded to its bucket: replayed pieces, eager ops.
-        Returns the output rows of the step's tokens, a tensor the caller owns."""
+        Returns the output rows of the step's tokens, a tensor the caller owns. With captured
+        writes the step is first checked as their ops would check it (`check_captured_writes`):
+        nothing runs for them at replay."""
         n = md.num_tokens
         bucket = pick_batch_size(self.sizes, n)
         if bucket is None:
             raise ValueError(f"{n} tokens > the largest piecewise bucket {self.sizes[0]}: use run_unpadded")
-        self._zeros_from = fill_padded(self._input_ids, self._positions, input_ids, positions, self._zeros_from)
+        if self.captures_writes:
+            self._check_writes(md)
+            self._pads_from = fill_padded((self._input_ids, self._positions, self._slots),
+                                          (input_ids, positions, md.slot_mapping), self._pads_from, (0, 0, -1))
+        else:
+            self._pads_from = fill_padded((self._input_ids, self._positions), (input_ids, positions), self._pads_from)
         with set_forward_context(md), self.control.serving(bucket):
             output = self._bucket_step(bucket)
         # Clone: the last piece's output is pool memory that the next replay (any bucket) rewrites.
         return output[:n].clone()
+
+    def _check_writes(self, md: AttentionMetadata) -> None:
+        """What each captured write's op would check of the step before writing, since nothing
+        runs for those writes at replay: in full (every layer, stand-in tensors of the step's
+        rows) the first time these graphs meet a kind of metadata (`validation.metadata_kind`, as
+        the ops remember kinds), then only the slot mapping's rows."""
+        step = md.for_group(None) if isinstance(md, GroupedMetadata) else md  # one group, else the layers' error
+        kind = metadata_kind(step)
+        if kind is None or kind not in self._write_kinds:
+            check_captured_writes(step, self.backend.writes)
+            if kind is not None:
+                if len(self._write_kinds) >= METADATA_KINDS_KEPT:
+                    self._write_kinds.clear()
+                self._write_kinds.add(kind)
+        slots = step.slot_mapping
+        if slots.shape != (step.num_tokens,):
+            raise ValueError(f"the metadata's slot_mapping has shape {tuple(slots.shape)}, its tokens are "
+                             f"{step.num_tokens}: build the metadata with the backend's builder")
 
     def run_unpadded(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor:

@@ -211,7 +211,7 @@ class CUDAGraphRunner:
         # static model inputs; zeros are a valid token id and position for any model
         self._input_ids = torch.zeros(top, dtype=INPUT_DTYPE, device=spec.device)
         self._positions = torch.zeros(top, dtype=INPUT_DTYPE, device=spec.device)
-        self._zeros_from = 0  # rows of both from here on hold zeros (`fill_padded`)
+        self._pads_from = 0  # rows of both from here on hold zeros (`fill_padded`)
 
     # -- capture ---------------------------------------------------------------------------
 
@@ -368,7 +368,7 @@ class CUDAGraphRunner:
         n = md.num_seqs
         bs = pick_batch_size(self.sizes, n)
         entry = self._captured[bs, pick_table_width(self.widths, md.max_seq_len, self.spec.block_size)]
-        self._zeros_from = fill_padded(self._input_ids, self._positions, input_ids, positions, self._zeros_from)
+        self._pads_from = fill_padded((self._input_ids, self._positions), (input_ids, positions), self._pads_from)
         entry.graph_state.prepare_graph_input_buffers(entry.input_buffers, md)
         entry.graph_state.begin_forward(md)
         if entry.graph is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from compiled_attn.abstract import AttentionType
+from compiled_attn.forward_context import PieceCapture, get_forward_context, get_layer
 from compiled_attn.ops.common import checked_step
 from compiled_attn.ops.library import define_op, register_fake
 from compiled_attn.validation import check_block_cache, check_block_pairs
@@ -58,7 +59,16 @@ def kv_cache_update(
     [num_tokens, num_kv_heads, head_size]; kv_cache: [2, num_blocks, block_size, num_kv_heads,
     head_size]. A cross-attention layer (ENCODER_DECODER) writes the encoder tokens at the cross
     slots. k/v scales come from the layer. Capturable: one kernel, no sync.
+
+    Inside a piecewise capture (`forward_context.PieceCapture`) there is no step to check: the
+    write is recorded over the bucket's static slot buffer, all pads, which the piecewise graphs
+    fill before each replay after checking the step (`validation.check_captured_writes`).
     """
+    context_md = get_forward_context().attn_metadata
+    if type(context_md) is PieceCapture:
+        call = get_layer(layer_name)
+        write_kv_cache(key, value, kv_cache, context_md.slot_mapping, call.k_scale, call.v_scale)
+        return
     call, md = checked_step(layer_name, query, key, value, kv_cache)
     cross = call.attn_type == AttentionType.ENCODER_DECODER
     slot_mapping = md.cross_slot_mapping if cross else md.slot_mapping
