@@ -37,6 +37,7 @@ from compiled_attn.forward_context import get_layer
 from compiled_attn.graphs import DEFAULT_PIECEWISE_SIZES, CUDAGraphRunner, choose_path
 from compiled_attn.graphs import piecewise as pw
 from compiled_attn.graphs.piecewise import EagerOps, GraphControl, PiecewiseBackend, PiecewiseGraphs
+from compiled_attn.groups import GroupedMetadata
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 
 TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -442,8 +443,9 @@ def test_steps_after_the_first_per_bucket_bypass_dynamo(monkeypatch, sdpa_model)
 
 def test_a_step_the_captured_writes_refuse_raises_before_anything_is_written(monkeypatch, sdpa_model):
     """Nothing runs for a captured write at replay, so the graphs check the step first as its op
-    would: metadata built for another cache size (or another spec's heads) raises the op's error
-    and leaves every cache and the static slots as they were."""
+    would: metadata built for another cache size or another spec's heads, of several layer groups
+    (the layers have none), or whose slots are not the step's tokens raises the op's error and
+    leaves every cache and the static slots as they were."""
     monkeypatch.setattr(pw, "capture_graph", capture_on_cpu)
     spec = cpu_spec()
     caches = random_caches(spec, 0)
@@ -460,7 +462,14 @@ def test_a_step_the_captured_writes_refuse_raises_before_anything_is_written(mon
             graphs.run(md, ids, pos)
         assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
         assert torch.equal(graphs._slots, torch.full_like(graphs._slots, -1))
-    md = sdpa.get_builder_cls()(spec).build([5], [5], [[7, 9]])  # the spec's own: served
+    md = sdpa.get_builder_cls()(spec).build([5], [5], [[7, 9]])
+    grouped = GroupedMetadata.of({"a": md, "b": sdpa.get_builder_cls()(spec).build([5], [5], [[3, 4]])})
+    for bad, match in ((grouped, "this layer has no group"),
+                       (dataclasses.replace(md, slot_mapping=md.slot_mapping[:4]), "slot_mapping has shape")):
+        with pytest.raises(ValueError, match=match):
+            graphs.run(bad, ids, pos)
+        assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+    # the spec's own metadata is served
     torch.testing.assert_close(graphs.run(md, ids, pos), direct(sdpa_model, random_caches(spec, 0))(md, ids, pos),
                                rtol=1e-5, atol=1e-5)
 

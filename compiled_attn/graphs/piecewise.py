@@ -133,9 +133,9 @@ class EagerOps:
     """A group of context ops, run eagerly between pieces with the step's metadata. Arguments
     whose first dimension is the (padded) token count are cut to the step's tokens. The ops are
     called as their Python kernels (`ops.library.python_kernel`): the dispatcher's call adds
-    3.5 us per op with their six arguments (H200 host, `bench` suite `overhead`), twice per layer
-    and step, and does nothing else for these ops outside a trace (one CompositeExplicitAutograd
-    kernel, no autograd)."""
+    3.5 us per op with their six arguments (H200 host, `bench` suite `overhead`), once or twice
+    per layer and step, and does nothing else for these ops outside a trace (one
+    CompositeExplicitAutograd kernel, no autograd)."""
 
     def __init__(self, module: fx.GraphModule, token_args: tuple[int, ...], control: GraphControl) -> None:
         direct = fx.GraphModule(module, copy.deepcopy(module.graph))  # `module` stays as split (the pieces)
