@@ -474,6 +474,43 @@ def test_a_step_the_captured_writes_refuse_raises_before_anything_is_written(mon
                                rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_layers_keep_their_cache_writes_eager(monkeypatch):
+    """Layers of layer groups write at their own group's slots, which one static buffer cannot
+    hold: their writes stay eager ops, nothing is captured over the slots, and a grouped step
+    through the (simulated) replays equals eager, caches included."""
+    monkeypatch.setattr(pw, "capture_graph", capture_on_cpu)
+    torch._dynamo.reset()
+    sdpa = ca.get_attn_backend("TORCH_SDPA")
+    specs = {name: ca.AttentionSpec(num_heads=4, num_kv_heads=2, head_size=16, block_size=4, num_blocks=32,
+                                    dtype=torch.float32, device="cpu", sliding_window=window)
+             for name, window in (("full", None), ("window", 5))}
+    layers = {name: ca.Attention(4, 16, 0.25, num_kv_heads=2, sliding_window=s.sliding_window, backend="TORCH_SDPA",
+                                 group=name) for name, s in specs.items()}
+    g = torch.Generator().manual_seed(0)
+    table, wq, wkv = torch.randn(16, 32, generator=g), torch.randn(32, 64, generator=g), torch.randn(32, 32, generator=g)
+
+    def model(input_ids, positions, kv_caches):
+        x = torch.nn.functional.embedding(input_ids, table) * (1 + positions[:, None] / 32)
+        q, kv = x @ wq, x @ wkv
+        return sum(layer(q, kv, kv, cache) for layer, cache in zip(layers.values(), kv_caches, strict=True))
+
+    caches = [torch.randn(sdpa.get_kv_cache_shape(32, 4, 2, 16), generator=g) for _ in specs]
+    graphs = PiecewiseGraphs(model, caches, sizes=[8], device=torch.device("cpu"), use_cuda_graphs=True,
+                             piece_compiler="eager", warmup_steps=1)
+    graphs.capture()
+    assert graphs.backend.writes == [] and graphs.capture_stats["num_op_groups"] == 2  # a write and attention each
+    tables = {"full": [[1, 2], [3]], "window": [[4, 5], [6]]}
+    md = GroupedMetadata.of({name: sdpa.get_builder_cls()(s).build([6, 2], [6, 1], tables[name])
+                             for name, s in specs.items()})
+    ids, pos = torch.tensor([3, 5, 7, 1, 2, 9, 4]), torch.tensor([0, 1, 2, 3, 4, 5, 1])
+    eager_caches = [c.clone() for c in caches]
+    with ca.set_forward_context(md):
+        want = model(ids, pos, eager_caches)
+    torch.testing.assert_close(graphs.run(md, ids, pos), want, rtol=1e-5, atol=1e-5)
+    for got, ref in zip(caches, eager_caches, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_a_model_returning_more_than_one_tensor_is_refused():
     torch._dynamo.reset()
     spec = cpu_spec()

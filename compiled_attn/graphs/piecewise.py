@@ -443,10 +443,10 @@ class PiecewiseGraphs:
         bucket = pick_batch_size(self.sizes, n)
         if bucket is None:
             raise ValueError(f"{n} tokens > the largest piecewise bucket {self.sizes[0]}: use run_unpadded")
-        if self.captures_writes:
-            self._check_writes(md)
+        if self.backend.writes:  # the model's compile found writes to capture (none: every layer grouped, say)
+            slots = self._checked_slots(md)
             self._pads_from = fill_padded((self._input_ids, self._positions, self._slots),
-                                          (input_ids, positions, md.slot_mapping), self._pads_from, (0, 0, -1))
+                                          (input_ids, positions, slots), self._pads_from, (0, 0, -1))
         else:
             self._pads_from = fill_padded((self._input_ids, self._positions), (input_ids, positions), self._pads_from)
         with set_forward_context(md), self.control.serving(bucket):
@@ -454,11 +454,12 @@ class PiecewiseGraphs:
         # Clone: the last piece's output is pool memory that the next replay (any bucket) rewrites.
         return output[:n].clone()
 
-    def _check_writes(self, md: AttentionMetadata) -> None:
-        """What each captured write's op would check of the step before writing, since nothing
-        runs for those writes at replay: in full (every layer, stand-in tensors of the step's
-        rows) the first time these graphs meet a kind of metadata (`validation.metadata_kind`, as
-        the ops remember kinds), then only the slot mapping's rows."""
+    def _checked_slots(self, md: AttentionMetadata) -> torch.Tensor:
+        """The slots the captured writes read this step, after what each write's op would check
+        of the step before writing, since nothing runs for those writes at replay: in full
+        (every layer, stand-in tensors of the step's rows) the first time these graphs meet a
+        kind of metadata (`validation.metadata_kind`, as the ops remember kinds), then only the
+        slot mapping's rows."""
         step = md.for_group(None) if isinstance(md, GroupedMetadata) else md  # one group, else the layers' error
         kind = metadata_kind(step)
         if kind is None or kind not in self._write_kinds:
@@ -471,6 +472,7 @@ class PiecewiseGraphs:
         if slots.shape != (step.num_tokens,):
             raise ValueError(f"the metadata's slot_mapping has shape {tuple(slots.shape)}, its tokens are "
                              f"{step.num_tokens}: build the metadata with the backend's builder")
+        return slots
 
     def run_unpadded(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
