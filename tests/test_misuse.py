@@ -220,6 +220,17 @@ def test_runner_after_a_cache_is_reallocated_in_place_raises(runner):
         runner.run(md, torch.tensor([3]), torch.tensor([4]))
 
 
+def test_runner_after_a_cache_is_resized_in_place_raises(runner):
+    # a smaller resize_ keeps the address, but a replay would write at the captured strides
+    md = SDPA.get_builder_cls()(tiny_spec()).build([5], [1], [[1, 2]])
+    cache = runner.kv_caches[0]
+    address = cache.data_ptr()
+    cache.resize_(cache.shape[0], cache.shape[1] // 2, *cache.shape[2:])
+    assert cache.data_ptr() == address
+    with pytest.raises(RuntimeError, match="not the ones the graphs were captured with.*new CUDAGraphRunner"):
+        runner.run(md, torch.tensor([3]), torch.tensor([4]))
+
+
 # -------------------------------------------------------------------------------------------
 # Inputs the validation once let through (each used to write the cache, or crash, before an error)
 

@@ -474,6 +474,34 @@ def test_a_step_the_captured_writes_refuse_raises_before_anything_is_written(mon
                                rtol=1e-5, atol=1e-5)
 
 
+def test_captured_writes_stay_checked_against_their_own_caches(monkeypatch, sdpa_model):
+    """Misuse around the captured writes writes nothing: a recompile for other caches (an unpadded
+    step given larger ones) leaves the captured pieces checked against the caches they write; a
+    second capture after a step records over pads again; input rows that are not the metadata's
+    tokens are refused before the static buffers are filled."""
+    monkeypatch.setattr(pw, "capture_graph", capture_on_cpu)
+    spec = cpu_spec()
+    caches = random_caches(spec, 0)
+    graphs = PiecewiseGraphs(sdpa_model, caches, sizes=[8], device=torch.device("cpu"), use_cuda_graphs=True,
+                             piece_compiler="eager", warmup_steps=1)
+    graphs.capture()
+    sdpa = ca.get_attn_backend("TORCH_SDPA")
+    md = sdpa.get_builder_cls()(spec).build([5], [5], [[7, 9]])
+    ids, pos = torch.randint(TINY.vocab_size, (5,)), torch.arange(5)
+    graphs.run(md, ids, pos)
+    big = dataclasses.replace(spec, num_blocks=spec.num_blocks * 2)
+    graphs.run_unpadded(sdpa.get_builder_cls()(big).build([10], [10], [[1, 2, 3]]), torch.randint(TINY.vocab_size, (10,)),
+                        torch.arange(10), random_caches(big, 1))
+    assert graphs.backend.num_compiles == 2
+    before = [c.clone() for c in caches]
+    with pytest.raises(ValueError, match="kv_cache has shape"):  # slots beyond the captured caches
+        graphs.run(sdpa.get_builder_cls()(big).build([5], [5], [[200, 201]]), ids, pos)
+    graphs.capture()  # the static slots still hold the first step's
+    with pytest.raises(ValueError, match="rows but the metadata describes 1 tokens"):
+        graphs.run(sdpa.get_builder_cls()(spec).build([1], [1], [[7]]), ids, pos)
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+
+
 def test_grouped_layers_keep_their_cache_writes_eager(monkeypatch):
     """Layers of layer groups write at their own group's slots, which one static buffer cannot
     hold: their writes stay eager ops, nothing is captured over the slots, and a grouped step

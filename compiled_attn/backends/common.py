@@ -168,8 +168,8 @@ class CommonImpl(AttentionImpl):
         k = None if key is None else key.view(-1, self.num_kv_heads, self.head_size)
         v = None if value is None else value.view(-1, self.num_kv_heads, self.head_size)
         # Allocated before the cache write, so that the two ops are adjacent in the traced graph:
-        # the piecewise runner (graphs/split.py) then cuts once around both, not around an
-        # allocation-only piece between them.
+        # the piecewise runner (graphs/split.py) then cuts once around both (or, where it captures
+        # the write, just before attention), not around an allocation-only piece between them.
         output = torch.empty_like(q)
         if k is not None and kv_cache is not None and attn_type in CACHE_WRITING_TYPES:
             torch.ops.compiled_attn.kv_cache_update(q, k, v, kv_cache, layer_name)

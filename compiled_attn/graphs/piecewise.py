@@ -184,13 +184,14 @@ class PiecewiseBackend:
         self.piece_compiler = piece_compiler
         self.options = dict(options or {})
         self.is_op = is_eager_op if captures_writes else is_context_op  # what runs eagerly between pieces
-        self.writes: list[CapturedWrite] = []  # the cache writes the pieces capture
+        self.writes: list[CapturedWrite] = []  # the cache writes the last compile's pieces capture
         self.num_compiles = 0  # Dynamo graphs handed to this backend: 1 unless something recompiled
         self.split_module: fx.GraphModule | None = None
         self.pieces: list[Piece] = []
         self.compile_seconds = 0.0
-        # bucket -> (split module, the flat inputs Dynamo called it with, id of its one output or None)
-        self.recorded: dict[int, tuple[fx.GraphModule, tuple[Any, ...], int | None]] = {}
+        # bucket -> (split module, the flat inputs Dynamo called it with, id of its one output or
+        # None, the writes its pieces capture)
+        self.recorded: dict[int, tuple[fx.GraphModule, tuple[Any, ...], int | None, WriteChecks]] = {}
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         start = time.perf_counter()
@@ -198,8 +199,7 @@ class PiecewiseBackend:
         # Dynamo's fake values, symbolic token count included (example_inputs are the real tensors).
         fake_inputs = [node.meta["example_value"] for node in gm.graph.find_nodes(op="placeholder")]
         split, pieces = split_at_context_ops(gm, self.is_op)
-        if self.is_op is is_eager_op:
-            self.writes = captured_writes(gm, example_inputs)
+        self.writes = captured_writes(gm, example_inputs) if self.is_op is is_eager_op else []
         token_counts = [t.shape[0] for t in fake_inputs
                         if isinstance(t, torch.Tensor) and t.dim() and isinstance(t.shape[0], torch.SymInt)]
         fake_mode = next(t.fake_mode for t in fake_inputs if isinstance(t, FakeTensor))
@@ -211,18 +211,19 @@ class PiecewiseBackend:
         logger.info("piecewise: %d pieces, %d op groups (compiled with %s in %.1f s)",
                     sum(not p.is_op_group for p in pieces), sum(p.is_op_group for p in pieces),
                     self.piece_compiler, seconds)
-        return self._recording(split)
+        return self._recording(split, WriteChecks(self.writes))
 
-    def _recording(self, split: fx.GraphModule) -> Callable[..., Any]:
+    def _recording(self, split: fx.GraphModule, writes: WriteChecks) -> Callable[..., Any]:
         """`split`, recording the flat inputs of a call made for a bucket (`PiecewiseGraphs` then
-        calls `split` with them directly: no guards to evaluate per step)."""
+        calls `split` with them directly: no guards to evaluate per step) and the writes its
+        pieces capture (a recompile's pieces may write other caches)."""
         control = self.control
 
         def call(*args: Any) -> Any:
             outputs = split(*args)
             if control.bucket is not None:
                 one = isinstance(outputs, tuple | list) and len(outputs) == 1
-                self.recorded[control.bucket] = (split, args, id(outputs[0]) if one else None)
+                self.recorded[control.bucket] = (split, args, id(outputs[0]) if one else None, writes)
             return outputs
 
         return call
@@ -233,6 +234,15 @@ class PiecewiseBackend:
         from torch._inductor.compile_fx import compile_fx  # imports Inductor: only when compiling with it
 
         return compile_fx(module, list(args), config_patches=self.options)
+
+
+@dataclasses.dataclass
+class WriteChecks:
+    """The cache writes one compile's pieces capture, and the metadata kinds (`validation.
+    metadata_kind`) every one of them was checked against in full."""
+
+    writes: list[CapturedWrite]
+    kinds: set[Any] = dataclasses.field(default_factory=set)
 
 
 def captured_writes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[CapturedWrite]:
@@ -303,7 +313,7 @@ class PiecewiseGraphs:
 
     Args:
         model: the eager step, `model(input_ids, positions, kv_caches) -> [num_tokens, ...]`.
-        kv_caches: the caches the op groups write (passed through each call).
+        kv_caches: the caches the model writes (passed through each call).
         sizes: token buckets, largest first (`buckets.piecewise_sizes_for`).
         device: where the static input buffers live.
         use_cuda_graphs: False runs the padded pieces without capture (CPU; debugging).
@@ -330,7 +340,6 @@ class PiecewiseGraphs:
         self.control = GraphControl(use_graphs=use_cuda_graphs)
         # with graphs, the cache writes are captured in the pieces (over the static slots below)
         self.backend = PiecewiseBackend(self.control, piece_compiler, options, captures_writes=use_cuda_graphs)
-        self._write_kinds: set[Any] = set()  # metadata kinds every captured write was checked against
         # dynamic=False: only the token count (marked unbacked each call) is symbolic; the cache and
         # weight shapes stay static, so Inductor specialises every kernel to them.
         self.compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False)
@@ -338,8 +347,9 @@ class PiecewiseGraphs:
         self.sizes = sizes
         self.warmup_steps = warmup_steps
         self.capture_stats: dict[str, Any] = {}
-        # bucket -> (split module, its flat inputs): the step without Dynamo (`_bucket_step`)
-        self._direct: dict[int, tuple[fx.GraphModule, tuple[Any, ...]]] = {}
+        # bucket -> (split module, its flat inputs, the writes its pieces capture): the step
+        # without Dynamo (`_bucket_step`)
+        self._direct: dict[int, tuple[fx.GraphModule, tuple[Any, ...], WriteChecks]] = {}
         top = sizes[0]
         # static model inputs; zeros are a valid token id and position for any model
         self._input_ids = torch.zeros(top, dtype=torch.int64, device=device)
@@ -357,6 +367,7 @@ class PiecewiseGraphs:
         seconds, graph_seconds)."""
         control, cuda = self.control, self.control.use_graphs
         control.pool = pool
+        self._slots.fill_(-1)  # warm-up and capture run the captured writes: over pads only
         device = self._input_ids.device
         # Two side streams: capture cannot use the default stream, and it must not use the warm-up's
         # either. cuBLAS keeps one workspace per stream; made during the warm-up it would come from
@@ -417,15 +428,15 @@ class PiecewiseGraphs:
         """
         direct = self._direct.get(bucket)
         if direct is not None:
-            split, args = direct
+            split, args, _ = direct
             with torch.no_grad():
                 return split(*args)[0]
         output = self._static_step(bucket)
-        split, args, output_id = self.backend.recorded.pop(bucket)
+        split, args, output_id, writes = self.backend.recorded.pop(bucket)
         if output_id != id(output):
             raise ValueError(f"piecewise graphs serve a model whose forward returns one tensor, got "
                              f"{type(output).__name__}")
-        self._direct[bucket] = (split, args)
+        self._direct[bucket] = (split, args, writes)
         return output
 
     def _call(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -443,8 +454,13 @@ class PiecewiseGraphs:
         bucket = pick_batch_size(self.sizes, n)
         if bucket is None:
             raise ValueError(f"{n} tokens > the largest piecewise bucket {self.sizes[0]}: use run_unpadded")
-        if self.backend.writes:  # the model's compile found writes to capture (none: every layer grouped, say)
-            slots = self._checked_slots(md)
+        if input_ids.shape[0] != n or positions.shape[0] != n:  # every buffer is filled by these rows
+            raise ValueError(f"input_ids / positions have {input_ids.shape[0]} / {positions.shape[0]} rows but the "
+                             f"metadata describes {n} tokens")
+        direct = self._direct.get(bucket)
+        writes = None if direct is None else direct[2]
+        if writes is not None and writes.writes:  # none: no graphs, or every layer grouped, say
+            slots = self._checked_slots(md, writes)
             self._pads_from = fill_padded((self._input_ids, self._positions, self._slots),
                                           (input_ids, positions, slots), self._pads_from, (0, 0, -1))
         else:
@@ -454,20 +470,20 @@ class PiecewiseGraphs:
         # Clone: the last piece's output is pool memory that the next replay (any bucket) rewrites.
         return output[:n].clone()
 
-    def _checked_slots(self, md: AttentionMetadata) -> torch.Tensor:
+    def _checked_slots(self, md: AttentionMetadata, checks: WriteChecks) -> torch.Tensor:
         """The slots the captured writes read this step, after what each write's op would check
         of the step before writing, since nothing runs for those writes at replay: in full
-        (every layer, stand-in tensors of the step's rows) the first time these graphs meet a
+        (every layer, stand-in tensors of the step's rows) the first time these writes meet a
         kind of metadata (`validation.metadata_kind`, as the ops remember kinds), then only the
-        slot mapping's rows."""
+        slot mapping's rows. (The caches' addresses and shapes: `CUDAGraphRunner` every step.)"""
         step = md.for_group(None) if isinstance(md, GroupedMetadata) else md  # one group, else the layers' error
         kind = metadata_kind(step)
-        if kind is None or kind not in self._write_kinds:
-            check_captured_writes(step, self.backend.writes)
+        if kind is None or kind not in checks.kinds:
+            check_captured_writes(step, checks.writes)
             if kind is not None:
-                if len(self._write_kinds) >= METADATA_KINDS_KEPT:
-                    self._write_kinds.clear()
-                self._write_kinds.add(kind)
+                if len(checks.kinds) >= METADATA_KINDS_KEPT:
+                    checks.kinds.clear()
+                checks.kinds.add(kind)
         slots = step.slot_mapping
         if slots.shape != (step.num_tokens,):
             raise ValueError(f"the metadata's slot_mapping has shape {tuple(slots.shape)}, its tokens are "

@@ -205,6 +205,7 @@ class CUDAGraphRunner:
         self.capture_stats: dict[str, Any] = {}
         self._captured: dict[tuple[int, int], CapturedSize] = {}  # by (batch size, table width)
         self._cache_ptrs: list[int] = []
+        self._cache_numels: list[int] = []
         self._output: torch.Tensor | None = None  # every graph copies its output rows here
         self._graph_seconds = 0.0  # of the last capture: in the decode graphs' capture blocks only
         top = self.sizes[0] if self.sizes else 0
@@ -404,11 +405,13 @@ class CUDAGraphRunner:
             if cache.device != device:
                 raise ValueError(f"kv_caches[{i}] is on {cache.device}, the spec's device is {device}")
         self._cache_ptrs = [c.data_ptr() for c in self.kv_caches]
+        self._cache_numels = [c.numel() for c in self.kv_caches]
 
     def _check_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        # Addresses only: a graph writes the memory it was captured with, whatever tensor the
-        # caller holds now (no device sync). Every step reads them all: the list or a tensor in
-        # it may have changed since the last (a new tensor, `set_`, `resize_`); one map over
+        # Addresses and sizes: a graph writes the memory it was captured with, at the strides
+        # it was captured with, whatever tensor the caller holds now (no device sync). Every
+        # step reads them all: the list or a tensor in it may have changed since the last (a new
+        # tensor, `set_`, `resize_` in place, which keeps a smaller cache's address); a map over
         # the list costs ~0.1 us a layer, half of a Python loop's. The map checks the elements'
         # type too (`data_ptr` of a non-tensor raises), so `check_cache_list` runs only to name
         # what is wrong.
@@ -418,7 +421,7 @@ class CUDAGraphRunner:
             ptrs = None
         if ptrs is None:
             check_cache_list(kv_caches)
-        if ptrs != self._cache_ptrs:
+        if ptrs != self._cache_ptrs or list(map(torch.Tensor.numel, kv_caches)) != self._cache_numels:
             raise RuntimeError(
                 "the KV caches are not the ones the graphs were captured with (reallocated, resized or "
                 "replaced): a replay would write the old memory. Make and capture a new CUDAGraphRunner "
