@@ -475,7 +475,7 @@ class PiecewiseGraphs:
         of the step before writing, since nothing runs for those writes at replay: in full
         (every layer, stand-in tensors of the step's rows) the first time these writes meet a
         kind of metadata (`validation.metadata_kind`, as the ops remember kinds), then only the
-        slot mapping's rows. (The caches' addresses and shapes: `CUDAGraphRunner` every step.)"""
+        slot mapping's rows. (The caches' addresses and sizes: `CUDAGraphRunner` every step.)"""
         step = md.for_group(None) if isinstance(md, GroupedMetadata) else md  # one group, else the layers' error
         kind = metadata_kind(step)
         if kind is None or kind not in checks.kinds:
