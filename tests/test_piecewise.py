@@ -366,15 +366,26 @@ def capture_on_cpu(fn, args, pool):
     return ReplayOnCPU(fn, args, outputs, context), outputs
 
 
-def test_replays_of_captured_pieces_match_eager(monkeypatch, sdpa_model):
+@pytest.fixture
+def cpu_replays(monkeypatch):
+    """Captures in this test made by `capture_on_cpu`: graphs simulated on CPU."""
+    monkeypatch.setattr(pw, "capture_graph", capture_on_cpu)
+
+
+def cpu_graphs(model, caches, sizes, piece_compiler="eager") -> PiecewiseGraphs:
+    """Piecewise graphs on CPU as with CUDA graphs (captured writes included), one warm-up a
+    bucket; capture them under the `cpu_replays` fixture."""
+    return PiecewiseGraphs(model, caches, sizes=sizes, device=torch.device("cpu"), use_cuda_graphs=True,
+                           piece_compiler=piece_compiler, warmup_steps=1)
+
+
+def test_replays_of_captured_pieces_match_eager(cpu_replays, sdpa_model):
     """The capture / replay bookkeeping with graphs simulated on CPU: ops skipped while capturing,
     each piece replayed on its captured inputs (the static buffers, the previous pieces' outputs
     that the eager ops wrote in between), buckets interleaved; the outputs equal eager's."""
-    monkeypatch.setattr(pw, "capture_graph", capture_on_cpu)
     spec = cpu_spec()
     caches = random_caches(spec, 0)
-    graphs = PiecewiseGraphs(sdpa_model, caches, sizes=sorted(BUCKETS, reverse=True), device=torch.device("cpu"),
-                             use_cuda_graphs=True, piece_compiler="eager", warmup_steps=1)
+    graphs = cpu_graphs(sdpa_model, caches, sorted(BUCKETS, reverse=True))
     assert graphs.capture()["num_graphs"] == (TINY.num_layers + 1) * len(BUCKETS)
     assert all(sorted(p.graphs) == BUCKETS for p in graphs.backend.split_module.__dict__.values()
                if isinstance(p, pw.CapturedPiece))
@@ -391,18 +402,16 @@ def test_replays_of_captured_pieces_match_eager(monkeypatch, sdpa_model):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_inductor_pieces_write_the_cache_in_place_and_match_eager(monkeypatch):
+def test_inductor_pieces_write_the_cache_in_place_and_match_eager(cpu_replays):
     """Inductor compiles a piece with its layer's cache write like the whole model's: the op on the
     cache argument itself (no copy of the cache in or out); replayed (simulated), steps match
     eager, caches included."""
-    monkeypatch.setattr(pw, "capture_graph", capture_on_cpu)
     torch._dynamo.reset()
     config = dataclasses.replace(TINY, num_layers=1)
     model = build_model(config, seed=0, backend="TORCH_SDPA")
     spec = cpu_spec()
     caches = random_caches(spec, 0, config)
-    graphs = PiecewiseGraphs(model, caches, sizes=[16, 4], device=torch.device("cpu"), use_cuda_graphs=True,
-                             piece_compiler="inductor", warmup_steps=1)
+    graphs = cpu_graphs(model, caches, [16, 4], piece_compiler="inductor")
     with torch._inductor.config.patch(force_disable_caches=True):
         _, codes = run_and_get_code(graphs.capture)
     [code] = [c for c in codes if "kv_cache_update" in c]
@@ -419,14 +428,12 @@ def test_inductor_pieces_write_the_cache_in_place_and_match_eager(monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_steps_after_the_first_per_bucket_bypass_dynamo(monkeypatch, sdpa_model):
+def test_steps_after_the_first_per_bucket_bypass_dynamo(cpu_replays, sdpa_model):
     """A bucket's first step goes through Dynamo and records the split module's inputs; later steps
     call it directly: with Dynamo's caches dropped and under another grad mode they compile
     nothing and still match eager."""
-    monkeypatch.setattr(pw, "capture_graph", capture_on_cpu)
     spec = cpu_spec()
-    graphs = PiecewiseGraphs(sdpa_model, random_caches(spec, 0), sizes=[8, 4], device=torch.device("cpu"),
-                             use_cuda_graphs=True, piece_compiler="eager", warmup_steps=1)
+    graphs = cpu_graphs(sdpa_model, random_caches(spec, 0), [8, 4])
     graphs.capture()
     assert sorted(graphs._direct) == [4, 8] and graphs.backend.recorded == {}
     torch._dynamo.reset()
@@ -441,16 +448,14 @@ def test_steps_after_the_first_per_bucket_bypass_dynamo(monkeypatch, sdpa_model)
     assert graphs.backend.num_compiles == 1
 
 
-def test_a_step_the_captured_writes_refuse_raises_before_anything_is_written(monkeypatch, sdpa_model):
+def test_a_step_the_captured_writes_refuse_raises_before_anything_is_written(cpu_replays, sdpa_model):
     """Nothing runs for a captured write at replay, so the graphs check the step first as its op
     would: metadata built for another cache size or another spec's heads, of several layer groups
     (the layers have none), or whose slots are not the step's tokens raises the op's error and
     leaves every cache and the static slots as they were."""
-    monkeypatch.setattr(pw, "capture_graph", capture_on_cpu)
     spec = cpu_spec()
     caches = random_caches(spec, 0)
-    graphs = PiecewiseGraphs(sdpa_model, caches, sizes=[8], device=torch.device("cpu"), use_cuda_graphs=True,
-                             piece_compiler="eager", warmup_steps=1)
+    graphs = cpu_graphs(sdpa_model, caches, [8])
     graphs.capture()
     ids, pos = torch.randint(TINY.vocab_size, (5,)), torch.arange(5)
     before = [c.clone() for c in caches]
@@ -474,16 +479,14 @@ def test_a_step_the_captured_writes_refuse_raises_before_anything_is_written(mon
                                rtol=1e-5, atol=1e-5)
 
 
-def test_captured_writes_stay_checked_against_their_own_caches(monkeypatch, sdpa_model):
+def test_captured_writes_stay_checked_against_their_own_caches(cpu_replays, sdpa_model):
     """Misuse around the captured writes writes nothing: a recompile for other caches (an unpadded
     step given larger ones) leaves the captured pieces checked against the caches they write; a
     second capture after a step records over pads again; input rows that are not the metadata's
     tokens are refused before the static buffers are filled."""
-    monkeypatch.setattr(pw, "capture_graph", capture_on_cpu)
     spec = cpu_spec()
     caches = random_caches(spec, 0)
-    graphs = PiecewiseGraphs(sdpa_model, caches, sizes=[8], device=torch.device("cpu"), use_cuda_graphs=True,
-                             piece_compiler="eager", warmup_steps=1)
+    graphs = cpu_graphs(sdpa_model, caches, [8])
     graphs.capture()
     sdpa = ca.get_attn_backend("TORCH_SDPA")
     md = sdpa.get_builder_cls()(spec).build([5], [5], [[7, 9]])
@@ -502,11 +505,10 @@ def test_captured_writes_stay_checked_against_their_own_caches(monkeypatch, sdpa
     assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
 
 
-def test_grouped_layers_keep_their_cache_writes_eager(monkeypatch):
+def test_grouped_layers_keep_their_cache_writes_eager(cpu_replays):
     """Layers of layer groups write at their own group's slots, which one static buffer cannot
     hold: their writes stay eager ops, nothing is captured over the slots, and a grouped step
     through the (simulated) replays equals eager, caches included."""
-    monkeypatch.setattr(pw, "capture_graph", capture_on_cpu)
     torch._dynamo.reset()
     sdpa = ca.get_attn_backend("TORCH_SDPA")
     specs = {name: ca.AttentionSpec(num_heads=4, num_kv_heads=2, head_size=16, block_size=4, num_blocks=32,
@@ -523,8 +525,7 @@ def test_grouped_layers_keep_their_cache_writes_eager(monkeypatch):
         return sum(layer(q, kv, kv, cache) for layer, cache in zip(layers.values(), kv_caches, strict=True))
 
     caches = [torch.randn(sdpa.get_kv_cache_shape(32, 4, 2, 16), generator=g) for _ in specs]
-    graphs = PiecewiseGraphs(model, caches, sizes=[8], device=torch.device("cpu"), use_cuda_graphs=True,
-                             piece_compiler="eager", warmup_steps=1)
+    graphs = cpu_graphs(model, caches, [8])
     graphs.capture()
     assert graphs.backend.writes == [] and graphs.capture_stats["num_op_groups"] == 2  # a write and attention each
     tables = {"full": [[1, 2], [3]], "window": [[4, 5], [6]]}
