@@ -872,12 +872,10 @@ def check_captured_writes(md: AttentionMetadata, writes: Sequence[CapturedWrite]
     before writing, with stand-in query / key / value of the step's rows (no memory: every row
     views one) and the real cache. Piecewise graphs call it before replaying writes that run no
     Python, once per metadata kind (the layers remember the kinds they passed)."""
-    step = StepFacts(md)
-    device = md.slot_mapping.device if isinstance(getattr(md, "slot_mapping", None), torch.Tensor) else None
-    rows = getattr(md, "num_tokens", 0)
+    step, rows, device = StepFacts(md), md.num_tokens, md.slot_mapping.device  # the step's, as the op's inputs
     for write in writes:
-        query = _stand_in(rows, write.query_shape, write.dtype, device or write.cache.device)
-        key = _stand_in(rows, write.key_shape, write.dtype, device or write.cache.device)
+        query = _stand_in(rows, write.query_shape, write.dtype, device)
+        key = _stand_in(rows, write.key_shape, write.dtype, device)
         check_layer_call(write.call, step, query, key, key, write.cache)
 
 

@@ -57,7 +57,6 @@ def timed(name: str, fn: Callable) -> Callable:
 PHASES = {  # (owner, attribute): phase name; the run's own calls, outermost first
     (runner_module, "fill_padded"): "fill_padded (ids, positions)",
     (CUDAGraphRunner, "_check_inputs"): "checks: inputs",
-    (runner_module, "check_cache_list"): "checks: cache list",
     (CUDAGraphRunner, "_check_caches"): "checks: caches",
     (GraphState, "_check_step"): "prepare: check step",
     (StaticInputs, "wait_uploaded"): "prepare: wait for last upload",
@@ -65,7 +64,7 @@ PHASES = {  # (owner, attribute): phase name; the run's own calls, outermost fir
     (GraphState, "begin_forward"): "begin_forward (plan)",
     (torch.cuda.CUDAGraph, "replay"): "replay (graph launch)",
 }
-TOP_LEVEL = ("fill_padded (ids, positions)", "checks: inputs", "checks: cache list", "checks: caches",
+TOP_LEVEL = ("fill_padded (ids, positions)", "checks: inputs", "checks: caches",
              "prepare (check + write + upload)", "begin_forward (plan)", "replay (graph launch)")
 
 
