@@ -79,7 +79,9 @@ class StaticInputs:
                 self.host[name][:] = pads[name]
         self._device_bytes.copy_(self._host_bytes)
         self.live_rows = 0  # rows from here on hold pads in every ROW_PADS / TABLES mirror
-        self._uploaded = torch.cuda.Event() if cuda else None
+        # external: recorded inside a capture, it becomes a node of the graph (`upload` captured
+        # there records it at every replay) instead of a dependency between captured streams
+        self._uploaded = torch.cuda.Event(external=True) if cuda else None
         # (device, mirror) byte ranges per graph; on CPU numpy's copy: torch copies more than
         # 32K elements with its thread pool, which costs milliseconds on a busy host
         self._copies: dict[tuple[int, int], list[tuple[Any, Any]]] = {}
@@ -92,7 +94,9 @@ class StaticInputs:
             self._uploaded.synchronize()
 
     def upload(self, key: tuple[int, int], bufs: dict[str, torch.Tensor]) -> None:
-        """The mirror's bytes under `bufs` (the views one graph reads, `key` naming them) to the device."""
+        """The mirror's bytes under `bufs` (the views one graph reads, `key` naming them) to the
+        device. Inside a graph's capture, the copies and the event become the graph's: each
+        replay then reads the mirror as the host last wrote it."""
         if key not in self._copies:
             pairs = [(self._device_bytes[lo:hi], self._host_bytes[lo:hi])
                      for lo, hi in merged_ranges([_byte_range(t) for t in bufs.values()])]
@@ -321,7 +325,7 @@ class GraphState(AttentionState):
     # -- each step -------------------------------------------------------------------------
 
     def prepare_graph_input_buffers(
-        self, input_buffers: dict[str, torch.Tensor], attn_metadata: CommonMetadata
+        self, input_buffers: dict[str, torch.Tensor], attn_metadata: CommonMetadata, *, upload: bool = True
     ) -> None:
         """Copy a decode-only step of n <= bs requests into the buffers of the graph of size bs;
         rows n.. become pads.
@@ -329,7 +333,10 @@ class GraphState(AttentionState):
         The step's rows come from md's host fields (the lists and tables its device tensors were
         built from), written with its pads into a host mirror of the buffers and copied to them
         in one host-to-device copy on the current stream (ordered before the replay). No sync,
-        unless the GPU has not yet read the previous step's copy.
+        unless the GPU has not yet read the previous step's copy. upload=False writes the mirror
+        only, for a graph that copies it itself: one whose capture began with
+        `upload_graph_input_buffers(input_buffers)` (CUDAGraphRunner's do), which saves the
+        copy's host calls each step.
         ValueError for a step the graph cannot serve (prefills, n > bs, a sequence longer than
         spec.max_seq_len_to_capture, metadata of another backend, cache size or device, or without
         an input the graph reads); RuntimeError for buffers of a size this state did not capture,
@@ -338,7 +345,7 @@ class GraphState(AttentionState):
         md, bufs = attn_metadata, input_buffers
         batch_size = bufs["slot_mapping"].shape[0]
         self._check_step(md, bufs, batch_size)
-        self._write_step(bufs, md)
+        self._write_step(bufs, md, upload)
         # weak: a clone per batch size would otherwise keep its last step's metadata (and the
         # device buffer its fields view) alive until that size replays again
         self._prepared = (weakref.ref(md), batch_size)
@@ -369,9 +376,10 @@ class GraphState(AttentionState):
                                  f"replay the step in a graph whose table_width holds it ({name}'s builder "
                                  "makes the table as wide as the step's longest sequence needs)")
 
-    def _write_step(self, bufs: dict[str, torch.Tensor], md: CommonMetadata | None) -> None:
+    def _write_step(self, bufs: dict[str, torch.Tensor], md: CommonMetadata | None, upload: bool = True) -> None:
         """md's rows into the buffers of one batch size, pads after them (only pads when md is
-        None): written into the host mirror, then copied (`StaticInputs`)."""
+        None): written into the host mirror, then copied (`StaticInputs`) unless `upload` is
+        False (the graph copies them)."""
         inputs, n = self._inputs, 0 if md is None else md.num_seqs
         host = inputs.host
         inputs.wait_uploaded()
@@ -392,7 +400,19 @@ class GraphState(AttentionState):
         inputs.live_rows = n
         batch_size = bufs["slot_mapping"].shape[0]
         self.copy_extra(host, md, batch_size)
-        inputs.upload((batch_size, bufs["block_tables"].shape[1]), bufs)
+        if upload:
+            self.upload_graph_input_buffers(bufs)
+
+    def upload_graph_input_buffers(self, input_buffers: dict[str, torch.Tensor]) -> bool:
+        """Copy the host mirror's bytes under `input_buffers` (one graph's, from
+        get_graph_input_buffers) to them, in one host-to-device copy for most layouts.
+
+        Called first inside a graph's capture, the copy becomes the graph's first node: every
+        replay uploads what the last `prepare_graph_input_buffers(..., upload=False)` wrote,
+        with no host call. The mirror is not written again until the GPU has read it."""
+        self._inputs.upload((input_buffers["slot_mapping"].shape[0], input_buffers["block_tables"].shape[1]),
+                            input_buffers)
+        return True
 
     def _row_pads(self) -> dict[str, int]:
         """What a pad row holds in each ROW_PADS and TABLES buffer (those a state allocates)."""

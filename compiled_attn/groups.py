@@ -169,14 +169,24 @@ class GroupedState(AttentionState):
                 for name, t in s.get_graph_input_buffers(md.for_group(g)).items()}
 
     def prepare_graph_input_buffers(self, input_buffers: dict[str, torch.Tensor],
-                                    attn_metadata: AttentionMetadata) -> None:
+                                    attn_metadata: AttentionMetadata, *, upload: bool = True) -> None:
         md = _grouped(attn_metadata)
+        # upload=False only after every group's upload was captured (upload_graph_input_buffers)
+        kw, per_group = ({} if upload else {"upload": False}), self._per_group(input_buffers)
+        for g, state in self.states.items():
+            state.prepare_graph_input_buffers(per_group[g], md.for_group(g), **kw)
+
+    def upload_graph_input_buffers(self, input_buffers: dict[str, torch.Tensor]) -> bool:
+        # every group's, even where one does not capture: an upload queued twice writes the same bytes
+        per_group = self._per_group(input_buffers)
+        return all([state.upload_graph_input_buffers(per_group[g]) for g, state in self.states.items()])
+
+    def _per_group(self, input_buffers: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         per_group: dict[str, dict[str, torch.Tensor]] = {g: {} for g in self.states}
         for key, t in input_buffers.items():
             g, _, name = key.partition(_SEP)
             per_group[g][name] = t
-        for g, state in self.states.items():
-            state.prepare_graph_input_buffers(per_group[g], md.for_group(g))
+        return per_group
 
     def begin_forward(self, attn_metadata: AttentionMetadata) -> None:
         md = _grouped(attn_metadata)

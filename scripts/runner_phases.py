@@ -1,12 +1,14 @@
 """Where `CUDAGraphRunner.run`'s own host time goes on the decode-graph path (issue 13's goal:
 run minus the replay <= 50 us at B=64), phase by phase, and whether the host's state decides it.
 
-    python scripts/runner_phases.py [--points 1x1024,64x1024,64x4096] [--steps 200] [--out DIR]
+    python scripts/runner_phases.py [--points 1x1024,64x1024,64x4096] [--steps 200] [--modes synced,spun,busy]
+                                    [--outputs copy,own] [--out DIR]
 
 The 8B shape with 2 layers (the runner's host work does not grow with layers; the graph launch
 does), FLASHINFER, the model eager (no compile: nothing here depends on the kernels), one decode
 graph of the point's batch. Each step is the decode loop's: `builder.build` from array tables,
-positions copied from the host, `runner.run`. Three ways to start a step:
+positions copied from the host, `runner.run`, returning a copy of the tokens (`copy`, the
+default) or the graphs' own rows (`own`: `copy_output=False`). Three ways to start a step:
 
 - synced: right after `torch.cuda.synchronize()` (the decode loop's `host_us` column);
 - spun: after the synchronize, the host spins 2 ms in Python first (a host that was not asleep);
@@ -15,7 +17,8 @@ positions copied from the host, `runner.run`. Three ways to start a step:
 
 Each phase is timed by wrapping the function that does it; the table gives medians in us.
 `run` and `build` are whole calls; `rest of run` is run minus its timed phases (clone, slicing,
-path choice, Python between). Written to DIR/runner-phases.txt.
+path choice, Python between). The graphs upload the metadata themselves, so `upload` appears only
+where a State does not capture it. Written to DIR/runner-phases.txt.
 """
 
 from __future__ import annotations
@@ -65,17 +68,17 @@ PHASES = {  # (owner, attribute): phase name; the run's own calls, outermost fir
     (torch.cuda.CUDAGraph, "replay"): "replay (graph launch)",
 }
 TOP_LEVEL = ("fill_padded (ids, positions)", "checks: inputs", "checks: caches",
-             "prepare (check + write + upload)", "begin_forward (plan)", "replay (graph launch)")
+             "prepare (check, write, any upload)", "begin_forward (plan)", "replay (graph launch)")
 
 
 def install() -> None:
     for (owner, attr), name in PHASES.items():
         setattr(owner, attr, timed(name, getattr(owner, attr)))
-    GraphState.prepare_graph_input_buffers = timed("prepare (check + write + upload)",
+    GraphState.prepare_graph_input_buffers = timed("prepare (check, write, any upload)",
                                                    GraphState.prepare_graph_input_buffers)
 
 
-def point_rows(b: int, ctx: int, steps: int) -> list[str]:
+def point_rows(b: int, ctx: int, steps: int, modes: list[str], outputs: list[str]) -> list[str]:
     config = dataclasses.replace(LlamaConfig.llama3_8b(), num_layers=2)
     backend = ca.get_attn_backend("FLASHINFER")
     pages = -(-(ctx + steps * 3 + 2) // BLOCK_SIZE)
@@ -93,7 +96,8 @@ def point_rows(b: int, ctx: int, steps: int) -> list[str]:
     tokens = torch.randint(config.vocab_size, (b,), device="cuda")
     seq_len = ctx
     rows = []
-    for mode in ("synced", "spun", "busy"):
+    for output, mode in ((output, mode) for output in outputs for mode in modes):
+        own = {"copy_output": False} if output == "own" else {}  # a tree without the keyword times `copy`
         times.clear()
         for _ in range(steps):
             seq_len += 1
@@ -108,13 +112,13 @@ def point_rows(b: int, ctx: int, steps: int) -> list[str]:
             md = builder.build(np.full(b, seq_len), query_lens, tables)
             positions = torch.from_numpy(np.full(b, seq_len - 1, dtype=np.int64)).to("cuda", non_blocking=True)
             built = time.perf_counter()
-            tokens = runner.run(md, tokens, positions)
+            tokens = runner.run(md, tokens, positions, **own)
             ran = time.perf_counter()
             times["build + positions"].append(built - start)
             times["run"].append(ran - built)
         med = {name: statistics.median(t) * 1e6 for name, t in times.items()}
         rest = med["run"] - sum(med.get(name, 0.0) for name in TOP_LEVEL)
-        head = f"{card_name()}, FLASHINFER, 8B shape x 2 layers, B={b} x ctx {ctx}, {mode}, {steps} steps"
+        head = f"{card_name()}, FLASHINFER, 8B shape x 2 layers, B={b} x ctx {ctx}, {mode}, {output}, {steps} steps"
         body = [f"  {name:<42} {us:8.1f}" for name, us in med.items()]
         body.append(f"  {'rest of run (clone, slicing, Python)':<42} {rest:8.1f}")
         body.append(f"  {'run minus replay (the goal: <= 50)':<42} {med['run'] - med['replay (graph launch)']:8.1f}")
@@ -127,13 +131,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", default="1x1024,64x1024,64x4096")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--modes", default="synced,spun,busy")
+    parser.add_argument("--outputs", default="copy,own")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     install()
     rows = []
     for point in args.points.split(","):
         b, ctx = (int(x) for x in point.split("x"))
-        rows += point_rows(b, ctx, args.steps)
+        rows += point_rows(b, ctx, args.steps, args.modes.split(","), args.outputs.split(","))
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "runner-phases.txt"), "w") as f:
         f.write("\n".join(rows) + "\n")

@@ -57,12 +57,16 @@ def test_backend_factory(contract_backend):
     for method, args in (("graph_capture", ["max_batch_size"]), ("graph_capture_get_metadata_for_batch",
                          ["batch_size", "table_width"]), ("graph_clone", ["batch_size", "table_width"]),
                          ("get_graph_input_buffers", ["attn_metadata"]),
-                         ("prepare_graph_input_buffers", ["input_buffers", "attn_metadata"]),
+                         ("prepare_graph_input_buffers", ["input_buffers", "attn_metadata", "upload"]),
+                         ("upload_graph_input_buffers", ["input_buffers"]),
                          ("begin_forward", ["attn_metadata"]), ("graph_table_widths", [])):
         assert params(getattr(state, method)) == args, method
-    for method in ("graph_capture_get_metadata_for_batch", "graph_clone"):  # the extension: keyword-only, optional
-        width = inspect.signature(getattr(state, method)).parameters["table_width"]
-        assert (width.kind, width.default) == (inspect.Parameter.KEYWORD_ONLY, None), method
+    # the extensions: keyword-only, optional
+    for method, name, default in (("graph_capture_get_metadata_for_batch", "table_width", None),
+                                  ("graph_clone", "table_width", None),
+                                  ("prepare_graph_input_buffers", "upload", True)):
+        kw = inspect.signature(getattr(state, method)).parameters[name]
+        assert (kw.kind, kw.default) == (inspect.Parameter.KEYWORD_ONLY, default), method
 
 
 def test_get_attn_backend_and_layer_signatures():

@@ -136,6 +136,36 @@ def test_prepare_with_buffers_of_another_state_raises():
     clones[1].prepare_graph_input_buffers(bufs[1], md)
 
 
+def test_prepare_without_upload_writes_the_host_side_and_the_graphs_upload_copies_it(contract_backend,
+                                                                                     fake_flashinfer):
+    """What a captured upload relies on: prepare(upload=False) leaves every device buffer as it
+    was; upload_graph_input_buffers (the graph's first node at replay) then makes them what
+    prepare with its own upload makes, pads of an earlier, larger step included."""
+    backend = contract_backend
+    if backend.get_name() == "XFORMERS":
+        pytest.importorskip("xformers.ops.fmha")
+    rng = random.Random(3)
+    states = [backend.get_state_cls()(spec_for()) for _ in range(2)]
+    bufs, clones = [], []
+    for state in states:
+        with state.graph_capture(4):
+            bufs.append(state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(4)))
+            clones.append(state.graph_clone(4))
+    builder = backend.get_builder_cls()(states[0].spec)
+    for n in (4, 2):
+        seq_lens = [rng.randint(2, 192) for _ in range(n)]
+        blocks = rng.sample(range(1, 64), 3 * n)
+        md = builder.build(seq_lens, [1] * n, [blocks[3 * i : 3 * i + 3] for i in range(n)])
+        clones[0].prepare_graph_input_buffers(bufs[0], md)
+        before = {k: t.clone() for k, t in bufs[1].items()}
+        clones[1].prepare_graph_input_buffers(bufs[1], md, upload=False)
+        assert all(torch.equal(bufs[1][k], before[k]) for k in before)
+        assert clones[1].upload_graph_input_buffers(bufs[1]) is True
+        for field in bufs[0]:
+            assert torch.equal(bufs[1][field], bufs[0][field]), field
+        assert not all(torch.equal(bufs[1][k], before[k]) for k in before), "the step changed no buffer"
+
+
 def test_begin_forward_before_prepare_raises(contract_backend, fake_flashinfer):
     backend = contract_backend
     if backend.get_name() == "XFORMERS":

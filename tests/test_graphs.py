@@ -883,6 +883,48 @@ def test_replays_with_changing_lengths_allocate_nothing(gpu):
     assert torch.cuda.memory_allocated() == before
 
 
+def random_decode_step(gpu: GpuSetup, rng: random.Random, n: int) -> tuple[ca.AttentionMetadata, torch.Tensor,
+                                                                           torch.Tensor]:
+    """A decode step of n requests at random lengths over random distinct blocks: (md, ids, positions)."""
+    spec, max_blocks = gpu.spec, GPU_MAX_LEN // gpu.spec.block_size
+    seq_lens = [rng.randint(2, GPU_MAX_LEN) for _ in range(n)]
+    blocks = rng.sample(range(spec.num_blocks), n * max_blocks)
+    md = gpu.backend.get_builder_cls()(spec).build(
+        seq_lens, [1] * n, [blocks[i * max_blocks : (i + 1) * max_blocks] for i in range(n)])
+    ids = torch.randint(GPU_CONFIG.vocab_size, (n,), device="cuda")
+    return md, ids, torch.tensor(seq_lens, device="cuda") - 1
+
+
+@pytest.mark.gpu
+def test_graph_steps_queued_behind_a_busy_gpu_each_read_their_own_metadata(gpu):
+    """Each graph uploads its step's metadata itself, from the host mirror the next step
+    rewrites. Queued behind a ~50 ms sleep kernel with no sync between steps, the host must wait
+    for each replay's upload before writing the next step: every step equals eager's."""
+    rng = random.Random(5)
+    steps = [random_decode_step(gpu, rng, rng.randint(1, max(GPU_SIZES))) for _ in range(6)]
+    for ref, cache in zip(gpu.ref_caches, gpu.runner.kv_caches, strict=True):
+        ref.copy_(cache)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(1e8))
+    graphed = [gpu.runner.run(md, ids, pos) for md, ids, pos in steps]
+    for i, (md, ids, pos) in enumerate(steps):
+        with ca.set_forward_context(md):
+            want = gpu.model(ids, pos, gpu.ref_caches)
+        assert rel_err(graphed[i], want) <= 2e-2, f"step {i} of {md.num_seqs} requests"
+
+
+@pytest.mark.gpu
+def test_copy_output_false_returns_the_graphs_own_rows_until_the_next_step(gpu):
+    rng = random.Random(6)
+    (md, ids, pos), (md2, ids2, pos2) = (random_decode_step(gpu, rng, 3) for _ in range(2))
+    copied = gpu.runner.run(md, ids, pos)
+    own = gpu.runner.run(md, ids, pos, copy_output=False)  # the same step again: the same K/V, the same output
+    assert torch.equal(own, copied)
+    assert own.untyped_storage().data_ptr() == gpu.runner._output.untyped_storage().data_ptr()
+    second = gpu.runner.run(md2, ids2, pos2)
+    assert torch.equal(own, second) and not torch.equal(own, copied), "the next step rewrites the rows"
+
+
 @pytest.mark.gpu
 def test_reduce_overhead_compile_never_replays_stale_metadata(gpu):
     """PyTorch's own CUDA graphs (mode="reduce-overhead") copy only graph inputs: our

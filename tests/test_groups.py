@@ -151,5 +151,13 @@ def test_grouped_state_serves_a_runner_whose_groups_differ():
     torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)  # padded batch: another summation order
     bufs = runner._captured[4, runner.widths[0]].input_buffers
     assert {k.partition("/")[0] for k in bufs} == {"full", "window"}
+    # a captured upload (what the runner's CUDA graphs do): prepare writes the host side only
+    before = {k: t.clone() for k, t in bufs.items()}
+    clone = runner._captured[4, runner.widths[0]].graph_state
+    md = GroupedMetadata.of({name: b.build([12, 31], [1, 1], tables[name][:2]) for name, b in builders.items()})
+    clone.prepare_graph_input_buffers(bufs, md, upload=False)
+    assert all(torch.equal(bufs[k], before[k]) for k in bufs)
+    assert clone.upload_graph_input_buffers(bufs) is True
+    assert bufs["full/seq_lens_tensor"].tolist() == bufs["window/seq_lens_tensor"].tolist() == [12, 31, 1, 1]
     with pytest.raises(ValueError, match="different table widths"):
         GroupedState({"a": SDPA.get_state_cls()(specs["full"]), "b": SDPA.get_state_cls()(spec_of())})

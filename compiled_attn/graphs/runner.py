@@ -78,6 +78,7 @@ class CapturedSize:
     input_buffers: dict[str, torch.Tensor]  # the static metadata tensors the graph reads
     metadata: AttentionMetadata  # the all-pad metadata the graph was captured with
     output: torch.Tensor | None  # rows [:bs] of the runner's one output buffer, rewritten by every replay
+    uploads: bool = False  # the graph copies the State's host data itself (upload_graph_input_buffers)
 
 
 class CUDAGraphRunner:
@@ -302,12 +303,15 @@ class CUDAGraphRunner:
         graph = torch.cuda.CUDAGraph()
         start = time.perf_counter()
         with set_forward_context(md_bs), torch.cuda.graph(graph, pool=pool):
+            # The metadata's upload as the graph's first node: a step then writes the State's
+            # host mirror and launches, two host calls fewer (GraphState, StaticInputs).
+            uploads = graph_state.upload_graph_input_buffers(input_buffers)
             # One output buffer outside the pool: each graph's own output is freed with its other
             # intermediates, so the next (smaller) capture reuses that memory. Keeping every
             # size's output alive instead held 516 of the pool's 590 MiB (35 sizes, vocab 32000).
             self._output[:bs].copy_(self._static_step(bs))
         self._graph_seconds += time.perf_counter() - start
-        return CapturedSize(graph, graph_state, input_buffers, md_bs, self._output[:bs])
+        return CapturedSize(graph, graph_state, input_buffers, md_bs, self._output[:bs], uploads)
 
     def _static_step(self, bs: int) -> torch.Tensor:
         """The model on the first `bs` rows of the static inputs (under the caller's context)."""
@@ -330,6 +334,8 @@ class CUDAGraphRunner:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor] | None = None,
+        *,
+        copy_output: bool = True,
     ) -> torch.Tensor:
         """One model step: a replayed graph for a decode-only batch that fits, piecewise graphs
         for another step whose tokens fit (with `piecewise=True`), else eager.
@@ -338,6 +344,10 @@ class CUDAGraphRunner:
         the spec's device; kv_caches: default the runner's (a graph step checks they are the
         captured tensors). Returns the model output for the step's tokens, [num_tokens, ...],
         a tensor the caller owns (a later step never overwrites it). `counts` records the path.
+        copy_output=False: a graph step (decode or piecewise) returns the graphs' own output
+        rows instead of a copy, valid until the next `run` rewrites them; it saves a device
+        copy and its host call per step (clone what you keep). Eager steps return a new tensor
+        either way.
         """
         if not self.capture_stats:  # set once a capture has finished (a piecewise-only one captures no decode graph)
             raise RuntimeError("call runner.capture() before runner.run()")
@@ -354,7 +364,7 @@ class CUDAGraphRunner:
         self.counts[path] += 1
         if path == PIECEWISE:
             self._check_caches(caches)
-            return self.piecewise.run(md, input_ids, positions)
+            return self.piecewise.run(md, input_ids, positions, copy_output=copy_output)
         if path != GRAPH:
             check_cache_list(caches)
             if logger.isEnabledFor(logging.DEBUG):
@@ -370,7 +380,10 @@ class CUDAGraphRunner:
         bs = pick_batch_size(self.sizes, n)
         entry = self._captured[bs, pick_table_width(self.widths, md.max_seq_len, self.spec.block_size)]
         self._pads_from = fill_padded((self._input_ids, self._positions), (input_ids, positions), self._pads_from)
-        entry.graph_state.prepare_graph_input_buffers(entry.input_buffers, md)
+        if entry.uploads:
+            entry.graph_state.prepare_graph_input_buffers(entry.input_buffers, md, upload=False)
+        else:
+            entry.graph_state.prepare_graph_input_buffers(entry.input_buffers, md)
         entry.graph_state.begin_forward(md)
         if entry.graph is not None:
             entry.graph.replay()
@@ -378,10 +391,11 @@ class CUDAGraphRunner:
         else:
             with set_forward_context(entry.metadata):
                 output = self._static_step(bs)
-        # Clone: every graph writes the one output buffer; the copy ([n, vocab], small next to
-        # the step) gives the caller a tensor no later step can change. (A full batch skips the
-        # slice, one more host call.)
-        return (output if n == bs else output[:n]).clone()
+        # A full batch skips the slice, one more host call. The clone ([n, vocab], small next to
+        # the step) gives the caller a tensor no later step can change: every graph writes the
+        # one output buffer.
+        output = output if n == bs else output[:n]
+        return output.clone() if copy_output else output
 
     def _check_inputs(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         name = self.backend.get_name()
