@@ -81,7 +81,7 @@ def install() -> None:
 def point_rows(b: int, ctx: int, steps: int, modes: list[str], outputs: list[str]) -> list[str]:
     config = dataclasses.replace(LlamaConfig.llama3_8b(), num_layers=2)
     backend = ca.get_attn_backend("FLASHINFER")
-    pages = -(-(ctx + steps * 3 + 2) // BLOCK_SIZE)
+    pages = -(-(ctx + steps * len(modes) * len(outputs) + 2) // BLOCK_SIZE)  # every step adds a token
     spec = config.attention_spec(block_size=BLOCK_SIZE, num_blocks=b * pages, dtype=torch.bfloat16, device="cuda",
                                  max_seq_len_to_capture=pages * BLOCK_SIZE)
     model = build_model(config, seed=0, backend="FLASHINFER", dtype=torch.bfloat16, device="cuda",

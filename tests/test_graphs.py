@@ -903,7 +903,7 @@ def test_graph_steps_queued_behind_a_busy_gpu_each_read_their_own_metadata(gpu):
     rng = random.Random(5)
     steps = [random_decode_step(gpu, rng, rng.randint(1, max(GPU_SIZES))) for _ in range(6)]
     for ref, cache in zip(gpu.ref_caches, gpu.runner.kv_caches, strict=True):
-        ref.copy_(cache)
+        ref.copy_(cache.normal_())  # the steps read keys nobody wrote: random, not torch.empty's garbage (NaN)
     torch.cuda.synchronize()
     torch.cuda._sleep(int(1e8))
     graphed = [gpu.runner.run(md, ids, pos) for md, ids, pos in steps]
@@ -917,6 +917,8 @@ def test_graph_steps_queued_behind_a_busy_gpu_each_read_their_own_metadata(gpu):
 def test_copy_output_false_returns_the_graphs_own_rows_until_the_next_step(gpu):
     rng = random.Random(6)
     (md, ids, pos), (md2, ids2, pos2) = (random_decode_step(gpu, rng, 3) for _ in range(2))
+    for cache in gpu.runner.kv_caches:
+        cache.normal_()  # keys nobody wrote: random, not torch.empty's garbage (NaN)
     copied = gpu.runner.run(md, ids, pos)
     own = gpu.runner.run(md, ids, pos, copy_output=False)  # the same step again: the same K/V, the same output
     assert torch.equal(own, copied)
