@@ -231,15 +231,16 @@ class AttentionState(ABC):
 
     @abstractmethod
     def prepare_graph_input_buffers(
-        self, input_buffers: dict[str, torch.Tensor], attn_metadata: AttentionMetadata
+        self, input_buffers: dict[str, torch.Tensor], attn_metadata: AttentionMetadata, *, upload: bool = True
     ) -> None:
         """Copy a decode-only step's metadata into the static buffers; pad the remaining rows.
-        A State whose `upload_graph_input_buffers` returns True also takes `upload=False`: then
-        it writes the step's host side only, and the graph's captured upload copies it."""
+        upload=False is passed only to a State whose `upload_graph_input_buffers` returned
+        True: it then writes the step's host side only, and the graph's captured upload copies
+        it to the buffers."""
 
     def upload_graph_input_buffers(self, input_buffers: dict[str, torch.Tensor]) -> bool:
-        """Called first inside a graph's capture: put the copy of the step's host data into the
-        buffers into the graph, so that a replay uploads what the last
+        """Called first inside a graph's capture: record the host-to-device copy that fills the
+        buffers as the graph's own, so that each replay uploads what the last
         `prepare_graph_input_buffers(..., upload=False)` wrote, with no host call. Returns
         whether it did; by default it does not, and `prepare_graph_input_buffers` uploads."""
         return False

@@ -401,7 +401,7 @@ class GraphState(AttentionState):
         batch_size = bufs["slot_mapping"].shape[0]
         self.copy_extra(host, md, batch_size)
         if upload:
-            self.upload_graph_input_buffers(bufs)
+            self._upload(bufs)
 
     def upload_graph_input_buffers(self, input_buffers: dict[str, torch.Tensor]) -> bool:
         """Copy the host mirror's bytes under `input_buffers` (one graph's, from
@@ -410,9 +410,11 @@ class GraphState(AttentionState):
         Called first inside a graph's capture, the copy becomes the graph's first node: every
         replay uploads what the last `prepare_graph_input_buffers(..., upload=False)` wrote,
         with no host call. The mirror is not written again until the GPU has read it."""
-        self._inputs.upload((input_buffers["slot_mapping"].shape[0], input_buffers["block_tables"].shape[1]),
-                            input_buffers)
+        self._upload(input_buffers)
         return True
+
+    def _upload(self, bufs: dict[str, torch.Tensor]) -> None:
+        self._inputs.upload((bufs["slot_mapping"].shape[0], bufs["block_tables"].shape[1]), bufs)
 
     def _row_pads(self) -> dict[str, int]:
         """What a pad row holds in each ROW_PADS and TABLES buffer (those a state allocates)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import statistics
 import time
@@ -96,8 +97,9 @@ def point_rows(b: int, ctx: int, steps: int, modes: list[str], outputs: list[str
     tokens = torch.randint(config.vocab_size, (b,), device="cuda")
     seq_len = ctx
     rows = []
-    for output, mode in ((output, mode) for output in outputs for mode in modes):
-        own = {"copy_output": False} if output == "own" else {}  # a tree without the keyword times `copy`
+    for output, mode in itertools.product(outputs, modes):
+        # no keyword for `copy`: an older tree's run() (an A/B against probe_old) has none
+        own = {"copy_output": False} if output == "own" else {}
         times.clear()
         for _ in range(steps):
             seq_len += 1

@@ -900,6 +900,7 @@ def test_graph_steps_queued_behind_a_busy_gpu_each_read_their_own_metadata(gpu):
     """Each graph uploads its step's metadata itself, from the host mirror the next step
     rewrites. Queued behind a ~50 ms sleep kernel with no sync between steps, the host must wait
     for each replay's upload before writing the next step: every step equals eager's."""
+    assert all(entry.prepare_kw == {"upload": False} for entry in gpu.runner._captured.values())
     rng = random.Random(5)
     steps = [random_decode_step(gpu, rng, rng.randint(1, max(GPU_SIZES))) for _ in range(6)]
     for ref, cache in zip(gpu.ref_caches, gpu.runner.kv_caches, strict=True):

@@ -748,7 +748,9 @@ class FlashInferState(GraphState):
         host = self._inputs.host
         indptr = host["paged_kv_indptr"][: batch_size + 1].copy()
         last = host["paged_kv_last_page_len"][:batch_size].copy()
-        indices = self._buffers["paged_kv_indices"][: indptr[-1]]  # what the upload wrote
+        # The static page list itself: plan() copies it onto itself, and the step's upload (or
+        # the graph's, at replay, after this) writes the step's pages there.
+        indices = self._buffers["paged_kv_indices"][: indptr[-1]]
         slot.plan(self, lambda w: w.plan(
             torch.from_numpy(indptr), indices, torch.from_numpy(last), spec.num_heads, spec.num_kv_heads,
             spec.head_size, spec.block_size,

@@ -445,11 +445,9 @@ class PiecewiseGraphs:
         with torch.no_grad():
             return self.compiled(input_ids, positions, kv_caches)
 
-    def run(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor, *,
-            copy_output: bool = True) -> torch.Tensor:
+    def run(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The step (md.num_tokens <= sizes[0]) padded to its bucket: replayed pieces, eager ops.
-        Returns the output rows of the step's tokens, a tensor the caller owns (copy_output=False:
-        the last piece's own rows, which the next replay rewrites). With captured
+        Returns the output rows of the step's tokens, a tensor the caller owns. With captured
         writes the step is first checked as their ops would check it (`check_captured_writes`):
         nothing runs for them at replay."""
         n = md.num_tokens
@@ -469,8 +467,9 @@ class PiecewiseGraphs:
             self._pads_from = fill_padded((self._input_ids, self._positions), (input_ids, positions), self._pads_from)
         with set_forward_context(md), self.control.serving(bucket):
             output = self._bucket_step(bucket)
-        # Clone: the last piece's output is pool memory that the next replay (any bucket) rewrites.
-        return output[:n].clone() if copy_output else output[:n]
+        # Clone: the last piece's output is pool memory, not owned by any tensor (a non-owning
+        # view), that any later replay sharing the pool may rewrite.
+        return output[:n].clone()
 
     def _checked_slots(self, md: AttentionMetadata, checks: WriteChecks) -> torch.Tensor:
         """The slots the captured writes read this step, after what each write's op would check

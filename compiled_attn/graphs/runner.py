@@ -78,7 +78,8 @@ class CapturedSize:
     input_buffers: dict[str, torch.Tensor]  # the static metadata tensors the graph reads
     metadata: AttentionMetadata  # the all-pad metadata the graph was captured with
     output: torch.Tensor | None  # rows [:bs] of the runner's one output buffer, rewritten by every replay
-    uploads: bool = False  # the graph copies the State's host data itself (upload_graph_input_buffers)
+    # {"upload": False} when the graph copies the State's host data itself (upload_graph_input_buffers)
+    prepare_kw: dict[str, bool] = dataclasses.field(default_factory=dict)
 
 
 class CUDAGraphRunner:
@@ -311,7 +312,8 @@ class CUDAGraphRunner:
             # size's output alive instead held 516 of the pool's 590 MiB (35 sizes, vocab 32000).
             self._output[:bs].copy_(self._static_step(bs))
         self._graph_seconds += time.perf_counter() - start
-        return CapturedSize(graph, graph_state, input_buffers, md_bs, self._output[:bs], uploads)
+        return CapturedSize(graph, graph_state, input_buffers, md_bs, self._output[:bs],
+                            {"upload": False} if uploads else {})
 
     def _static_step(self, bs: int) -> torch.Tensor:
         """The model on the first `bs` rows of the static inputs (under the caller's context)."""
@@ -344,10 +346,10 @@ class CUDAGraphRunner:
         the spec's device; kv_caches: default the runner's (a graph step checks they are the
         captured tensors). Returns the model output for the step's tokens, [num_tokens, ...],
         a tensor the caller owns (a later step never overwrites it). `counts` records the path.
-        copy_output=False: a graph step (decode or piecewise) returns the graphs' own output
-        rows instead of a copy, valid until the next `run` rewrites them; it saves a device
-        copy and its host call per step (clone what you keep). Eager steps return a new tensor
-        either way.
+        copy_output=False: a decode-graph step returns rows of the runner's one output buffer
+        instead of a copy, valid until the next decode-graph step rewrites them; it saves a
+        device copy and its host call per step (clone what you keep). Other steps return a new
+        tensor either way (the piecewise graphs' last output is pool memory no tensor owns).
         """
         if not self.capture_stats:  # set once a capture has finished (a piecewise-only one captures no decode graph)
             raise RuntimeError("call runner.capture() before runner.run()")
@@ -364,7 +366,7 @@ class CUDAGraphRunner:
         self.counts[path] += 1
         if path == PIECEWISE:
             self._check_caches(caches)
-            return self.piecewise.run(md, input_ids, positions, copy_output=copy_output)
+            return self.piecewise.run(md, input_ids, positions)
         if path != GRAPH:
             check_cache_list(caches)
             if logger.isEnabledFor(logging.DEBUG):
@@ -380,10 +382,7 @@ class CUDAGraphRunner:
         bs = pick_batch_size(self.sizes, n)
         entry = self._captured[bs, pick_table_width(self.widths, md.max_seq_len, self.spec.block_size)]
         self._pads_from = fill_padded((self._input_ids, self._positions), (input_ids, positions), self._pads_from)
-        if entry.uploads:
-            entry.graph_state.prepare_graph_input_buffers(entry.input_buffers, md, upload=False)
-        else:
-            entry.graph_state.prepare_graph_input_buffers(entry.input_buffers, md)
+        entry.graph_state.prepare_graph_input_buffers(entry.input_buffers, md, **entry.prepare_kw)
         entry.graph_state.begin_forward(md)
         if entry.graph is not None:
             entry.graph.replay()
