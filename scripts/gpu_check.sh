@@ -25,7 +25,10 @@
 # kernels a warm process tunes again (scripts/autotune_probe.py: PROBE_SUITE, default decode_loop,
 # run cold then warm on a fresh cache; PROBE_ARGS e.g. "--torch-recheck"; ~5 min). "phases": the
 # runner's own host time on the decode-graph path, phase by phase (scripts/runner_phases.py,
-# PHASES_ARGS e.g. "--points 64x1024").
+# PHASES_ARGS e.g. "--points 64x1024"). "pdl": Inductor's programmatic dependent launch
+# (TORCHINDUCTOR_ENABLE_PDL, off by default in torch) for our side of the decode loop at PDL_POINT
+# (default 64x1024), one compile without it and one with it (PDL_TIMEOUT each: a cold compile and
+# its tuning take ~90 s on an H200), then the compiled runner's greedy-token GPU tests with it.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 PARTS=${PARTS:-"tests fuzz bench"}
@@ -89,6 +92,16 @@ if [[ " $PARTS " == *" tests "* ]]; then
 fi
 if [[ " $PARTS " == *" phases "* ]]; then  # where the runner's own host time goes, phase by phase
   timeout "${PHASES_TIMEOUT:-300}" python3 scripts/runner_phases.py ${PHASES_ARGS:-} --out "$OUT" 2>&1 | tail -60
+  status=$(( status || PIPESTATUS[0] ))
+fi
+if [[ " $PARTS " == *" pdl "* ]]; then
+  for pdl in 0 1; do
+    TORCHINDUCTOR_ENABLE_PDL=$pdl timeout -k 30 "${PDL_TIMEOUT:-200}" python3 -m compiled_attn.bench.decode_loop \
+      --point "${PDL_POINT:-64x1024}" --backend FLASHINFER --side ours > "$OUT/pdl$pdl.log" 2>&1 || status=1
+    echo "TORCHINDUCTOR_ENABLE_PDL=$pdl: $(grep -h "^{" "$OUT/pdl$pdl.log" | cut -c1-240)"
+  done
+  TORCHINDUCTOR_ENABLE_PDL=1 timeout -k 30 "${PDL_TEST_TIMEOUT:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_graphs.py -k runner_compile 2>&1 | tee "$OUT/pdl-tests.log" | tail -5
   status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ " $PARTS " == *" loop "* ]]; then
