@@ -72,7 +72,8 @@ def generate(
         sync()
         t0 = time.perf_counter()
         if runner is not None:
-            logits = runner.run(md, ids, pos)[last_token_rows(query_lens)]
+            # the row selection copies: the runner need not copy its output first
+            logits = runner.run(md, ids, pos, copy_output=False)[last_token_rows(query_lens)]
         else:
             with ca.floats_as_constants(), ca.set_forward_context(md):
                 logits = model(ids, pos, caches)[last_token_rows(query_lens)]

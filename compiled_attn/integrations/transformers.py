@@ -391,8 +391,8 @@ class PagedEngine:
         md = next(iter(mds.values())) if len(mds) == 1 else GroupedMetadata.of(mds)
         ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
         pos = torch.from_numpy(step.positions).to(self.device, non_blocking=True)
-        if self.runner is not None:
-            return self.runner.run(md, ids, pos)
+        if self.runner is not None:  # its output is read to the host before the next step: no copy
+            return self.runner.run(md, ids, pos, copy_output=False)
         ca.mark_token_dim(ids, pos)
         with ca.floats_as_constants(), ca.set_forward_context(md):
             return self._step_fn(ids, pos, self.kv_caches)
