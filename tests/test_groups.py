@@ -161,3 +161,34 @@ def test_grouped_state_serves_a_runner_whose_groups_differ():
     assert bufs["full/seq_lens_tensor"].tolist() == bufs["window/seq_lens_tensor"].tolist() == [12, 31, 1, 1]
     with pytest.raises(ValueError, match="different table widths"):
         GroupedState({"a": SDPA.get_state_cls()(specs["full"]), "b": SDPA.get_state_cls()(spec_of())})
+
+
+class PrepareUploadsState(SDPA.get_state_cls()):
+    """A State that keeps the abstract default: its graphs' upload is not captured, its prepare uploads."""
+
+    def upload_graph_input_buffers(self, input_buffers: dict[str, torch.Tensor]) -> bool:
+        return ca.AttentionState.upload_graph_input_buffers(self, input_buffers)
+
+    def prepare_graph_input_buffers(self, input_buffers: dict[str, torch.Tensor], attn_metadata) -> None:
+        super().prepare_graph_input_buffers(input_buffers, attn_metadata)  # no `upload`: none may be passed
+
+
+def test_grouped_state_captures_the_upload_only_when_every_group_does():
+    """A group whose State does not capture its upload: the grouped State reports False, so the
+    runner keeps calling prepare without `upload` (each group uploads there); the capturing
+    group's upload still runs (queued twice, it writes the same bytes)."""
+    spec = spec_of(max_seq_len_to_capture=64)
+    grouped = GroupedState({"a": SDPA.get_state_cls()(spec), "b": PrepareUploadsState(spec)})
+    with grouped.graph_capture(2):
+        bufs = grouped.get_graph_input_buffers(grouped.graph_capture_get_metadata_for_batch(2))
+        clone = grouped.graph_clone(2)
+    mds = {g: SDPA.get_builder_cls()(spec).build([12, 31], [1, 1], [[1], [2, 3]]) for g in ("a", "b")}
+    md = GroupedMetadata.of(mds)
+    bufs_a = {k.partition("/")[2]: t for k, t in bufs.items() if k.startswith("a/")}
+    clone.states["a"].prepare_graph_input_buffers(bufs_a, mds["a"], upload=False)  # its mirror only
+    assert bufs["a/seq_lens_tensor"].tolist() == [1, 1]
+    assert clone.upload_graph_input_buffers(bufs) is False
+    assert bufs["a/seq_lens_tensor"].tolist() == [12, 31], "the capturing group uploaded"
+    assert bufs["b/seq_lens_tensor"].tolist() == [1, 1], "the other group uploads in its prepare"
+    clone.prepare_graph_input_buffers(bufs, md)
+    assert bufs["a/seq_lens_tensor"].tolist() == bufs["b/seq_lens_tensor"].tolist() == [12, 31]
