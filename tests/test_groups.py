@@ -184,8 +184,7 @@ def test_grouped_state_captures_the_upload_only_when_every_group_does():
         clone = grouped.graph_clone(2)
     mds = {g: SDPA.get_builder_cls()(spec).build([12, 31], [1, 1], [[1], [2, 3]]) for g in ("a", "b")}
     md = GroupedMetadata.of(mds)
-    bufs_a = {k.partition("/")[2]: t for k, t in bufs.items() if k.startswith("a/")}
-    clone.states["a"].prepare_graph_input_buffers(bufs_a, mds["a"], upload=False)  # its mirror only
+    clone.states["a"].prepare_graph_input_buffers(clone._per_group(bufs)["a"], mds["a"], upload=False)  # its mirror
     assert bufs["a/seq_lens_tensor"].tolist() == [1, 1]
     assert clone.upload_graph_input_buffers(bufs) is False
     assert bufs["a/seq_lens_tensor"].tolist() == [12, 31], "the capturing group uploaded"

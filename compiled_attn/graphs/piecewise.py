@@ -459,12 +459,11 @@ class PiecewiseGraphs:
                              f"metadata describes {n} tokens")
         direct = self._direct.get(bucket)
         writes = None if direct is None else direct[2]
+        buffers, sources, pads = (self._input_ids, self._positions), (input_ids, positions), None
         if writes is not None and writes.writes:  # none: no graphs, or every layer grouped, say
-            slots = self._checked_slots(md, writes)
-            self._pads_from = fill_padded((self._input_ids, self._positions, self._slots),
-                                          (input_ids, positions, slots), self._pads_from, (0, 0, -1))
-        else:
-            self._pads_from = fill_padded((self._input_ids, self._positions), (input_ids, positions), self._pads_from)
+            buffers, sources = (*buffers, self._slots), (*sources, self._checked_slots(md, writes))
+            pads = (0, 0, -1)
+        self._pads_from = fill_padded(buffers, sources, self._pads_from, pads)
         with set_forward_context(md), self.control.serving(bucket):
             output = self._bucket_step(bucket)
         # Clone: the last piece's output is pool memory, not owned by any tensor (a non-owning
