@@ -2,28 +2,34 @@
 of the gpt-fast peer, reduced to per-layer kernel tables (markdown + JSON under --out).
 
     python scripts/profile_decode.py --point 1x1024 --point 64x1024 [--backend FLASHINFER]
-        [--variant compile|dynamic] [--no-peer] --out DIR
+        [--variant compile|dynamic] [--no-peer] [--ab-option KEY=VALUE ...] --out DIR
 
 Each side runs PROFILED_STEPS steps as in the bench's loop (no synchronize inside) after a
 warm-up; the trace's kernels give the per-layer table and the GPU-busy fraction of the steps.
 Before the trace each side's loop is timed as in the bench (`decode_loop.loop_times`).
+`--ab-option` (Inductor options, e.g. combo_kernels=True) runs each variant of ours twice in the
+process: as the runner compiles it (`runner.COMPILE_OPTIONS`), then with those options added.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import cProfile
 import json
 import os
 import pstats
+from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from compiled_attn.bench import decode_loop as dl
+from compiled_attn.bench.compiles import reset_dynamo
 from compiled_attn.bench.kernel_table import cuda_kernels, markdown, per_layer_table
 from compiled_attn.bench.timing import card_name
 from compiled_attn.cli import point
+from compiled_attn.graphs import runner
 
 PROFILED_STEPS = 8
 
@@ -49,12 +55,24 @@ def host_profile(ours: dl.PagedLoop, path: str, steps: int = 50) -> None:
         pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(30)
 
 
+def inductor_option(text: str) -> tuple[str, object]:
+    """KEY=VALUE, the value a Python literal (True, 8, "x")."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a Python literal") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--point", type=point, action="append", required=True, metavar="BxCTX")
     parser.add_argument("--backend", default="FLASHINFER")
     parser.add_argument("--variant", action="append", choices=("compile", "dynamic"), default=None)
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--ab-option", type=inductor_option, action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=".")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -68,12 +86,18 @@ def main(argv: list[str] | None = None) -> None:
                 loop = dl.peer_loop(model, batch, ctx)
                 sides["peer (gpt-fast)"] = trace(loop)
                 del loop
+        options = dict(args.ab_option)
         for variant in args.variant or ("compile",):
-            ours = dl.paged_loop(model, batch, ctx, variant)
-            side = f"ours {backend.get_name()} ({variant})"
-            sides[side] = {**trace(ours.loop), **ours.host_us()}
-            host_profile(ours, os.path.join(args.out, f"host-profile-{batch}x{ctx}-{variant}.txt"))
-            del ours
+            for extra in ({}, options) if options else ({},):
+                label = variant + "".join(f", {k}={v}" for k, v in extra.items())
+                if options:
+                    reset_dynamo()  # each side its own trace and compile
+                with mock.patch.dict(runner.COMPILE_OPTIONS, extra):
+                    ours = dl.paged_loop(model, batch, ctx, variant)
+                side = f"ours {backend.get_name()} ({label})"
+                sides[side] = {**trace(ours.loop), **ours.host_us()}
+                host_profile(ours, os.path.join(args.out, f"host-profile-{batch}x{ctx}-{variant}{len(extra)}.txt"))
+                del ours
         torch.cuda.empty_cache()
         for side, table in sides.items():
             text = markdown(table, f"{side}, B={batch}, ctx {ctx}, {card_name()}: loop {table['loop ms/step']:.3f} "
