@@ -566,47 +566,6 @@ def test_runner_compiles_batch_one_apart_and_samples_in_the_step(tiny_model):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
 
 
-def test_runner_compiles_one_token_with_its_own_options(tiny_model, monkeypatch):
-    """compile=True: every one-token step (batch 1's static graph, a one-token eager step) runs the
-    compile made with ONE_TOKEN_OPTIONS (no coordinate descent: its linear layers stay cuBLAS
-    GEMVs), every other token count the one made with COMPILE_OPTIONS; the tokens stay eager's."""
-    from compiled_attn.graphs import runner as runner_module
-
-    calls, real_compile = [], torch.compile
-
-    def recording_compile(fn, **kw):
-        compiled = real_compile(fn, fullgraph=kw["fullgraph"], dynamic=kw["dynamic"], backend="eager")
-
-        def call(input_ids, positions, kv_caches):
-            calls.append((kw["options"], input_ids.shape[0]))
-            return compiled(input_ids, positions, kv_caches)
-        return call
-
-    monkeypatch.setattr(torch, "compile", recording_compile)
-    spec = cpu_spec()
-    torch._dynamo.reset()
-    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2, 4], max_batch_size=4,
-                           compile=True, postprocess=lambda logits: logits.argmax(-1))
-    ref, eng = Engine(spec, direct(tiny_model, random_caches(spec, 1))), Engine(spec, runner.run)
-    assert torch.equal(eng.step({"one": [5]}), ref.step({"one": [5]}).argmax(-1))  # a one-token prompt: eager
-    step = prompts(2, seed=13, vocab=TINY.vocab_size)
-    for i in range(4):  # a prefill, decodes of 3 requests, then of 1
-        want = ref.step(step).argmax(-1)
-        assert torch.equal(eng.step(step), want), f"step {i}"
-        step = {name: [tok] for name, tok in zip(step, want.tolist(), strict=True)}
-        if i == 0:
-            step = {**step, "one": [7]}
-        if i == 2:
-            step = {"one": step["one"]}
-    assert runner.counts["graph"] == 3 and runner.counts["eager_prefill"] == 2
-    assert {tokens for _, tokens in calls} >= {1, 4}  # batch 1 and 4 graphs, the one-token prefill
-    for opts, tokens in calls:
-        want_options = runner_module.ONE_TOKEN_OPTIONS if tokens == 1 else runner_module.COMPILE_OPTIONS
-        assert opts is want_options, (tokens, opts)
-    assert runner_module.ONE_TOKEN_OPTIONS["coordinate_descent_tuning"] is False
-    torch._dynamo.reset()
-
-
 def test_runner_on_flex_graph_decode_serves_greedy_tokens_like_eager(tiny_model, monkeypatch):
     """TORCH_SDPA's FlexAttention decode (CUDA's default) through the runner's static steps: the same
     greedy tokens as the eager model (which gathers), prefill and decodes of 3 then 1 requests."""

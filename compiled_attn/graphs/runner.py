@@ -49,15 +49,11 @@ logger = logging.getLogger(__name__)
 
 ModelStep = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor]], torch.Tensor]
 INPUT_DTYPE = torch.int64  # input ids and positions, as the reference model takes them
-# Inductor options of `compile=True` for every token count but one: coordinate-descent tuning of
-# the fused pointwise and norm kernels (gpt-fast's setting); the GEMMs stay cuBLAS.
+# Inductor options of `compile=True`. With a static batch of one, Inductor lowers every linear
+# layer to a reduction kernel instead of a cuBLAS GEMV, and only coordinate-descent tuning
+# takes those kernels to full memory bandwidth (gpt-fast's setting; see torch/_inductor/
+# decomposition.py, `mm`). Larger batches keep cuBLAS; the tuning also fits their fused kernels.
 COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
-# ... and for one token (batch 1's static graph). With the tuning on, Inductor lowers each linear
-# layer of a one-row input to a reduction kernel that coordinate descent tunes (torch/_inductor/
-# decomposition.py, `mm`), and on an H200 those draws gave the 8B loop 4.6 to 6.0 ms a step, by
-# process and machine; cuBLAS's GEMVs gave 4.75-4.77 ms in every process (BENCHMARKS.md,
-# twenty-eighth session). So one token is compiled without the tuning.
-ONE_TOKEN_OPTIONS = {"coordinate_descent_tuning": False}
 
 
 class WithPostprocess(torch.nn.Module):
@@ -194,10 +190,6 @@ class CUDAGraphRunner:
         if compile:
             keep_tuned_configs()  # torch 2.11: else a new process tunes every kernel again
         self.model = torch.compile(step, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS) if compile else step
-        # one token: a static graph of its own, compiled with its own options (Dynamo keeps one
-        # entry per backend, so the two compiled callables never recompile each other)
-        self._one_token_model = (torch.compile(step, fullgraph=True, dynamic=True, options=ONE_TOKEN_OPTIONS)
-                                 if compile else step)
         self._unbacked_tokens = not compile
         self.backend = backend
         self.spec = spec
@@ -328,11 +320,7 @@ class CUDAGraphRunner:
         ids, pos = self._input_ids[:bs], self._positions[:bs]
         self._mark_tokens(ids, pos)
         with floats_as_constants():
-            return self._model_for(bs)(ids, pos, self.kv_caches)
-
-    def _model_for(self, num_tokens: int) -> ModelStep:
-        """The model a step of `num_tokens` tokens runs: one token has its own compile (`ONE_TOKEN_OPTIONS`)."""
-        return self._one_token_model if num_tokens == 1 else self.model
+            return self.model(ids, pos, self.kv_caches)
 
     def _mark_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Unbacked token count for a model compiled by the caller (no size recompiles); a model
@@ -388,7 +376,7 @@ class CUDAGraphRunner:
                 return self.piecewise.run_unpadded(md, input_ids, positions, caches)
             self._mark_tokens(input_ids, positions)
             with floats_as_constants(), set_forward_context(md):
-                return self._model_for(md.num_tokens)(input_ids, positions, caches)
+                return self.model(input_ids, positions, caches)
         self._check_caches(caches)
         n = md.num_seqs
         bs = pick_batch_size(self.sizes, n)
