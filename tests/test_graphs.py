@@ -566,6 +566,38 @@ def test_runner_compiles_batch_one_apart_and_samples_in_the_step(tiny_model):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
 
 
+def test_batch_one_keeps_the_compile_whose_graph_replays_fastest(tiny_model, monkeypatch):
+    """compile=True with CUDA graphs captures batch 1 from two compiles (tuned reductions, cuBLAS's
+    GEMVs) and keeps the one whose replay is fastest in three alternating rounds, for every
+    one-token step after. Without graphs there is one compile. The pick itself, on CPU with
+    stand-in graphs and timings."""
+    from compiled_attn.graphs import runner as runner_module
+
+    spec = cpu_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2], max_batch_size=2,
+                           compile=True)
+    assert runner.capture_stats["one_token"] is None and list(runner._one_token_models) == ["reductions"]
+
+    def gemv_model(input_ids, positions, kv_caches):
+        raise AssertionError("a stand-in")
+
+    runner._one_token_models = {"reductions": runner.model, "cublas": gemv_model}
+    rounds = {"reductions": iter([5.0, 4.0, 4.5]), "cublas": iter([4.2, 3.9, 4.4])}
+    order = []
+
+    def replay_ms(graph, replays):
+        order.append(graph)
+        assert replays == runner_module.ONE_TOKEN_TIMED_REPLAYS
+        return next(rounds[graph])
+
+    monkeypatch.setattr(runner_module, "_replay_ms", replay_ms)
+    assert runner._pick_one_token({"reductions": "reductions", "cublas": "cublas"}) == "cublas"
+    assert order == ["reductions", "cublas"] * 3
+    assert runner._one_token_stats == {"compile": "cublas", "replay_ms": {"reductions": 4.0, "cublas": 3.9}}
+    assert runner._model_for(1) is gemv_model and runner._model_for(2) is runner.model
+    torch._dynamo.reset()
+
+
 def test_runner_on_flex_graph_decode_serves_greedy_tokens_like_eager(tiny_model, monkeypatch):
     """TORCH_SDPA's FlexAttention decode (CUDA's default) through the runner's static steps: the same
     greedy tokens as the eager model (which gathers), prefill and decodes of 3 then 1 requests."""
@@ -1015,10 +1047,22 @@ def test_compiled_model_under_graphs_matches_eager():
 
 @pytest.mark.gpu
 @pytest.mark.long(45)
+@pytest.mark.parametrize("kept", ["timed", "reductions", "cublas"])
 @pytest.mark.parametrize("name", ["FLASHINFER", "TORCH_SDPA"])
-def test_runner_compile_serves_greedy_tokens_like_eager(name):
+def test_runner_compile_serves_greedy_tokens_like_eager(name, kept, monkeypatch):
     """CUDAGraphRunner(compile=True, postprocess=argmax) with real graphs: the static batch-1
-    graph (tuned matrix-vector reductions) and the shared graph give eager's logits' argmax."""
+    graph, whichever compile it keeps (the timed pick, or either one forced after the timing),
+    and the shared graph give eager's logits' argmax."""
+    if kept != "timed":
+        timed_pick = CUDAGraphRunner._pick_one_token
+
+        def pick(self, graphs):
+            timed_pick(self, graphs)
+            self._one_token_model = self._one_token_models[kept]
+            self._one_token_stats["compile"] = kept
+            return kept
+
+        monkeypatch.setattr(CUDAGraphRunner, "_pick_one_token", pick)
     spec = gpu_spec(name)
     backend = gpu_backend(name, spec)
     model = build_model(GPU_CONFIG, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
@@ -1027,6 +1071,13 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name):
                              capture_sizes=[1, 2, 4], max_batch_size=4, progress=False, compile=True,
                              postprocess=lambda logits: logits.argmax(-1))
     runner.capture()
+    one_token = runner.capture_stats["one_token"]
+    assert set(one_token["replay_ms"]) == {"reductions", "cublas"}
+    assert all(ms > 0 for ms in one_token["replay_ms"].values())
+    if kept == "timed":
+        assert one_token["compile"] == min(one_token["replay_ms"], key=one_token["replay_ms"].get)
+    else:
+        assert one_token["compile"] == kept
     ref = Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec)), backend_name=name)
     eng = Engine(spec, runner.run, backend_name=name)
 

@@ -54,6 +54,12 @@ INPUT_DTYPE = torch.int64  # input ids and positions, as the reference model tak
 # takes those kernels to full memory bandwidth (gpt-fast's setting; see torch/_inductor/
 # decomposition.py, `mm`). Larger batches keep cuBLAS; the tuning also fits their fused kernels.
 COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
+# Batch 1's other compile. The tuned reductions are a draw: on H200s the 8B loop took 4.6 to 6.0
+# ms a step with them, by process and machine, and 4.75-4.77 ms with cuBLAS's GEMVs; on an H100
+# the tuned ones won (5.86 against 6.35 ms; BENCHMARKS.md, twenty-eighth session). So with CUDA
+# graphs, batch 1's graph is captured from both compiles and the faster replay kept.
+ONE_TOKEN_GEMV_OPTIONS = {"coordinate_descent_tuning": False}
+ONE_TOKEN_TIMED_REPLAYS = 10  # a round per compile, three rounds alternating; the best round counts
 
 
 class WithPostprocess(torch.nn.Module):
@@ -190,6 +196,14 @@ class CUDAGraphRunner:
         if compile:
             keep_tuned_configs()  # torch 2.11: else a new process tunes every kernel again
         self.model = torch.compile(step, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS) if compile else step
+        # Batch 1's candidates; one-token steps run the one `_pick_one_token` keeps. (Dynamo keeps
+        # a cache entry per backend, so the two compiled callables never recompile each other.)
+        self._one_token_models: dict[str, ModelStep] = {"reductions": self.model}
+        if compile and use_cuda_graphs:
+            self._one_token_models["cublas"] = torch.compile(step, fullgraph=True, dynamic=True,
+                                                             options=ONE_TOKEN_GEMV_OPTIONS)
+        self._one_token_model = self.model
+        self._one_token_stats: dict[str, Any] | None = None
         self._unbacked_tokens = not compile
         self.backend = backend
         self.spec = spec
@@ -230,7 +244,9 @@ class CUDAGraphRunner:
         graphs' own figures (sizes, num_pieces, num_op_groups, num_graphs, compile_seconds,
         seconds, graph_seconds, pool_bytes: the pool after their capture); they share the pool,
         so pool_bytes and seconds cover them too. Piecewise buckets are captured first (the
-        largest token counts).
+        largest token counts). one_token: None, or with `compile=True` and CUDA graphs the
+        compile batch 1's graphs and one-token steps run ("reductions": COMPILE_OPTIONS,
+        "cublas": ONE_TOKEN_GEMV_OPTIONS) and each one's best replay_ms at capture.
         """
         if self.capture_stats:
             raise RuntimeError("this runner is captured already; make a new runner to capture again")
@@ -272,6 +288,7 @@ class CUDAGraphRunner:
             "allocated_bytes": torch.cuda.memory_allocated(device) - allocated if cuda else None,
             "reserved_bytes": torch.cuda.memory_reserved(device) - reserved if cuda else None,
             "piecewise": piecewise_stats,
+            "one_token": self._one_token_stats,
         }
         logger.info(
             "captured %d %s graphs (sizes %s, table widths %s blocks) in %.1f s; graph pool %s",
@@ -289,12 +306,26 @@ class CUDAGraphRunner:
         graph_state = self.state.graph_clone(bs, **narrower)
         if side_stream is None:
             return CapturedSize(None, graph_state, input_buffers, md_bs, None)
+        if bs == 1 and len(self._one_token_models) > 1 and self._one_token_stats is None:
+            graphs = {name: self._capture_graph(model, bs, md_bs, input_buffers, graph_state, pool, side_stream)
+                      for name, model in self._one_token_models.items()}
+            graph, uploads = graphs[self._pick_one_token({name: g for name, (g, _) in graphs.items()})]
+        else:
+            graph, uploads = self._capture_graph(self._model_for(bs), bs, md_bs, input_buffers, graph_state, pool,
+                                                 side_stream)
+        return CapturedSize(graph, graph_state, input_buffers, md_bs, self._output[:bs],
+                            {"upload": False} if uploads else {})
+
+    def _capture_graph(self, model: ModelStep, bs: int, md_bs: AttentionMetadata,
+                       input_buffers: dict[str, torch.Tensor], graph_state: AttentionState, pool: Any,
+                       side_stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, bool]:
+        """`model`'s static step of `bs` rows captured: (the graph, whether it uploads the metadata)."""
         # Warm up on a side stream, as torch.cuda.graph captures: lazy initialisation (cuBLAS
         # workspaces, Triton compiles, Dynamo's first compile) must not happen during capture.
         side_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side_stream), set_forward_context(md_bs):
             for _ in range(self.warmup_steps):
-                warm = self._static_step(bs)
+                warm = self._static_step(bs, model)
         torch.cuda.current_stream().wait_stream(side_stream)
         if not isinstance(warm, torch.Tensor) or warm.shape[:1] != (bs,):
             raise ValueError(f"the model must return a tensor [num_tokens, ...]; got {_describe(warm)} for {bs}")
@@ -310,17 +341,35 @@ class CUDAGraphRunner:
             # One output buffer outside the pool: each graph's own output is freed with its other
             # intermediates, so the next (smaller) capture reuses that memory. Keeping every
             # size's output alive instead held 516 of the pool's 590 MiB (35 sizes, vocab 32000).
-            self._output[:bs].copy_(self._static_step(bs))
+            self._output[:bs].copy_(self._static_step(bs, model))
         self._graph_seconds += time.perf_counter() - start
-        return CapturedSize(graph, graph_state, input_buffers, md_bs, self._output[:bs],
-                            {"upload": False} if uploads else {})
+        return graph, uploads
 
-    def _static_step(self, bs: int) -> torch.Tensor:
-        """The model on the first `bs` rows of the static inputs (under the caller's context)."""
+    def _pick_one_token(self, graphs: dict[str, torch.cuda.CUDAGraph]) -> str:
+        """The candidate whose batch-1 graph replays fastest; one-token steps run its compile from
+        now on. The replays run the capture's all-pad metadata: they write no cache."""
+        rounds: dict[str, list[float]] = {name: [] for name in graphs}
+        for _ in range(3):  # alternating, so that a change of clocks or neighbours hits both
+            for name, graph in graphs.items():
+                rounds[name].append(_replay_ms(graph, ONE_TOKEN_TIMED_REPLAYS))
+        best = {name: min(ms) for name, ms in rounds.items()}
+        choice = min(best, key=best.__getitem__)
+        self._one_token_model = self._one_token_models[choice]
+        self._one_token_stats = {"compile": choice, "replay_ms": best}
+        logger.info("batch 1: %s", ", ".join(f"{name} {ms:.3f} ms" for name, ms in best.items()) + f"; kept {choice}")
+        return choice
+
+    def _static_step(self, bs: int, model: ModelStep | None = None) -> torch.Tensor:
+        """`model` (default the one for `bs` tokens) on the first `bs` rows of the static inputs
+        (under the caller's context)."""
         ids, pos = self._input_ids[:bs], self._positions[:bs]
         self._mark_tokens(ids, pos)
         with floats_as_constants():
-            return self.model(ids, pos, self.kv_caches)
+            return (model or self._model_for(bs))(ids, pos, self.kv_caches)
+
+    def _model_for(self, num_tokens: int) -> ModelStep:
+        """The model a step of `num_tokens` tokens runs: one token the compile `_pick_one_token` kept."""
+        return self._one_token_model if num_tokens == 1 else self.model
 
     def _mark_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Unbacked token count for a model compiled by the caller (no size recompiles); a model
@@ -376,7 +425,7 @@ class CUDAGraphRunner:
                 return self.piecewise.run_unpadded(md, input_ids, positions, caches)
             self._mark_tokens(input_ids, positions)
             with floats_as_constants(), set_forward_context(md):
-                return self.model(input_ids, positions, caches)
+                return self._model_for(md.num_tokens)(input_ids, positions, caches)
         self._check_caches(caches)
         n = md.num_seqs
         bs = pick_batch_size(self.sizes, n)
@@ -440,6 +489,18 @@ class CUDAGraphRunner:
                 "replaced): a replay would write the old memory. Make and capture a new CUDAGraphRunner "
                 "for the new caches"
             )
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Milliseconds a replay of `graph`, over `replays` in a row after one untimed."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 @contextlib.contextmanager
