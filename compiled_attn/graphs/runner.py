@@ -365,7 +365,7 @@ class CUDAGraphRunner:
         ids, pos = self._input_ids[:bs], self._positions[:bs]
         self._mark_tokens(ids, pos)
         with floats_as_constants():
-            return (model or self._model_for(bs))(ids, pos, self.kv_caches)
+            return (self._model_for(bs) if model is None else model)(ids, pos, self.kv_caches)
 
     def _model_for(self, num_tokens: int) -> ModelStep:
         """The model a step of `num_tokens` tokens runs: one token the compile `_pick_one_token` kept."""
