@@ -116,7 +116,9 @@ class CUDAGraphRunner:
             gpt-fast's way: `torch.compile(fullgraph=True, dynamic=True)` with the token count
             a backed symbol, so batch 1 gets a static graph of its own where Inductor turns
             matrix-vector products into tuned reductions (COMPILE_OPTIONS) and every other size
-            shares one graph. False: run `model` as given (eager, or compiled by the caller, the
+            shares one graph. With CUDA graphs batch 1 is also compiled without the tuning
+            (cuBLAS's GEMVs) and the graph that replays faster at capture serves one-token
+            steps (`capture_stats["one_token"]`). False: run `model` as given (eager, or compiled by the caller, the
             token count marked unbacked so that no size recompiles); with `piecewise=True` the
             steps the decode graphs do not take run the runner's own pieces either way
             (compiled by `piece_compiler`), not the caller's compiled model.
