@@ -594,7 +594,7 @@ def test_batch_one_keeps_the_compile_whose_graph_replays_fastest(tiny_model, mon
     assert runner._pick_one_token({"reductions": "reductions", "cublas": "cublas"}) == "cublas"
     assert order == ["reductions", "cublas"] * 3
     assert runner._one_token_stats == {"compile": "cublas", "replay_ms": {"reductions": 4.0, "cublas": 3.9}}
-    assert runner._model_for(1) is gemv_model and runner._model_for(2) is runner.model
+    assert runner.model_for(1) is gemv_model and runner.model_for(2) is runner.model
     torch._dynamo.reset()
 
 
@@ -1052,7 +1052,16 @@ def test_compiled_model_under_graphs_matches_eager():
 def test_runner_compile_serves_greedy_tokens_like_eager(name, kept, monkeypatch):
     """CUDAGraphRunner(compile=True, postprocess=argmax) with real graphs: the static batch-1
     graph, whichever compile it keeps (the timed pick, or either one forced after the timing),
-    and the shared graph give eager's logits' argmax."""
+    and the shared graph give eager's logits' argmax; the graph kept for batch 1 is the one
+    captured from the kept compile, and a one-token eager step runs that compile too."""
+    captures, capture_graph = [], CUDAGraphRunner._capture_graph
+
+    def recording_capture(self, model, bs, *args):
+        graph, uploads = capture_graph(self, model, bs, *args)
+        captures.append((bs, model, graph))
+        return graph, uploads
+
+    monkeypatch.setattr(CUDAGraphRunner, "_capture_graph", recording_capture)
     if kept != "timed":
         timed_pick = CUDAGraphRunner._pick_one_token
 
@@ -1078,6 +1087,12 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name, kept, monkeypatch)
         assert one_token["compile"] == min(one_token["replay_ms"], key=one_token["replay_ms"].get)
     else:
         assert one_token["compile"] == kept
+    kept_model = runner._one_token_models[one_token["compile"]]
+    batch_one = [(model, graph) for bs, model, graph in captures if bs == 1]
+    assert [model for model, _ in batch_one[:2]] == list(runner._one_token_models.values())
+    assert runner._captured[1, runner.widths[0]].graph is next(g for m, g in batch_one[:2] if m is kept_model)
+    assert all(model is kept_model for model, _ in batch_one[2:])  # narrower widths
+    assert runner.model_for(1) is kept_model and runner.model_for(2) is runner.model
     ref = Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec)), backend_name=name)
     eng = Engine(spec, runner.run, backend_name=name)
 
@@ -1086,6 +1101,9 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name, kept, monkeypatch)
 
     assert greedy_agreement(ref, eng, prompts(3, seed=5, vocab=GPU_CONFIG.vocab_size), 16, next_step) >= 0.9
     assert runner.counts["graph"] == 15
+    # a one-token prompt (eager, the kept compile), then its decode (the batch-1 graph)
+    assert greedy_agreement(ref, eng, {"solo": [7]}, 2) >= 0.5
+    assert runner.counts["eager_prefill"] == 2 and runner.counts["graph"] == 16
 
 
 def greedy_agreement(ref: Engine, eng: Engine, step: dict, steps: int,

@@ -198,8 +198,10 @@ class CUDAGraphRunner:
         if compile:
             keep_tuned_configs()  # torch 2.11: else a new process tunes every kernel again
         self.model = torch.compile(step, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS) if compile else step
-        # Batch 1's candidates; one-token steps run the one `_pick_one_token` keeps. (Dynamo keeps
-        # a cache entry per backend, so the two compiled callables never recompile each other.)
+        # Batch 1's candidates; one-token steps run the one `_pick_one_token` keeps. Dynamo keeps
+        # a cache entry per backend on the model's one forward code, so neither compile replaces
+        # the other's graphs, but all count toward torch._dynamo.config.recompile_limit: with
+        # several compiled models in one process, raise it (or reset Dynamo between models).
         self._one_token_models: dict[str, ModelStep] = {"reductions": self.model}
         if compile and use_cuda_graphs:
             self._one_token_models["cublas"] = torch.compile(step, fullgraph=True, dynamic=True,
@@ -246,9 +248,10 @@ class CUDAGraphRunner:
         graphs' own figures (sizes, num_pieces, num_op_groups, num_graphs, compile_seconds,
         seconds, graph_seconds, pool_bytes: the pool after their capture); they share the pool,
         so pool_bytes and seconds cover them too. Piecewise buckets are captured first (the
-        largest token counts). one_token: None, or with `compile=True` and CUDA graphs the
-        compile batch 1's graphs and one-token steps run ("reductions": COMPILE_OPTIONS,
-        "cublas": ONE_TOKEN_GEMV_OPTIONS) and each one's best replay_ms at capture.
+        largest token counts). one_token: with `compile=True`, CUDA graphs and 1 among the
+        capture sizes, the compile batch 1's graphs and one-token eager steps run ("reductions":
+        COMPILE_OPTIONS, "cublas": ONE_TOKEN_GEMV_OPTIONS) and each one's best replay_ms at
+        capture (`model_for`); else None.
         """
         if self.capture_stats:
             raise RuntimeError("this runner is captured already; make a new runner to capture again")
@@ -262,6 +265,7 @@ class CUDAGraphRunner:
         side_stream = torch.cuda.Stream(device) if cuda else None
         start = time.perf_counter()
         self._graph_seconds = 0.0
+        self._one_token_model, self._one_token_stats = self.model, None  # a capture retried after a failure times again
         piecewise_stats = None
         try:
             graphs = [(bs, width) for bs in self.sizes for width in self.widths]  # the largest graph first
@@ -313,7 +317,7 @@ class CUDAGraphRunner:
                       for name, model in self._one_token_models.items()}
             graph, uploads = graphs[self._pick_one_token({name: g for name, (g, _) in graphs.items()})]
         else:
-            graph, uploads = self._capture_graph(self._model_for(bs), bs, md_bs, input_buffers, graph_state, pool,
+            graph, uploads = self._capture_graph(self.model_for(bs), bs, md_bs, input_buffers, graph_state, pool,
                                                  side_stream)
         return CapturedSize(graph, graph_state, input_buffers, md_bs, self._output[:bs],
                             {"upload": False} if uploads else {})
@@ -367,10 +371,13 @@ class CUDAGraphRunner:
         ids, pos = self._input_ids[:bs], self._positions[:bs]
         self._mark_tokens(ids, pos)
         with floats_as_constants():
-            return (self._model_for(bs) if model is None else model)(ids, pos, self.kv_caches)
+            return (self.model_for(bs) if model is None else model)(ids, pos, self.kv_caches)
 
-    def _model_for(self, num_tokens: int) -> ModelStep:
-        """The model a step of `num_tokens` tokens runs: one token the compile `_pick_one_token` kept."""
+    def model_for(self, num_tokens: int) -> ModelStep:
+        """The model the decode graphs and eager steps of `num_tokens` tokens run: `model`, except
+        for one token after a capture that timed batch 1's two compiles (`capture_stats[
+        "one_token"]`), which runs the one kept. (With `piecewise=True` the runner's other steps
+        run its pieces instead, whose token count is symbolic: cuBLAS's GEMMs at every size.)"""
         return self._one_token_model if num_tokens == 1 else self.model
 
     def _mark_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
@@ -427,7 +434,7 @@ class CUDAGraphRunner:
                 return self.piecewise.run_unpadded(md, input_ids, positions, caches)
             self._mark_tokens(input_ids, positions)
             with floats_as_constants(), set_forward_context(md):
-                return self._model_for(md.num_tokens)(input_ids, positions, caches)
+                return self.model_for(md.num_tokens)(input_ids, positions, caches)
         self._check_caches(caches)
         n = md.num_seqs
         bs = pick_batch_size(self.sizes, n)
