@@ -598,6 +598,43 @@ def test_batch_one_keeps_the_compile_whose_graph_replays_fastest(tiny_model, mon
     torch._dynamo.reset()
 
 
+def test_batch_one_graphs_of_every_width_are_the_kept_compiles(tiny_model, monkeypatch):
+    """The capture's wiring of the pick, on CPU with stand-in graphs: batch 1's widest graph is
+    captured from both compiles, the faster's graph is the one kept for that size and width, the
+    narrower widths of batch 1 are captured from the kept compile only, other sizes from `model`."""
+    from compiled_attn.graphs import runner as runner_module
+
+    spec = wide_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2], max_batch_size=2)
+    assert runner.widths == [64, 32, 16]
+
+    def gemv_model(input_ids, positions, kv_caches):
+        raise AssertionError("a stand-in")
+
+    runner._one_token_models = {"reductions": runner.model, "cublas": gemv_model}
+    captured = []
+
+    def capture_graph(self, model, bs, md_bs, input_buffers, graph_state, pool, side_stream):
+        if self._output is None:
+            self._output = torch.empty(bs, TINY.vocab_size)
+        graph = (bs, md_bs.block_tables.shape[1], "cublas" if model is gemv_model else "reductions")
+        captured.append(graph)
+        return graph, True
+
+    monkeypatch.setattr(CUDAGraphRunner, "_capture_graph", capture_graph)
+    monkeypatch.setattr(runner_module, "_replay_ms", lambda graph, replays: 2.0 if graph[2] == "cublas" else 3.0)
+    with runner.state.graph_capture(2):
+        entries = {(bs, w): runner._capture_size(bs, w, None, "a side stream") for bs in (2, 1) for w in runner.widths}
+    assert captured == [(2, 64, "reductions"), (2, 32, "reductions"), (2, 16, "reductions"),
+                        (1, 64, "reductions"), (1, 64, "cublas"), (1, 32, "cublas"), (1, 16, "cublas")]
+    assert {key: entry.graph for key, entry in entries.items()} == {
+        (2, 64): (2, 64, "reductions"), (2, 32): (2, 32, "reductions"), (2, 16): (2, 16, "reductions"),
+        (1, 64): (1, 64, "cublas"), (1, 32): (1, 32, "cublas"), (1, 16): (1, 16, "cublas")}
+    assert all(entry.prepare_kw == {"upload": False} for entry in entries.values())
+    assert runner._one_token_stats == {"compile": "cublas", "replay_ms": {"reductions": 3.0, "cublas": 2.0}}
+    assert runner.model_for(1) is gemv_model
+
+
 def test_runner_on_flex_graph_decode_serves_greedy_tokens_like_eager(tiny_model, monkeypatch):
     """TORCH_SDPA's FlexAttention decode (CUDA's default) through the runner's static steps: the same
     greedy tokens as the eager model (which gathers), prefill and decodes of 3 then 1 requests."""
