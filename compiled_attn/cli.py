@@ -4,6 +4,7 @@ refuses a bad value when the arguments are parsed (exit 2 with usage), not after
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 
 from compiled_attn.registry import BACKEND_CLASSES
@@ -44,3 +45,23 @@ def backend_name(text: str) -> str:
     if text.upper() not in BACKEND_CLASSES():
         raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choose one of {list(BACKEND_CLASSES())}")
     return text.upper()
+
+
+def inductor_option(text: str) -> tuple[str, object]:
+    """KEY=VALUE: an Inductor config option (`torch._inductor.config`) and a Python literal value
+    (True, 8, "x")."""
+    from torch._inductor import config  # torch is imported by the callers anyway; not at CLI start-up
+
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    owner = config
+    for part in key.split("."):  # nested ones too: triton.enable_pdl
+        if not hasattr(owner, part):
+            raise argparse.ArgumentTypeError(f"{key!r} is not an Inductor option (torch._inductor.config)")
+        owner = getattr(owner, part)
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a Python literal") from None

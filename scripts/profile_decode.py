@@ -14,7 +14,6 @@ process: as the runner compiles it (`runner.COMPILE_OPTIONS`), then with those o
 from __future__ import annotations
 
 import argparse
-import ast
 import cProfile
 import json
 import os
@@ -28,7 +27,7 @@ from compiled_attn.bench import decode_loop as dl
 from compiled_attn.bench.compiles import reset_dynamo
 from compiled_attn.bench.kernel_table import cuda_kernels, markdown, per_layer_table
 from compiled_attn.bench.timing import card_name
-from compiled_attn.cli import point
+from compiled_attn.cli import inductor_option, point
 from compiled_attn.graphs import runner
 
 PROFILED_STEPS = 8
@@ -53,17 +52,6 @@ def host_profile(ours: dl.PagedLoop, path: str, steps: int = 50) -> None:
     profiler.disable()
     with open(path, "w") as f:
         pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(30)
-
-
-def inductor_option(text: str) -> tuple[str, object]:
-    """KEY=VALUE, the value a Python literal (True, 8, "x")."""
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a Python literal") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,29 +13,19 @@ draw's ms / step; `--peer-draws N` adds the gpt-fast peer's best of N in the sam
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 from unittest import mock
 
 import torch
 
 from compiled_attn.bench import decode_loop as dl
-from compiled_attn.cli import point
+from compiled_attn.cli import inductor_option, point
 from compiled_attn.graphs import runner
 
 
 def option_set(text: str) -> dict[str, object]:
-    """"k=v,k=v" (values Python literals); "" is the runner's own options."""
-    options = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise argparse.ArgumentTypeError(f"{item!r} is not KEY=VALUE")
-        try:
-            options[key.strip()] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            raise argparse.ArgumentTypeError(f"{value!r} is not a Python literal") from None
-    return options
+    """"k=v,k=v" (each `cli.inductor_option`); "" is the runner's own options."""
+    return dict(inductor_option(item) for item in filter(None, text.split(",")))
 
 
 def main(argv: list[str] | None = None) -> None:

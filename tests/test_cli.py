@@ -92,6 +92,29 @@ def test_decode_loop_and_profile_bad_points_exit_before_running(monkeypatch, bad
         assert exit_.value.code == 2
 
 
+@pytest.mark.parametrize("bad", ["no_such_option=1", "triton.no_such=1", "combo_kernels", "combo_kernels=yes"])
+def test_inductor_option_scripts_refuse_bad_options_before_running(monkeypatch, bad):
+    """`--ab-option` / `--set` are parsed as Inductor options (`cli.inductor_option`): a key
+    torch._inductor.config lacks, no "=", or a value that is not a Python literal exits with usage."""
+    from compiled_attn.bench import decode_loop
+
+    monkeypatch.setattr(decode_loop, "build_8b", not_reached)
+    for main, flag in ((script("profile_decode").main, "--ab-option"), (script("tuning_probe").main, "--set")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--point", "1x1024", flag, bad])
+        assert exit_.value.code == 2
+
+
+def test_inductor_option_reads_nested_keys_and_literals():
+    from compiled_attn.cli import inductor_option
+
+    assert inductor_option("triton.enable_pdl=True") == ("triton.enable_pdl", True)
+    assert inductor_option("coordinate_descent_search_radius=2") == ("coordinate_descent_search_radius", 2)
+    assert script("tuning_probe").option_set("combo_kernels=True, coordinate_descent_tuning=False") == {
+        "combo_kernels": True, "coordinate_descent_tuning": False}
+    assert script("tuning_probe").option_set("") == {}
+
+
 @pytest.mark.parametrize("bad", [["--iters", "0"], ["--tp", "0"], ["--batch", "-1"], ["--out", "FILE"]],
                          ids=["iters", "tp", "batch", "out_is_a_file"])
 def test_tp_bench_bad_arguments_exit_before_running(monkeypatch, a_file, bad):
