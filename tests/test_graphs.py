@@ -1104,7 +1104,6 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name, kept, monkeypatch)
 
         def pick(self, graphs):
             timed_pick(self, graphs)
-            self._one_token_model = self._one_token_models[kept]
             self._one_token_stats["compile"] = kept
             return kept
 

@@ -206,8 +206,7 @@ class CUDAGraphRunner:
         if compile and use_cuda_graphs:
             self._one_token_models["cublas"] = torch.compile(step, fullgraph=True, dynamic=True,
                                                              options=ONE_TOKEN_GEMV_OPTIONS)
-        self._one_token_model = self.model
-        self._one_token_stats: dict[str, Any] | None = None
+        self._one_token_stats: dict[str, Any] | None = None  # the pick: the kept compile, replay times
         self._unbacked_tokens = not compile
         self.backend = backend
         self.spec = spec
@@ -265,7 +264,7 @@ class CUDAGraphRunner:
         side_stream = torch.cuda.Stream(device) if cuda else None
         start = time.perf_counter()
         self._graph_seconds = 0.0
-        self._one_token_model, self._one_token_stats = self.model, None  # a capture retried after a failure times again
+        self._one_token_stats = None  # a capture retried after a failure times again
         piecewise_stats = None
         try:
             graphs = [(bs, width) for bs in self.sizes for width in self.widths]  # the largest graph first
@@ -360,7 +359,6 @@ class CUDAGraphRunner:
                 rounds[name].append(_replay_ms(graph, ONE_TOKEN_TIMED_REPLAYS))
         best = {name: min(ms) for name, ms in rounds.items()}
         choice = min(best, key=best.__getitem__)
-        self._one_token_model = self._one_token_models[choice]
         self._one_token_stats = {"compile": choice, "replay_ms": best}
         logger.info("batch 1: %s", ", ".join(f"{name} {ms:.3f} ms" for name, ms in best.items()) + f"; kept {choice}")
         return choice
@@ -378,7 +376,9 @@ class CUDAGraphRunner:
         for one token after a capture that timed batch 1's two compiles (`capture_stats[
         "one_token"]`), which runs the one kept. (With `piecewise=True` the runner's other steps
         run its pieces instead, whose token count is symbolic: cuBLAS's GEMMs at every size.)"""
-        return self._one_token_model if num_tokens == 1 else self.model
+        if num_tokens != 1 or self._one_token_stats is None:
+            return self.model
+        return self._one_token_models[self._one_token_stats["compile"]]
 
     def _mark_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Unbacked token count for a model compiled by the caller (no size recompiles); a model
