@@ -566,6 +566,11 @@ def test_runner_compiles_batch_one_apart_and_samples_in_the_step(tiny_model):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
 
 
+def gemv_stand_in(input_ids, positions, kv_caches):
+    """Batch 1's untuned compile in the CPU tests of the pick (never run: the graphs are stand-ins too)."""
+    raise AssertionError("a stand-in")
+
+
 def test_batch_one_keeps_the_compile_whose_graph_replays_fastest(tiny_model, monkeypatch):
     """compile=True with CUDA graphs captures batch 1 from two compiles (tuned reductions, cuBLAS's
     GEMVs) and keeps the one whose replay is fastest in three alternating rounds, for every
@@ -578,10 +583,7 @@ def test_batch_one_keeps_the_compile_whose_graph_replays_fastest(tiny_model, mon
                            compile=True)
     assert runner.capture_stats["one_token"] is None and list(runner._one_token_models) == ["reductions"]
 
-    def gemv_model(input_ids, positions, kv_caches):
-        raise AssertionError("a stand-in")
-
-    runner._one_token_models = {"reductions": runner.model, "cublas": gemv_model}
+    runner._one_token_models = {"reductions": runner.model, "cublas": gemv_stand_in}
     rounds = {"reductions": iter([5.0, 4.0, 4.5]), "cublas": iter([4.2, 3.9, 4.4])}
     order = []
 
@@ -594,7 +596,7 @@ def test_batch_one_keeps_the_compile_whose_graph_replays_fastest(tiny_model, mon
     assert runner._pick_one_token({"reductions": "reductions", "cublas": "cublas"}) == "cublas"
     assert order == ["reductions", "cublas"] * 3
     assert runner._one_token_stats == {"compile": "cublas", "replay_ms": {"reductions": 4.0, "cublas": 3.9}}
-    assert runner.model_for(1) is gemv_model and runner.model_for(2) is runner.model
+    assert runner.model_for(1) is gemv_stand_in and runner.model_for(2) is runner.model
     torch._dynamo.reset()
 
 
@@ -608,16 +610,13 @@ def test_batch_one_graphs_of_every_width_are_the_kept_compiles(tiny_model, monke
     runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2], max_batch_size=2)
     assert runner.widths == [64, 32, 16]
 
-    def gemv_model(input_ids, positions, kv_caches):
-        raise AssertionError("a stand-in")
-
-    runner._one_token_models = {"reductions": runner.model, "cublas": gemv_model}
+    runner._one_token_models = {"reductions": runner.model, "cublas": gemv_stand_in}
     captured = []
 
     def capture_graph(self, model, bs, md_bs, input_buffers, graph_state, pool, side_stream):
         if self._output is None:
             self._output = torch.empty(bs, TINY.vocab_size)
-        graph = (bs, md_bs.block_tables.shape[1], "cublas" if model is gemv_model else "reductions")
+        graph = (bs, md_bs.block_tables.shape[1], "cublas" if model is gemv_stand_in else "reductions")
         captured.append(graph)
         return graph, True
 
@@ -632,7 +631,7 @@ def test_batch_one_graphs_of_every_width_are_the_kept_compiles(tiny_model, monke
         (1, 64): (1, 64, "cublas"), (1, 32): (1, 32, "cublas"), (1, 16): (1, 16, "cublas")}
     assert all(entry.prepare_kw == {"upload": False} for entry in entries.values())
     assert runner._one_token_stats == {"compile": "cublas", "replay_ms": {"reductions": 3.0, "cublas": 2.0}}
-    assert runner.model_for(1) is gemv_model
+    assert runner.model_for(1) is gemv_stand_in
 
 
 def test_runner_on_flex_graph_decode_serves_greedy_tokens_like_eager(tiny_model, monkeypatch):
