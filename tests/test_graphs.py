@@ -19,6 +19,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from reference import flex_on_cpu, record_compiles
+from torch._inductor.compile_fx import compile_fx
 
 import compiled_attn as ca
 from compiled_attn.backends import flashinfer as fib
@@ -34,6 +35,7 @@ from compiled_attn.graphs import (
 )
 from compiled_attn.graphs import pick_batch_size as pick
 from compiled_attn.graphs.buckets import capture_widths_for, fill_padded
+from compiled_attn.graphs.compiler import COMPILE_OPTIONS, ONE_TOKEN_COMPILES, RunnerCompiler
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 from compiled_attn.paging import BlockAllocator, Request, last_token_rows, schedule
 from compiled_attn.testing.agreement import min_top1_agreement, near_tie
@@ -566,24 +568,15 @@ def test_runner_compiles_batch_one_apart_and_samples_in_the_step(tiny_model):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
 
 
-def gemv_stand_in(input_ids, positions, kv_caches):
-    """Batch 1's untuned compile in the CPU tests of the pick (never run: the graphs are stand-ins too)."""
-    raise AssertionError("a stand-in")
-
-
 def test_batch_one_keeps_the_compile_whose_graph_replays_fastest(tiny_model, monkeypatch):
-    """compile=True with CUDA graphs captures batch 1 from two compiles (tuned reductions, cuBLAS's
-    GEMVs) and keeps the one whose replay is fastest in three alternating rounds, for every
-    one-token step after. Without graphs there is one compile. The pick itself, on CPU with
-    stand-in graphs and timings."""
+    """The pick of batch 1's compile: the one whose graph replays fastest in three alternating rounds
+    (on CPU with stand-in graphs and timings). Without graphs there is no pick."""
     from compiled_attn.graphs import runner as runner_module
 
     spec = cpu_spec()
     runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2], max_batch_size=2,
                            compile=True)
-    assert runner.capture_stats["one_token"] is None and list(runner._one_token_models) == ["reductions"]
-
-    runner._one_token_models = {"reductions": runner.model, "cublas": gemv_stand_in}
+    assert runner.capture_stats["one_token"] is None and not runner._pick_batch_one
     rounds = {"reductions": iter([5.0, 4.0, 4.5]), "cublas": iter([4.2, 3.9, 4.4])}
     order = []
 
@@ -596,42 +589,97 @@ def test_batch_one_keeps_the_compile_whose_graph_replays_fastest(tiny_model, mon
     assert runner._pick_one_token({"reductions": "reductions", "cublas": "cublas"}) == "cublas"
     assert order == ["reductions", "cublas"] * 3
     assert runner._one_token_stats == {"compile": "cublas", "replay_ms": {"reductions": 4.0, "cublas": 3.9}}
-    assert runner.model_for(1) is gemv_stand_in and runner.model_for(2) is runner.model
     torch._dynamo.reset()
 
 
 def test_batch_one_graphs_of_every_width_are_the_kept_compiles(tiny_model, monkeypatch):
     """The capture's wiring of the pick, on CPU with stand-in graphs: batch 1's widest graph is
-    captured from both compiles, the faster's graph is the one kept for that size and width, the
-    narrower widths of batch 1 are captured from the kept compile only, other sizes from `model`."""
+    captured once per compile, its first capture inside the trace that compiles them all; the
+    faster's graph is the one kept for that size and width, the narrower widths of batch 1 are
+    captured from the kept compile only, and every later one-token call runs it."""
     from compiled_attn.graphs import runner as runner_module
 
     spec = wide_spec()
     runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2], max_batch_size=2)
     assert runner.widths == [64, 32, 16]
-
-    runner._one_token_models = {"reductions": runner.model, "cublas": gemv_stand_in}
+    runner._compiler, runner._pick_batch_one = RunnerCompiler(), True
     captured = []
 
-    def capture_graph(self, model, bs, md_bs, input_buffers, graph_state, pool, side_stream):
+    def capture_graph(self, bs, md_bs, input_buffers, graph_state, pool, side_stream):
         if self._output is None:
             self._output = torch.empty(bs, TINY.vocab_size)
-        graph = (bs, md_bs.block_tables.shape[1], "cublas" if model is gemv_stand_in else "reductions")
-        captured.append(graph)
+        graph = (bs, md_bs.block_tables.shape[1], self._compiler.use if bs == 1 else "-")
+        captured.append((*graph, self._compiler._tracing_one_token))
         return graph, True
 
     monkeypatch.setattr(CUDAGraphRunner, "_capture_graph", capture_graph)
     monkeypatch.setattr(runner_module, "_replay_ms", lambda graph, replays: 2.0 if graph[2] == "cublas" else 3.0)
     with runner.state.graph_capture(2):
         entries = {(bs, w): runner._capture_size(bs, w, None, "a side stream") for bs in (2, 1) for w in runner.widths}
-    assert captured == [(2, 64, "reductions"), (2, 32, "reductions"), (2, 16, "reductions"),
-                        (1, 64, "reductions"), (1, 64, "cublas"), (1, 32, "cublas"), (1, 16, "cublas")]
+    assert captured == [(2, 64, "-", False), (2, 32, "-", False), (2, 16, "-", False),
+                        (1, 64, "reductions", True), (1, 64, "cublas", True),
+                        (1, 32, "cublas", False), (1, 16, "cublas", False)]
     assert {key: entry.graph for key, entry in entries.items()} == {
-        (2, 64): (2, 64, "reductions"), (2, 32): (2, 32, "reductions"), (2, 16): (2, 16, "reductions"),
+        (2, 64): (2, 64, "-"), (2, 32): (2, 32, "-"), (2, 16): (2, 16, "-"),
         (1, 64): (1, 64, "cublas"), (1, 32): (1, 32, "cublas"), (1, 16): (1, 16, "cublas")}
     assert all(entry.prepare_kw == {"upload": False} for entry in entries.values())
     assert runner._one_token_stats == {"compile": "cublas", "replay_ms": {"reductions": 3.0, "cublas": 2.0}}
-    assert runner.model_for(1) is gemv_stand_in
+    assert runner._compiler.use == "cublas"
+
+
+def test_runner_compiler_compiles_batch_one_per_option_set_from_one_trace(monkeypatch):
+    """RunnerCompiler on CPU with Inductor: a graph traced outside `one_token_trace` is compiled once
+    with COMPILE_OPTIONS; one traced inside it is traced once and compiled once per
+    ONE_TOKEN_COMPILES entry (each keeps the graph's in-place write), and each call runs the
+    compile `use` names. Every output against a float64 reference."""
+    from compiled_attn.graphs import compiler as compiler_module
+
+    compiles, ran = [], []
+
+    def recording_compile_fx(gm, example_inputs, config_patches):
+        name = "shared" if not backend._tracing_one_token else next(
+            n for n, options in ONE_TOKEN_COMPILES.items() if options is config_patches)
+        compiles.append((name, config_patches))
+        fn = compile_fx(gm, example_inputs, config_patches=config_patches)
+
+        def run(*args):
+            ran.append(name)
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(compiler_module, "compile_fx", recording_compile_fx)
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(32, 16, generator=gen), torch.randn(32, generator=gen)
+
+    def step(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.add_(x.sum(0))  # an in-place write, as the cache write op's
+        return torch.nn.functional.linear(x, weight, bias).relu().sum(-1)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        return (x.double() @ weight.double().T + bias.double()).relu().sum(-1)
+
+    torch._dynamo.reset()
+    backend = RunnerCompiler()
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=True)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    cache = torch.randn(16, generator=gen)
+    want_cache = cache.double()
+    for x, use in [(torch.randn(3, 16, generator=gen), None), (torch.randn(1, 16, generator=gen), "cublas"),
+                   (torch.randn(1, 16, generator=gen), "reductions")]:
+        want_cache += x.double().sum(0)
+        if use is None:  # three rows: the shared graph, one compile
+            torch.testing.assert_close(compiled(x, cache).double(), reference(x))
+            assert compiles == [("shared", COMPILE_OPTIONS)] and backend.one_token_graphs == 0
+            continue
+        backend.use = use
+        with backend.one_token_trace():  # the first row of one traces once; the second reuses it
+            torch.testing.assert_close(compiled(x, cache).double(), reference(x))
+        torch.testing.assert_close(cache.double(), want_cache)
+    assert compiles == [("shared", COMPILE_OPTIONS), *ONE_TOKEN_COMPILES.items()] and backend.one_token_graphs == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
+    assert ran == ["shared", "cublas", "reductions"]
+    torch._dynamo.reset()
 
 
 def test_runner_on_flex_graph_decode_serves_greedy_tokens_like_eager(tiny_model, monkeypatch):
@@ -1090,14 +1138,28 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name, kept, monkeypatch)
     graph, whichever compile it keeps (the timed pick, or either one forced after the timing),
     and the shared graph give eager's logits' argmax; the graph kept for batch 1 is the one
     captured from the kept compile, and a one-token eager step runs that compile too."""
-    captures, capture_graph = [], CUDAGraphRunner._capture_graph
+    from compiled_attn.graphs import compiler as compiler_module
 
-    def recording_capture(self, model, bs, *args):
-        graph, uploads = capture_graph(self, model, bs, *args)
-        captures.append((bs, model, graph))
+    captures, capture_graph, ran = [], CUDAGraphRunner._capture_graph, []
+
+    def recording_capture(self, bs, *args):
+        graph, uploads = capture_graph(self, bs, *args)
+        captures.append((bs, self._compiler.use, graph))
         return graph, uploads
 
+    def recording_compile_fx(gm, example_inputs, config_patches):
+        fn = compile_fx(gm, example_inputs, config_patches=config_patches)
+        name = "shared" if not runner._compiler._tracing_one_token else next(
+            n for n, options in ONE_TOKEN_COMPILES.items() if options is config_patches)
+
+        def run(*args):
+            ran.append(name)
+            return fn(*args)
+
+        return run
+
     monkeypatch.setattr(CUDAGraphRunner, "_capture_graph", recording_capture)
+    monkeypatch.setattr(compiler_module, "compile_fx", recording_compile_fx)
     if kept != "timed":
         timed_pick = CUDAGraphRunner._pick_one_token
 
@@ -1122,12 +1184,12 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name, kept, monkeypatch)
         assert one_token["compile"] == min(one_token["replay_ms"], key=one_token["replay_ms"].get)
     else:
         assert one_token["compile"] == kept
-    kept_model = runner._one_token_models[one_token["compile"]]
-    batch_one = [(model, graph) for bs, model, graph in captures if bs == 1]
-    assert [model for model, _ in batch_one[:2]] == list(runner._one_token_models.values())
-    assert runner._captured[1, runner.widths[0]].graph is next(g for m, g in batch_one[:2] if m is kept_model)
-    assert all(model is kept_model for model, _ in batch_one[2:])  # narrower widths
-    assert runner.model_for(1) is kept_model and runner.model_for(2) is runner.model
+    kept_name = one_token["compile"]
+    assert runner._compiler.use == kept_name and runner._compiler.one_token_graphs == 1  # one trace, both compiles
+    batch_one = [(use, graph) for bs, use, graph in captures if bs == 1]
+    assert [use for use, _ in batch_one[:2]] == list(ONE_TOKEN_COMPILES)
+    assert runner._captured[1, runner.widths[0]].graph is dict(batch_one[:2])[kept_name]
+    assert all(use == kept_name for use, _ in batch_one[2:])  # narrower widths
     ref = Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec)), backend_name=name)
     eng = Engine(spec, runner.run, backend_name=name)
 
@@ -1137,7 +1199,9 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name, kept, monkeypatch)
     assert greedy_agreement(ref, eng, prompts(3, seed=5, vocab=GPU_CONFIG.vocab_size), 16, next_step) >= 0.9
     assert runner.counts["graph"] == 15
     # a one-token prompt (eager, the kept compile), then its decode (the batch-1 graph)
+    ran.clear()
     assert greedy_agreement(ref, eng, {"solo": [7]}, 2) >= 0.5
+    assert ran == [kept_name]
     assert runner.counts["eager_prefill"] == 2 and runner.counts["graph"] == 16
 
 

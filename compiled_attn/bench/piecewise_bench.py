@@ -175,7 +175,7 @@ def rows_small_decode(name: str, iters: int) -> list[dict]:
 
     def compiled() -> torch.Tensor:
         with ca.set_forward_context(md):
-            return runner.model_for(1)(ids, pos, caches)  # the compile the full graph was captured from
+            return runner.model(ids, pos, caches)  # batch 1: the compile the full graph was captured from
 
     paths = {
         "full graph": lambda: runner.run(md, ids, pos),

@@ -41,6 +41,7 @@ from compiled_attn.graphs.buckets import (
     pick_table_width,
     piecewise_sizes_for,
 )
+from compiled_attn.graphs.compiler import COMPILE_OPTIONS, ONE_TOKEN_COMPILES, RunnerCompiler
 from compiled_attn.graphs.piecewise import PiecewiseGraphs
 from compiled_attn.inductor_cache import keep_tuned_configs
 from compiled_attn.validation import as_int, check_cache_list
@@ -49,16 +50,6 @@ logger = logging.getLogger(__name__)
 
 ModelStep = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor]], torch.Tensor]
 INPUT_DTYPE = torch.int64  # input ids and positions, as the reference model takes them
-# Inductor options of `compile=True`. With a static batch of one, Inductor lowers every linear
-# layer to a reduction kernel instead of a cuBLAS GEMV, and only coordinate-descent tuning
-# takes those kernels to full memory bandwidth (gpt-fast's setting; see torch/_inductor/
-# decomposition.py, `mm`). Larger batches keep cuBLAS; the tuning also fits their fused kernels.
-COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
-# Batch 1's other compile. The tuned reductions are a draw: on H200s the 8B loop took 4.6 to 6.0
-# ms a step with them, by process and machine, and 4.75-4.77 ms with cuBLAS's GEMVs; on an H100
-# the tuned ones won (5.86 against 6.35 ms; BENCHMARKS.md, twenty-eighth session). So with CUDA
-# graphs, batch 1's graph is captured from both compiles and the faster replay kept.
-ONE_TOKEN_GEMV_OPTIONS = {"coordinate_descent_tuning": False}
 ONE_TOKEN_TIMED_REPLAYS = 10  # a round per compile, three rounds alternating; the best round counts
 
 
@@ -116,10 +107,11 @@ class CUDAGraphRunner:
             gpt-fast's way: `torch.compile(fullgraph=True, dynamic=True)` with the token count
             a backed symbol, so batch 1 gets a static graph of its own where Inductor turns
             matrix-vector products into tuned reductions (COMPILE_OPTIONS) and every other size
-            shares one graph. With CUDA graphs batch 1 is also compiled without the tuning
-            (cuBLAS's GEMVs) and the graph that replays faster at capture serves one-token
-            steps (`capture_stats["one_token"]`). False: run `model` as given (eager, or compiled by the caller, the
-            token count marked unbacked so that no size recompiles); with `piecewise=True` the
+            shares one graph. With CUDA graphs batch 1's trace is also compiled without the
+            tuning (cuBLAS's GEMVs, `graphs/compiler.py`) and the compile whose graph replays
+            faster at capture serves every one-token step (`capture_stats["one_token"]`).
+            False: run `model` as given (eager, or compiled by the caller, the token count
+            marked unbacked so that no size recompiles); with `piecewise=True` the
             steps the decode graphs do not take run the runner's own pieces either way
             (compiled by `piece_compiler`), not the caller's compiled model.
         use_cuda_graphs: False runs the same padded static-buffer step without capturing it
@@ -197,15 +189,11 @@ class CUDAGraphRunner:
             )
         if compile:
             keep_tuned_configs()  # torch 2.11: else a new process tunes every kernel again
-        self.model = torch.compile(step, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS) if compile else step
-        # Batch 1's candidates; one-token steps run the one `_pick_one_token` keeps. Dynamo keeps
-        # a cache entry per backend on the model's one forward code, so neither compile replaces
-        # the other's graphs, but all count toward torch._dynamo.config.recompile_limit: with
-        # several compiled models in one process, raise it (or reset Dynamo between models).
-        self._one_token_models: dict[str, ModelStep] = {"reductions": self.model}
-        if compile and use_cuda_graphs:
-            self._one_token_models["cublas"] = torch.compile(step, fullgraph=True, dynamic=True,
-                                                             options=ONE_TOKEN_GEMV_OPTIONS)
+        # With CUDA graphs, batch 1's first call is traced once and compiled per ONE_TOKEN_COMPILES
+        # entry; the capture keeps the faster (`_pick_one_token`) for every one-token step.
+        self._compiler = RunnerCompiler() if compile else None
+        self._pick_batch_one = compile and use_cuda_graphs
+        self.model = torch.compile(step, backend=self._compiler, fullgraph=True, dynamic=True) if compile else step
         self._one_token_stats: dict[str, Any] | None = None  # the pick: the kept compile, replay times
         self._unbacked_tokens = not compile
         self.backend = backend
@@ -248,9 +236,8 @@ class CUDAGraphRunner:
         seconds, graph_seconds, pool_bytes: the pool after their capture); they share the pool,
         so pool_bytes and seconds cover them too. Piecewise buckets are captured first (the
         largest token counts). one_token: with `compile=True`, CUDA graphs and 1 among the
-        capture sizes, the compile batch 1's graphs and one-token eager steps run ("reductions":
-        COMPILE_OPTIONS, "cublas": ONE_TOKEN_GEMV_OPTIONS) and each one's best replay_ms at
-        capture (`model_for`); else None.
+        capture sizes, the compile batch 1's graphs and one-token eager steps run (a name in
+        ONE_TOKEN_COMPILES) and each one's best replay_ms at capture; else None.
         """
         if self.capture_stats:
             raise RuntimeError("this runner is captured already; make a new runner to capture again")
@@ -311,26 +298,29 @@ class CUDAGraphRunner:
         graph_state = self.state.graph_clone(bs, **narrower)
         if side_stream is None:
             return CapturedSize(None, graph_state, input_buffers, md_bs, None)
-        if bs == 1 and len(self._one_token_models) > 1 and self._one_token_stats is None:
-            graphs = {name: self._capture_graph(model, bs, md_bs, input_buffers, graph_state, pool, side_stream)
-                      for name, model in self._one_token_models.items()}
-            graph, uploads = graphs[self._pick_one_token({name: g for name, (g, _) in graphs.items()})]
+        if bs == 1 and self._pick_batch_one and self._one_token_stats is None:
+            graphs = {}
+            with self._compiler.one_token_trace():
+                for name in ONE_TOKEN_COMPILES:
+                    self._compiler.use = name
+                    graphs[name] = self._capture_graph(bs, md_bs, input_buffers, graph_state, pool, side_stream)
+            self._compiler.use = self._pick_one_token({name: g for name, (g, _) in graphs.items()})
+            graph, uploads = graphs[self._compiler.use]
         else:
-            graph, uploads = self._capture_graph(self.model_for(bs), bs, md_bs, input_buffers, graph_state, pool,
-                                                 side_stream)
+            graph, uploads = self._capture_graph(bs, md_bs, input_buffers, graph_state, pool, side_stream)
         return CapturedSize(graph, graph_state, input_buffers, md_bs, self._output[:bs],
                             {"upload": False} if uploads else {})
 
-    def _capture_graph(self, model: ModelStep, bs: int, md_bs: AttentionMetadata,
+    def _capture_graph(self, bs: int, md_bs: AttentionMetadata,
                        input_buffers: dict[str, torch.Tensor], graph_state: AttentionState, pool: Any,
                        side_stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, bool]:
-        """`model`'s static step of `bs` rows captured: (the graph, whether it uploads the metadata)."""
+        """The static step of `bs` rows captured: (the graph, whether it uploads the metadata)."""
         # Warm up on a side stream, as torch.cuda.graph captures: lazy initialisation (cuBLAS
         # workspaces, Triton compiles, Dynamo's first compile) must not happen during capture.
         side_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side_stream), set_forward_context(md_bs):
             for _ in range(self.warmup_steps):
-                warm = self._static_step(bs, model)
+                warm = self._static_step(bs)
         torch.cuda.current_stream().wait_stream(side_stream)
         if not isinstance(warm, torch.Tensor) or warm.shape[:1] != (bs,):
             raise ValueError(f"the model must return a tensor [num_tokens, ...]; got {_describe(warm)} for {bs}")
@@ -346,7 +336,7 @@ class CUDAGraphRunner:
             # One output buffer outside the pool: each graph's own output is freed with its other
             # intermediates, so the next (smaller) capture reuses that memory. Keeping every
             # size's output alive instead held 516 of the pool's 590 MiB (35 sizes, vocab 32000).
-            self._output[:bs].copy_(self._static_step(bs, model))
+            self._output[:bs].copy_(self._static_step(bs))
         self._graph_seconds += time.perf_counter() - start
         return graph, uploads
 
@@ -363,22 +353,12 @@ class CUDAGraphRunner:
         logger.info("batch 1: %s", ", ".join(f"{name} {ms:.3f} ms" for name, ms in best.items()) + f"; kept {choice}")
         return choice
 
-    def _static_step(self, bs: int, model: ModelStep | None = None) -> torch.Tensor:
-        """`model` (default the one for `bs` tokens) on the first `bs` rows of the static inputs
-        (under the caller's context)."""
+    def _static_step(self, bs: int) -> torch.Tensor:
+        """The model on the first `bs` rows of the static inputs (under the caller's context)."""
         ids, pos = self._input_ids[:bs], self._positions[:bs]
         self._mark_tokens(ids, pos)
         with floats_as_constants():
-            return (self.model_for(bs) if model is None else model)(ids, pos, self.kv_caches)
-
-    def model_for(self, num_tokens: int) -> ModelStep:
-        """The model the decode graphs and eager steps of `num_tokens` tokens run: `model`, except
-        for one token after a capture that timed batch 1's two compiles (`capture_stats[
-        "one_token"]`), which runs the one kept. (With `piecewise=True` the runner's other steps
-        run its pieces instead, whose token count is symbolic: cuBLAS's GEMMs at every size.)"""
-        if num_tokens != 1 or self._one_token_stats is None:
-            return self.model
-        return self._one_token_models[self._one_token_stats["compile"]]
+            return self.model(ids, pos, self.kv_caches)
 
     def _mark_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Unbacked token count for a model compiled by the caller (no size recompiles); a model
@@ -434,7 +414,7 @@ class CUDAGraphRunner:
                 return self.piecewise.run_unpadded(md, input_ids, positions, caches)
             self._mark_tokens(input_ids, positions)
             with floats_as_constants(), set_forward_context(md):
-                return self.model_for(md.num_tokens)(input_ids, positions, caches)
+                return self.model(input_ids, positions, caches)
         self._check_caches(caches)
         n = md.num_seqs
         bs = pick_batch_size(self.sizes, n)

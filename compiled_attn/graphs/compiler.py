@@ -1,0 +1,63 @@
+"""The Dynamo backend of `CUDAGraphRunner(compile=True)`: Inductor with COMPILE_OPTIONS, and batch 1's
+graph compiled once per option set in ONE_TOKEN_COMPILES from its one trace, so that the runner can
+capture a graph from each, time them and keep the faster (`CUDAGraphRunner._pick_one_token`).
+
+One trace and one Dynamo cache entry serve both compiles: with a `torch.compile` wrapper per option
+set, Dynamo traced the 32-layer model once more and kept one more entry on its forward code, which
+counts toward `torch._dynamo.config.recompile_limit`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch._inductor.compile_fx import compile_fx
+
+# With a static batch of one, Inductor lowers every linear layer to a reduction kernel instead of
+# a cuBLAS GEMV, and only coordinate-descent tuning takes those kernels to full memory bandwidth
+# (gpt-fast's setting; see torch/_inductor/decomposition.py, `mm`). Larger batches keep cuBLAS;
+# the tuning also fits their fused kernels.
+COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
+# Batch 1's compiles. The tuned reductions are a draw: on H200s the 8B loop took 4.6 to 6.0 ms a
+# step with them, by process and machine, and 4.75-4.77 ms with cuBLAS's GEMVs; on an H100 the
+# tuned ones won (5.86 against 6.35 ms; BENCHMARKS.md, twenty-eighth session). So with CUDA
+# graphs, batch 1's graph is captured from both and the faster replay kept.
+ONE_TOKEN_COMPILES = {"reductions": COMPILE_OPTIONS, "cublas": {"coordinate_descent_tuning": False}}
+
+
+class RunnerCompiler:
+    """Inductor for every graph Dynamo hands over, with COMPILE_OPTIONS (read at each compile:
+    patch the dict to try other options). A graph traced inside `one_token_trace()` (the runner's
+    first call of one token) is compiled once per ONE_TOKEN_COMPILES entry instead, and each call
+    of it runs the compile `use` names."""
+
+    def __init__(self) -> None:
+        self.use = "reductions"
+        self.one_token_graphs = 0  # graphs compiled per ONE_TOKEN_COMPILES entry so far
+        self._tracing_one_token = False
+
+    @contextlib.contextmanager
+    def one_token_trace(self) -> Iterator[None]:
+        self._tracing_one_token = True
+        try:
+            yield
+        finally:
+            self._tracing_one_token = False
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        if not self._tracing_one_token:
+            return compile_fx(gm, example_inputs, config_patches=COMPILE_OPTIONS)
+        # compile_fx may rewrite the graph it is given: every compile but the last gets a copy
+        last = len(ONE_TOKEN_COMPILES) - 1
+        compiled = {name: compile_fx(gm if i == last else copy.deepcopy(gm), example_inputs, config_patches=options)
+                    for i, (name, options) in enumerate(ONE_TOKEN_COMPILES.items())}
+        self.one_token_graphs += 1
+
+        def run(*args: Any) -> Any:
+            return compiled[self.use](*args)
+
+        return run
