@@ -549,7 +549,8 @@ def test_metadata_of_another_backend_raises(tiny_model):
 
 def test_runner_compiles_batch_one_apart_and_samples_in_the_step(tiny_model):
     """compile=True: a static graph for batch 1 and one graph for every other size (and the
-    eager steps); `postprocess` runs inside the step, so run() returns the greedy tokens."""
+    eager steps); `postprocess` runs inside the step, so run() returns the greedy tokens. An
+    eager one-token step (a one-token prompt) reuses batch 1's graph: no trace of its own."""
     spec = cpu_spec()
     torch._dynamo.reset()
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -564,7 +565,10 @@ def test_runner_compiles_batch_one_apart_and_samples_in_the_step(tiny_model):
         if i == 2:
             step = dict(list(step.items())[:1])
     assert runner.counts["graph"] == 4 and runner.counts["eager_prefill"] == 1
-    # one graph for the prefill and batch 4, one for batch 1
+    solo = {"solo": [7]}
+    assert torch.equal(eng.step(solo), ref.step(solo).argmax(-1))
+    assert runner.counts["eager_prefill"] == 2
+    # one graph for the prefill and batch 4, one for batch 1 and the one-token prompt
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
 
 

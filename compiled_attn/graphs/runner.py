@@ -355,7 +355,7 @@ class CUDAGraphRunner:
 
     def _static_step(self, bs: int) -> torch.Tensor:
         """The model on the first `bs` rows of the static inputs (under the caller's context)."""
-        ids, pos = self._input_ids[:bs], self._positions[:bs]
+        ids, pos = _first_rows(self._input_ids, bs), _first_rows(self._positions, bs)
         self._mark_tokens(ids, pos)
         with floats_as_constants():
             return self.model(ids, pos, self.kv_caches)
@@ -478,6 +478,13 @@ class CUDAGraphRunner:
                 "replaced): a replay would write the old memory. Make and capture a new CUDAGraphRunner "
                 "for the new caches"
             )
+
+
+def _first_rows(buffer: torch.Tensor, n: int) -> torch.Tensor:
+    """The first `n` elements of a 1-D `buffer`: a tensor of their own over its storage, not a
+    view. Dynamo guards a view input's base, so batch 1's static graph, traced on a view, was
+    traced and compiled again for the first one-token eager step (its ids no view)."""
+    return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(buffer.untyped_storage(), 0, (n,), (1,))
 
 
 def _replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
