@@ -598,9 +598,10 @@ def test_batch_one_keeps_the_compile_whose_graph_replays_fastest(tiny_model, mon
 
 def test_batch_one_graphs_of_every_width_are_the_kept_compiles(tiny_model, monkeypatch):
     """The capture's wiring of the pick, on CPU with stand-in graphs: batch 1's widest graph is
-    captured once per compile, its first capture inside the trace that compiles them all; the
-    faster's graph is the one kept for that size and width, the narrower widths of batch 1 are
-    captured from the kept compile only, and every later one-token call runs it."""
+    captured once per compile, its calls marked as one token's (their trace compiles them all);
+    the faster's graph is the one kept for that size and width, the narrower widths of batch 1 are
+    captured from the kept compile only, and every later one-token call runs it. A batch-1 graph
+    compiled before the capture (no compiles to compare) fails the capture."""
     from compiled_attn.graphs import runner as runner_module
 
     spec = wide_spec()
@@ -612,30 +613,40 @@ def test_batch_one_graphs_of_every_width_are_the_kept_compiles(tiny_model, monke
     def capture_graph(self, bs, md_bs, input_buffers, graph_state, pool, side_stream):
         if self._output is None:
             self._output = torch.empty(bs, TINY.vocab_size)
+        with self._one_token_calls(bs):  # as `_static_step` calls the model
+            one_token = self._compiler._tracing_one_token
+        if one_token and trace_batch_one:
+            self._compiler.one_token_graphs = 1  # Dynamo's trace of batch 1, compiled per option set
         graph = (bs, md_bs.block_tables.shape[1], self._compiler.use if bs == 1 else "-")
-        captured.append((*graph, self._compiler._tracing_one_token))
+        captured.append((*graph, one_token))
         return graph, True
 
     monkeypatch.setattr(CUDAGraphRunner, "_capture_graph", capture_graph)
-    monkeypatch.setattr(runner_module, "_replay_ms", lambda graph, replays: 2.0 if graph[2] == "cublas" else 3.0)
+    monkeypatch.setattr(runner_module, "_replay_ms", lambda graph, replays: 2.0 if graph[2] == "reductions" else 3.0)
+    trace_batch_one = False
+    with runner.state.graph_capture(2), pytest.raises(RuntimeError, match="compiled before the capture"):
+        runner._capture_size(1, 64, None, "a side stream")
+    trace_batch_one, captured = True, []
     with runner.state.graph_capture(2):
         entries = {(bs, w): runner._capture_size(bs, w, None, "a side stream") for bs in (2, 1) for w in runner.widths}
     assert captured == [(2, 64, "-", False), (2, 32, "-", False), (2, 16, "-", False),
                         (1, 64, "reductions", True), (1, 64, "cublas", True),
-                        (1, 32, "cublas", False), (1, 16, "cublas", False)]
+                        (1, 32, "reductions", True), (1, 16, "reductions", True)]
     assert {key: entry.graph for key, entry in entries.items()} == {
         (2, 64): (2, 64, "-"), (2, 32): (2, 32, "-"), (2, 16): (2, 16, "-"),
-        (1, 64): (1, 64, "cublas"), (1, 32): (1, 32, "cublas"), (1, 16): (1, 16, "cublas")}
+        (1, 64): (1, 64, "reductions"), (1, 32): (1, 32, "reductions"), (1, 16): (1, 16, "reductions")}
     assert all(entry.prepare_kw == {"upload": False} for entry in entries.values())
-    assert runner._one_token_stats == {"compile": "cublas", "replay_ms": {"reductions": 3.0, "cublas": 2.0}}
-    assert runner._compiler.use == "cublas"
+    assert runner._one_token_stats == {"compile": "reductions", "replay_ms": {"reductions": 2.0, "cublas": 3.0}}
+    assert runner._compiler.use == runner._compiler.kept == "reductions"
 
 
 def test_runner_compiler_compiles_batch_one_per_option_set_from_one_trace(monkeypatch):
-    """RunnerCompiler on CPU with Inductor: a graph traced outside `one_token_trace` is compiled once
+    """RunnerCompiler on CPU with Inductor: a graph traced outside `one_token_calls` is compiled once
     with COMPILE_OPTIONS; one traced inside it is traced once and compiled once per
-    ONE_TOKEN_COMPILES entry (each keeps the graph's in-place write), and each call runs the
-    compile `use` names. Every output against a float64 reference."""
+    ONE_TOKEN_COMPILES entry (each from a graph with Dynamo's input sources, each keeping the
+    graph's in-place write), and each call runs the compile `use` names; once a compile is kept,
+    batch 1 traced again (another grad mode) is compiled with the kept options alone. Every output
+    against a float64 reference."""
     from compiled_attn.graphs import compiler as compiler_module
 
     compiles, ran = [], []
@@ -643,7 +654,8 @@ def test_runner_compiler_compiles_batch_one_per_option_set_from_one_trace(monkey
     def recording_compile_fx(gm, example_inputs, config_patches):
         name = "shared" if not backend._tracing_one_token else next(
             n for n, options in ONE_TOKEN_COMPILES.items() if options is config_patches)
-        compiles.append((name, config_patches))
+        sources = [node._dynamo_source for node in gm.graph.find_nodes(op="placeholder")]
+        compiles.append((name, config_patches, sources, gm._param_name_to_source))
         fn = compile_fx(gm, example_inputs, config_patches=config_patches)
 
         def run(*args):
@@ -674,15 +686,26 @@ def test_runner_compiler_compiles_batch_one_per_option_set_from_one_trace(monkey
         want_cache += x.double().sum(0)
         if use is None:  # three rows: the shared graph, one compile
             torch.testing.assert_close(compiled(x, cache).double(), reference(x))
-            assert compiles == [("shared", COMPILE_OPTIONS)] and backend.one_token_graphs == 0
+            assert [c[:2] for c in compiles] == [("shared", COMPILE_OPTIONS)] and backend.one_token_graphs == 0
             continue
         backend.use = use
-        with backend.one_token_trace():  # the first row of one traces once; the second reuses it
+        with backend.one_token_calls():  # the first row of one traces once; the second reuses it
             torch.testing.assert_close(compiled(x, cache).double(), reference(x))
         torch.testing.assert_close(cache.double(), want_cache)
-    assert compiles == [("shared", COMPILE_OPTIONS), *ONE_TOKEN_COMPILES.items()] and backend.one_token_graphs == 1
+    assert [c[:2] for c in compiles] == [("shared", COMPILE_OPTIONS), *ONE_TOKEN_COMPILES.items()]
+    assert backend.one_token_graphs == 1
+    (_, _, shared_sources, _), *candidates = compiles
+    assert all(source is not None for source in shared_sources)
+    assert [c[2:] for c in candidates] == [candidates[-1][2:]] * len(candidates)  # the copies keep the sources
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
     assert ran == ["shared", "cublas", "reductions"]
+
+    backend.keep("cublas")
+    one = torch.randn(1, 16, generator=gen)
+    with torch.no_grad(), backend.one_token_calls():  # grad mode is guarded: batch 1 traced again
+        torch.testing.assert_close(compiled(one, cache).double(), reference(one))
+    assert [c[:2] for c in compiles[3:]] == [("cublas", ONE_TOKEN_COMPILES["cublas"])]
+    assert ran[3:] == ["cublas"] and backend.one_token_graphs == 1
     torch._dynamo.reset()
 
 
@@ -1194,6 +1217,10 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name, kept, monkeypatch)
     assert [use for use, _ in batch_one[:2]] == list(ONE_TOKEN_COMPILES)
     assert runner._captured[1, runner.widths[0]].graph is dict(batch_one[:2])[kept_name]
     assert all(use == kept_name for use, _ in batch_one[2:])  # narrower widths
+    # the compiles batch 1's calls ran: warm-ups and capture of each, then the narrower widths
+    calls = runner.warmup_steps + 1
+    assert [n for n in ran if n != "shared"] == [*(["reductions"] * calls), *(["cublas"] * calls),
+                                                 *([kept_name] * calls * (len(runner.widths) - 1))]
     ref = Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec)), backend_name=name)
     eng = Engine(spec, runner.run, backend_name=name)
 

@@ -31,29 +31,37 @@ ONE_TOKEN_COMPILES = {"reductions": COMPILE_OPTIONS, "cublas": {"coordinate_desc
 
 class RunnerCompiler:
     """Inductor for every graph Dynamo hands over, with COMPILE_OPTIONS (read at each compile:
-    patch the dict to try other options). A graph traced inside `one_token_trace()` (the runner's
-    first call of one token) is compiled once per ONE_TOKEN_COMPILES entry instead, and each call
-    of it runs the compile `use` names."""
+    patch the dict to try other options). A graph traced inside `one_token_calls()` (the runner's
+    calls of one token) is batch 1's: until a compile is kept (`keep`), it is compiled once per
+    ONE_TOKEN_COMPILES entry, and each call of it runs the compile `use` names; after, a batch-1
+    graph traced again (another grad mode, other caches) is compiled with the kept options only."""
 
     def __init__(self) -> None:
         self.use = "reductions"
+        self.kept: str | None = None
         self.one_token_graphs = 0  # graphs compiled per ONE_TOKEN_COMPILES entry so far
         self._tracing_one_token = False
 
     @contextlib.contextmanager
-    def one_token_trace(self) -> Iterator[None]:
+    def one_token_calls(self) -> Iterator[None]:
         self._tracing_one_token = True
         try:
             yield
         finally:
             self._tracing_one_token = False
 
+    def keep(self, name: str) -> None:
+        """Batch 1 runs `name`'s compile from now on, and a batch-1 graph traced again gets it alone."""
+        self.use = self.kept = name
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if not self._tracing_one_token:
             return compile_fx(gm, example_inputs, config_patches=COMPILE_OPTIONS)
+        if self.kept is not None:
+            return compile_fx(gm, example_inputs, config_patches=ONE_TOKEN_COMPILES[self.kept])
         # compile_fx may rewrite the graph it is given: every compile but the last gets a copy
         last = len(ONE_TOKEN_COMPILES) - 1
-        compiled = {name: compile_fx(gm if i == last else copy.deepcopy(gm), example_inputs, config_patches=options)
+        compiled = {name: compile_fx(gm if i == last else _copy_graph(gm), example_inputs, config_patches=options)
                     for i, (name, options) in enumerate(ONE_TOKEN_COMPILES.items())}
         self.one_token_graphs += 1
 
@@ -61,3 +69,14 @@ class RunnerCompiler:
             return compiled[self.use](*args)
 
         return run
+
+
+def _copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of Dynamo's graph with the fields Dynamo sets beside it for AOTAutograd (each input's
+    source, parameters' sources: which inputs are static), which `deepcopy` does not carry."""
+    copied = copy.deepcopy(gm)
+    copied._param_name_to_source = gm._param_name_to_source
+    for node, copy_node in zip(gm.graph.find_nodes(op="placeholder"), copied.graph.find_nodes(op="placeholder"),
+                               strict=True):
+        copy_node._dynamo_source = node._dynamo_source
+    return copied

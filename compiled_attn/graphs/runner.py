@@ -189,10 +189,10 @@ class CUDAGraphRunner:
             )
         if compile:
             keep_tuned_configs()  # torch 2.11: else a new process tunes every kernel again
-        # With CUDA graphs, batch 1's first call is traced once and compiled per ONE_TOKEN_COMPILES
-        # entry; the capture keeps the faster (`_pick_one_token`) for every one-token step.
+        # With CUDA graphs and a batch-1 graph, batch 1 is traced once and compiled per
+        # ONE_TOKEN_COMPILES entry; the capture keeps the faster (`_pick_one_token`) for every
+        # one-token step.
         self._compiler = RunnerCompiler() if compile else None
-        self._pick_batch_one = compile and use_cuda_graphs
         self.model = torch.compile(step, backend=self._compiler, fullgraph=True, dynamic=True) if compile else step
         self._one_token_stats: dict[str, Any] | None = None  # the pick: the kept compile, replay times
         self._unbacked_tokens = not compile
@@ -202,6 +202,7 @@ class CUDAGraphRunner:
         self.state = backend.get_state_cls()(spec) if state is None else state
         max_batch_size = as_int("max_batch_size", max_batch_size)
         self.sizes = capture_sizes_for(max_batch_size, capture_sizes) if decode_graphs else []  # largest first
+        self._pick_batch_one = compile and use_cuda_graphs and 1 in self.sizes
         # block-table widths per size, largest (the full table) first
         self.widths = capture_widths_for(self.state.graph_table_widths(),
                                          -(-spec.max_seq_len_to_capture // spec.block_size))
@@ -252,6 +253,8 @@ class CUDAGraphRunner:
         start = time.perf_counter()
         self._graph_seconds = 0.0
         self._one_token_stats = None  # a capture retried after a failure times again
+        if self._compiler is not None:
+            self._compiler.kept = None
         piecewise_stats = None
         try:
             graphs = [(bs, width) for bs in self.sizes for width in self.widths]  # the largest graph first
@@ -300,11 +303,15 @@ class CUDAGraphRunner:
             return CapturedSize(None, graph_state, input_buffers, md_bs, None)
         if bs == 1 and self._pick_batch_one and self._one_token_stats is None:
             graphs = {}
-            with self._compiler.one_token_trace():
-                for name in ONE_TOKEN_COMPILES:
-                    self._compiler.use = name
-                    graphs[name] = self._capture_graph(bs, md_bs, input_buffers, graph_state, pool, side_stream)
-            self._compiler.use = self._pick_one_token({name: g for name, (g, _) in graphs.items()})
+            for name in ONE_TOKEN_COMPILES:
+                self._compiler.use = name
+                graphs[name] = self._capture_graph(bs, md_bs, input_buffers, graph_state, pool, side_stream)
+            if not self._compiler.one_token_graphs:
+                raise RuntimeError(
+                    "batch 1's graph was compiled before the capture (runner.model called with one token?), "
+                    "so its compiles cannot be compared: make a new runner and capture it before any call"
+                )
+            self._compiler.keep(self._pick_one_token({name: g for name, (g, _) in graphs.items()}))
             graph, uploads = graphs[self._compiler.use]
         else:
             graph, uploads = self._capture_graph(bs, md_bs, input_buffers, graph_state, pool, side_stream)
@@ -357,8 +364,14 @@ class CUDAGraphRunner:
         """The model on the first `bs` rows of the static inputs (under the caller's context)."""
         ids, pos = _first_rows(self._input_ids, bs), _first_rows(self._positions, bs)
         self._mark_tokens(ids, pos)
-        with floats_as_constants():
+        with floats_as_constants(), self._one_token_calls(bs):
             return self.model(ids, pos, self.kv_caches)
+
+    def _one_token_calls(self, num_tokens: int) -> contextlib.AbstractContextManager[None]:
+        """Around every call of the model: a batch-1 graph Dynamo traces in it gets batch 1's compiles."""
+        if num_tokens == 1 and self._pick_batch_one:
+            return self._compiler.one_token_calls()
+        return contextlib.nullcontext()
 
     def _mark_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Unbacked token count for a model compiled by the caller (no size recompiles); a model
@@ -413,7 +426,7 @@ class CUDAGraphRunner:
             if self.piecewise is not None:  # the compiled pieces at the step's own size, no graphs
                 return self.piecewise.run_unpadded(md, input_ids, positions, caches)
             self._mark_tokens(input_ids, positions)
-            with floats_as_constants(), set_forward_context(md):
+            with floats_as_constants(), set_forward_context(md), self._one_token_calls(md.num_tokens):
                 return self.model(input_ids, positions, caches)
         self._check_caches(caches)
         n = md.num_seqs
