@@ -709,6 +709,50 @@ def test_runner_compiler_compiles_batch_one_per_option_set_from_one_trace(monkey
     torch._dynamo.reset()
 
 
+def test_one_token_eager_steps_run_the_kept_compile(tiny_model, monkeypatch):
+    """The runner's one-token calls through the real backend on CPU (Inductor): batch 1's static step,
+    called once per compile as the capture's pick does, traces once and compiles twice; after `keep`,
+    a one-token prompt served under `no_grad` (a grad mode the capture did not trace: batch 1 traced
+    again) runs the kept compile and gives the reference's greedy token; a prefill of three runs the
+    shared graph."""
+    from compiled_attn.graphs import compiler as compiler_module
+
+    ran = []
+
+    def recording_compile_fx(gm, example_inputs, config_patches):
+        name = "shared" if not runner._compiler._tracing_one_token else next(
+            n for n, options in ONE_TOKEN_COMPILES.items() if options is config_patches)
+        fn = compile_fx(gm, example_inputs, config_patches=config_patches)
+
+        def run(*args):
+            ran.append(name)
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(compiler_module, "compile_fx", recording_compile_fx)
+    spec = cpu_spec()
+    torch._dynamo.reset()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1], max_batch_size=1,
+                           compile=True, postprocess=lambda logits: logits.argmax(-1))
+    runner._pick_batch_one = True  # as with CUDA graphs; the pick's timing itself needs them
+    with runner.state.graph_capture(1), ca.set_forward_context(runner.state.graph_capture_get_metadata_for_batch(1)):
+        for name in ONE_TOKEN_COMPILES:
+            runner._compiler.use = name
+            runner._static_step(1)
+    runner._compiler.keep("cublas")
+    assert ran == list(ONE_TOKEN_COMPILES) and runner._compiler.one_token_graphs == 1
+    ran.clear()
+    ref, eng = Engine(spec, direct(tiny_model, random_caches(spec, 1))), Engine(spec, runner.run)
+    with torch.no_grad():
+        assert torch.equal(eng.step({"solo": [7]}), ref.step({"solo": [7]}).argmax(-1))
+    three = prompts(3, seed=2, vocab=TINY.vocab_size)
+    assert torch.equal(eng.step(three), ref.step(three).argmax(-1))
+    assert ran == ["cublas", "shared"] and runner.counts["eager_prefill"] == 2
+    assert runner._compiler.one_token_graphs == 1  # the second batch-1 trace: the kept compile alone
+    torch._dynamo.reset()
+
+
 def test_runner_on_flex_graph_decode_serves_greedy_tokens_like_eager(tiny_model, monkeypatch):
     """TORCH_SDPA's FlexAttention decode (CUDA's default) through the runner's static steps: the same
     greedy tokens as the eager model (which gathers), prefill and decodes of 3 then 1 requests."""
