@@ -33,6 +33,7 @@ from compiled_attn.graphs import (
     choose_path,
     pick_table_width,
 )
+from compiled_attn.graphs import compiler as compiler_module
 from compiled_attn.graphs import pick_batch_size as pick
 from compiled_attn.graphs.buckets import capture_widths_for, fill_padded
 from compiled_attn.graphs.compiler import COMPILE_OPTIONS, ONE_TOKEN_COMPILES, RunnerCompiler
@@ -572,6 +573,31 @@ def test_runner_compiles_batch_one_apart_and_samples_in_the_step(tiny_model):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
 
 
+class RecordingInductor:
+    """Inductor's `compile_fx` in place of the one `graphs/compiler.py` calls, recording: each
+    compile is tagged with the ONE_TOKEN_COMPILES name of its options ("shared" outside the
+    `compiler`'s one_token_calls) and listed in `compiles` with its graph's input sources and
+    parameters' sources; each call of a compiled graph appends its tag to `ran`."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.compiler: RunnerCompiler | None = None  # set before the first compile
+        self.compiles, self.ran = [], []
+        monkeypatch.setattr(compiler_module, "compile_fx", self)
+
+    def __call__(self, gm, example_inputs, config_patches):
+        name = "shared" if not self.compiler._tracing_one_token else next(
+            n for n, options in ONE_TOKEN_COMPILES.items() if options is config_patches)
+        sources = [node._dynamo_source for node in gm.graph.find_nodes(op="placeholder")]
+        self.compiles.append((name, config_patches, sources, gm._param_name_to_source))
+        fn = compile_fx(gm, example_inputs, config_patches=config_patches)
+
+        def run(*args):
+            self.ran.append(name)
+            return fn(*args)
+
+        return run
+
+
 def test_batch_one_keeps_the_compile_whose_graph_replays_fastest(tiny_model, monkeypatch):
     """The pick of batch 1's compile: the one whose graph replays fastest in three alternating rounds
     (on CPU with stand-in graphs and timings). Without graphs there is no pick."""
@@ -647,24 +673,8 @@ def test_runner_compiler_compiles_batch_one_per_option_set_from_one_trace(monkey
     graph's in-place write), and each call runs the compile `use` names; once a compile is kept,
     batch 1 traced again (another grad mode) is compiled with the kept options alone. Every output
     against a float64 reference."""
-    from compiled_attn.graphs import compiler as compiler_module
-
-    compiles, ran = [], []
-
-    def recording_compile_fx(gm, example_inputs, config_patches):
-        name = "shared" if not backend._tracing_one_token else next(
-            n for n, options in ONE_TOKEN_COMPILES.items() if options is config_patches)
-        sources = [node._dynamo_source for node in gm.graph.find_nodes(op="placeholder")]
-        compiles.append((name, config_patches, sources, gm._param_name_to_source))
-        fn = compile_fx(gm, example_inputs, config_patches=config_patches)
-
-        def run(*args):
-            ran.append(name)
-            return fn(*args)
-
-        return run
-
-    monkeypatch.setattr(compiler_module, "compile_fx", recording_compile_fx)
+    inductor = RecordingInductor(monkeypatch)
+    compiles, ran = inductor.compiles, inductor.ran
     gen = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(32, 16, generator=gen), torch.randn(32, generator=gen)
 
@@ -676,7 +686,7 @@ def test_runner_compiler_compiles_batch_one_per_option_set_from_one_trace(monkey
         return (x.double() @ weight.double().T + bias.double()).relu().sum(-1)
 
     torch._dynamo.reset()
-    backend = RunnerCompiler()
+    backend = inductor.compiler = RunnerCompiler()
     compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=True)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     cache = torch.randn(16, generator=gen)
@@ -715,27 +725,13 @@ def test_one_token_eager_steps_run_the_kept_compile(tiny_model, monkeypatch):
     a one-token prompt served under `no_grad` (a grad mode the capture did not trace: batch 1 traced
     again) runs the kept compile and gives the reference's greedy token; a prefill of three runs the
     shared graph."""
-    from compiled_attn.graphs import compiler as compiler_module
-
-    ran = []
-
-    def recording_compile_fx(gm, example_inputs, config_patches):
-        name = "shared" if not runner._compiler._tracing_one_token else next(
-            n for n, options in ONE_TOKEN_COMPILES.items() if options is config_patches)
-        fn = compile_fx(gm, example_inputs, config_patches=config_patches)
-
-        def run(*args):
-            ran.append(name)
-            return fn(*args)
-
-        return run
-
-    monkeypatch.setattr(compiler_module, "compile_fx", recording_compile_fx)
+    inductor = RecordingInductor(monkeypatch)
+    ran = inductor.ran
     spec = cpu_spec()
     torch._dynamo.reset()
     runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1], max_batch_size=1,
                            compile=True, postprocess=lambda logits: logits.argmax(-1))
-    runner._pick_batch_one = True  # as with CUDA graphs; the pick's timing itself needs them
+    runner._pick_batch_one, inductor.compiler = True, runner._compiler  # as with CUDA graphs (their timing aside)
     with runner.state.graph_capture(1), ca.set_forward_context(runner.state.graph_capture_get_metadata_for_batch(1)):
         for name in ONE_TOKEN_COMPILES:
             runner._compiler.use = name
@@ -1209,28 +1205,16 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name, kept, monkeypatch)
     graph, whichever compile it keeps (the timed pick, or either one forced after the timing),
     and the shared graph give eager's logits' argmax; the graph kept for batch 1 is the one
     captured from the kept compile, and a one-token eager step runs that compile too."""
-    from compiled_attn.graphs import compiler as compiler_module
-
-    captures, capture_graph, ran = [], CUDAGraphRunner._capture_graph, []
+    captures, capture_graph = [], CUDAGraphRunner._capture_graph
+    inductor = RecordingInductor(monkeypatch)
+    ran = inductor.ran
 
     def recording_capture(self, bs, *args):
         graph, uploads = capture_graph(self, bs, *args)
         captures.append((bs, self._compiler.use, graph))
         return graph, uploads
 
-    def recording_compile_fx(gm, example_inputs, config_patches):
-        fn = compile_fx(gm, example_inputs, config_patches=config_patches)
-        name = "shared" if not runner._compiler._tracing_one_token else next(
-            n for n, options in ONE_TOKEN_COMPILES.items() if options is config_patches)
-
-        def run(*args):
-            ran.append(name)
-            return fn(*args)
-
-        return run
-
     monkeypatch.setattr(CUDAGraphRunner, "_capture_graph", recording_capture)
-    monkeypatch.setattr(compiler_module, "compile_fx", recording_compile_fx)
     if kept != "timed":
         timed_pick = CUDAGraphRunner._pick_one_token
 
@@ -1247,6 +1231,7 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name, kept, monkeypatch)
     runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),
                              capture_sizes=[1, 2, 4], max_batch_size=4, progress=False, compile=True,
                              postprocess=lambda logits: logits.argmax(-1))
+    inductor.compiler = runner._compiler
     runner.capture()
     one_token = runner.capture_stats["one_token"]
     assert set(one_token["replay_ms"]) == {"reductions", "cublas"}
