@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import random
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -627,7 +628,8 @@ def test_batch_one_graphs_of_every_width_are_the_kept_compiles(tiny_model, monke
     captured once per compile, its calls marked as one token's (their trace compiles them all);
     the faster's graph is the one kept for that size and width, the narrower widths of batch 1 are
     captured from the kept compile only, and every later one-token call runs it. A batch-1 graph
-    compiled before the capture (no compiles to compare) fails the capture."""
+    compiled before the capture (no compiles to compare) fails the capture; with Dynamo compiling
+    nothing (disabled) batch 1 is captured once, with no pick."""
     from compiled_attn.graphs import runner as runner_module
 
     spec = wide_spec()
@@ -649,9 +651,14 @@ def test_batch_one_graphs_of_every_width_are_the_kept_compiles(tiny_model, monke
 
     monkeypatch.setattr(CUDAGraphRunner, "_capture_graph", capture_graph)
     monkeypatch.setattr(runner_module, "_replay_ms", lambda graph, replays: 2.0 if graph[2] == "reductions" else 3.0)
-    trace_batch_one = False
+    trace_batch_one = False  # batch 1's calls trace nothing
+    with runner.state.graph_capture(2):  # Dynamo compiles nothing (disabled): one graph, no pick
+        assert runner._capture_size(1, 64, None, "a side stream").graph == (1, 64, "reductions")
+    assert captured == [(1, 64, "reductions", True)] and runner._one_token_stats is None
+    runner._compiler.compiles = 1  # Dynamo compiled batch 1 before the capture
     with runner.state.graph_capture(2), pytest.raises(RuntimeError, match="compiled before the capture"):
         runner._capture_size(1, 64, None, "a side stream")
+    assert len(captured) == 2 and runner._compiler.kept is None  # failed after the first compile's capture
     trace_batch_one, captured = True, []
     with runner.state.graph_capture(2):
         entries = {(bs, w): runner._capture_size(bs, w, None, "a side stream") for bs in (2, 1) for w in runner.widths}
@@ -717,6 +724,21 @@ def test_runner_compiler_compiles_batch_one_per_option_set_from_one_trace(monkey
     assert [c[:2] for c in compiles[3:]] == [("cublas", ONE_TOKEN_COMPILES["cublas"])]
     assert ran[3:] == ["cublas"] and backend.one_token_graphs == 1
     torch._dynamo.reset()
+
+
+def test_one_token_calls_nest_and_stay_in_their_thread():
+    """The mark of one-token calls is a context variable: a nested call leaves it on for the rest of
+    the outer one, and a trace on another thread meanwhile is not batch 1's."""
+    compiler, seen = RunnerCompiler(), []
+    with compiler.one_token_calls():
+        with compiler.one_token_calls():
+            pass
+        seen.append(compiler._tracing_one_token)
+        other = threading.Thread(target=lambda: seen.append(compiler._tracing_one_token))
+        other.start()
+        other.join()
+    seen.append(compiler._tracing_one_token)
+    assert seen == [True, False, False]
 
 
 def test_one_token_eager_steps_run_the_kept_compile(tiny_model, monkeypatch):
@@ -1242,6 +1264,7 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name, kept, monkeypatch)
         assert one_token["compile"] == kept
     kept_name = one_token["compile"]
     assert runner._compiler.use == kept_name and runner._compiler.one_token_graphs == 1  # one trace, both compiles
+    assert [c[0] for c in inductor.compiles if c[0] != "shared"] == list(ONE_TOKEN_COMPILES)
     batch_one = [(use, graph) for bs, use, graph in captures if bs == 1]
     assert [use for use, _ in batch_one[:2]] == list(ONE_TOKEN_COMPILES)
     assert runner._captured[1, runner.widths[0]].graph is dict(batch_one[:2])[kept_name]

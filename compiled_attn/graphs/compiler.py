@@ -10,6 +10,7 @@ counts toward `torch._dynamo.config.recompile_limit`.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -39,22 +40,29 @@ class RunnerCompiler:
     def __init__(self) -> None:
         self.use = "reductions"
         self.kept: str | None = None
-        self.one_token_graphs = 0  # graphs compiled per ONE_TOKEN_COMPILES entry so far
-        self._tracing_one_token = False
+        self.compiles = 0  # graphs Dynamo handed over (none while Dynamo is disabled)
+        self.one_token_graphs = 0  # of those, compiled per ONE_TOKEN_COMPILES entry
+        # a context variable, as the forward context: per thread, and nested calls restore it
+        self._one_token = contextvars.ContextVar(f"one_token_{id(self)}", default=False)
+
+    @property
+    def _tracing_one_token(self) -> bool:
+        return self._one_token.get()
 
     @contextlib.contextmanager
     def one_token_calls(self) -> Iterator[None]:
-        self._tracing_one_token = True
+        token = self._one_token.set(True)
         try:
             yield
         finally:
-            self._tracing_one_token = False
+            self._one_token.reset(token)
 
     def keep(self, name: str) -> None:
         """Batch 1 runs `name`'s compile from now on, and a batch-1 graph traced again gets it alone."""
         self.use = self.kept = name
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        self.compiles += 1
         if not self._tracing_one_token:
             return compile_fx(gm, example_inputs, config_patches=COMPILE_OPTIONS)
         if self.kept is not None:

@@ -302,21 +302,29 @@ class CUDAGraphRunner:
         if side_stream is None:
             return CapturedSize(None, graph_state, input_buffers, md_bs, None)
         if bs == 1 and self._pick_batch_one and self._one_token_stats is None:
-            graphs = {}
-            for name in ONE_TOKEN_COMPILES:
-                self._compiler.use = name
-                graphs[name] = self._capture_graph(bs, md_bs, input_buffers, graph_state, pool, side_stream)
-            if not self._compiler.one_token_graphs:
-                raise RuntimeError(
-                    "batch 1's graph was compiled before the capture (runner.model called with one token?), "
-                    "so its compiles cannot be compared: make a new runner and capture it before any call"
-                )
-            self._compiler.keep(self._pick_one_token({name: g for name, (g, _) in graphs.items()}))
-            graph, uploads = graphs[self._compiler.use]
+            graph, uploads = self._capture_batch_one(md_bs, input_buffers, graph_state, pool, side_stream)
         else:
             graph, uploads = self._capture_graph(bs, md_bs, input_buffers, graph_state, pool, side_stream)
         return CapturedSize(graph, graph_state, input_buffers, md_bs, self._output[:bs],
                             {"upload": False} if uploads else {})
+
+    def _capture_batch_one(self, md_bs: AttentionMetadata, input_buffers: dict[str, torch.Tensor],
+                           graph_state: AttentionState, pool: Any,
+                           side_stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, bool]:
+        """Batch 1's graph captured from each compile of its one trace; the faster replay's kept
+        (`_pick_one_token`), and its compile serves every one-token step from then on."""
+        graphs = {}
+        for name in ONE_TOKEN_COMPILES:
+            self._compiler.use = name
+            graphs[name] = self._capture_graph(1, md_bs, input_buffers, graph_state, pool, side_stream)
+            if not self._compiler.one_token_graphs:  # batch 1's call traced nothing now
+                if self._compiler.compiles:
+                    raise RuntimeError(
+                        "batch 1's graph was compiled before the capture (runner.model called with one token?), "
+                        "so its compiles cannot be compared: make a new runner and capture it before any call")
+                return graphs[name]  # Dynamo compiles nothing (TORCH_COMPILE_DISABLE, a force_eager stance)
+        self._compiler.keep(self._pick_one_token({name: g for name, (g, _) in graphs.items()}))
+        return graphs[self._compiler.use]
 
     def _capture_graph(self, bs: int, md_bs: AttentionMetadata,
                        input_buffers: dict[str, torch.Tensor], graph_state: AttentionState, pool: Any,
