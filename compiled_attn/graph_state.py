@@ -367,12 +367,11 @@ class GraphState(AttentionState):
                                f"this state did not capture: prepare them through graph_clone({batch_size}, "
                                f"table_width={width})'s state")
         for field, buf in bufs.items():
-            src = getattr(md, field)
-            if src is None:
+            if not md.has(field):  # `has`, and the host tables below: no upload (the replay reads host arrays)
                 raise ValueError(f"the graph reads {field}, which this metadata lacks: build it for the graph's spec "
                                  "(cross attention needs encoder_seq_lens and cross_block_tables)")
-            if field in self.TABLES and src.shape[1] > buf.shape[1]:
-                raise ValueError(f"{field} of {src.shape[1]} blocks per request > the graph's {buf.shape[1]}: "
+            if field in self.TABLES and (width := getattr(md, f"{field}_host").shape[1]) > buf.shape[1]:
+                raise ValueError(f"{field} of {width} blocks per request > the graph's {buf.shape[1]}: "
                                  f"replay the step in a graph whose table_width holds it ({name}'s builder "
                                  "makes the table as wide as the step's longest sequence needs)")
 

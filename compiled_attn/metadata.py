@@ -1,13 +1,15 @@
 """Builder logic every backend shares: validation, slot mapping, block tables, query_start_loc.
 
 All of it runs on the host over python lists and numpy, then moves to the device in one copy
-(`upload`). Backends subclass `CommonMetadata` / `CommonMetadataBuilder` to add their own inputs
-(FlashInfer's indptr, SDPA's padded gather indices, ...).
+(`upload`), made when a device field of the step is first read (`DeviceField`). Backends subclass
+`CommonMetadata` / `CommonMetadataBuilder` to add their own inputs (FlashInfer's indptr, SDPA's
+padded gather indices, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -37,6 +39,54 @@ from compiled_attn.validation import (
 )
 
 
+class _Pending:
+    def __repr__(self) -> str:
+        return "<pending upload>"
+
+
+# What a builder's metadata holds for a device field until its upload (`DeviceField`).
+PENDING = _Pending()
+
+
+class DeviceField:
+    """A device tensor field of the metadata. A builder's step holds PENDING in each until the
+    first read of any of them, which makes the step's one upload (`CommonMetadata.upload_pending`).
+    A decode step replayed as a CUDA graph reads only the host arrays (its State writes them into
+    the graph's pinned mirror), so it never pays for the upload: a third of `build()` on an
+    H200's host (BENCHMARKS.md, thirtieth session). A dataclass field's descriptor (see the
+    dataclasses docs): the class-level read gives the default, if any."""
+
+    def __init__(self, default: Any = dataclasses.MISSING) -> None:
+        self.default = default
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, md: CommonMetadata | None, owner: type | None = None) -> Any:
+        if md is None:
+            if self.default is dataclasses.MISSING:
+                raise AttributeError(self.name)  # a field without a default
+            return self.default
+        value = md.__dict__.get(self.name, self.default)
+        if value is PENDING:
+            md.upload_pending()
+            value = md.__dict__[self.name]
+            if value is PENDING:
+                raise RuntimeError(f"{type(md).__name__}.{self.name} is PENDING with no upload to make: only a "
+                                   "builder's step holds PENDING fields")
+        return value
+
+    def __set__(self, md: CommonMetadata, value: Any) -> None:
+        md.__dict__[self.name] = value
+
+
+@functools.cache
+def device_field_names(cls: type) -> frozenset[str]:
+    """The fields `cls` declares as DeviceField (its own and inherited)."""
+    return frozenset(name for klass in cls.__mro__ for name, attr in vars(klass).items()
+                     if isinstance(attr, DeviceField))
+
+
 @dataclasses.dataclass
 class CommonMetadata(AttentionMetadata):
     """The fields every backend's metadata has.
@@ -56,6 +106,8 @@ class CommonMetadata(AttentionMetadata):
         cross_block_tables:      int32 [num_seqs, max_cross_blocks]
         cross_slot_mapping:      int64 [num_encoder_tokens of the prefills]; key/value hold the
                                  encoder tokens of the prefills on the step that has them
+    A builder's device fields are uploaded together when one of them is first read
+    (`DeviceField`); `has` and `is_uploaded` ask without uploading.
     Host copies the device tables were made from (what graph States check before a replay):
         block_tables_host / cross_block_tables_host: int32 numpy, the tables above
     Rolling tables (a builder made with rolling_tables=True, for a spec with a window W):
@@ -65,23 +117,24 @@ class CommonMetadata(AttentionMetadata):
                        window), left out of FlashInfer's page list; None without rolling
     """
 
+    slot_mapping: torch.Tensor = DeviceField()
     seq_lens: list[int]
     query_lens: list[int]
     block_tables_list: list[list[int]]
     max_query_len: int
     max_seq_len: int
-    seq_lens_tensor: torch.Tensor
-    context_lens_tensor: torch.Tensor
-    query_start_loc: torch.Tensor
-    block_tables: torch.Tensor
+    seq_lens_tensor: torch.Tensor = DeviceField()
+    context_lens_tensor: torch.Tensor = DeviceField()
+    query_start_loc: torch.Tensor = DeviceField()
+    block_tables: torch.Tensor = DeviceField()
     encoder_seq_lens: list[int] | None = None
     cross_block_tables_list: list[list[int]] | None = None
     max_encoder_seq_len: int = 0
     num_encoder_tokens: int = 0
-    encoder_seq_lens_tensor: torch.Tensor | None = None
-    encoder_seq_start_loc: torch.Tensor | None = None
-    cross_block_tables: torch.Tensor | None = None
-    cross_slot_mapping: torch.Tensor | None = None
+    encoder_seq_lens_tensor: torch.Tensor | None = DeviceField(None)
+    encoder_seq_start_loc: torch.Tensor | None = DeviceField(None)
+    cross_block_tables: torch.Tensor | None = DeviceField(None)
+    cross_slot_mapping: torch.Tensor | None = DeviceField(None)
     backend_name: str = ""
     block_size: int = 0
     num_blocks: int = 0
@@ -98,6 +151,34 @@ class CommonMetadata(AttentionMetadata):
         # the host arrays the device fields were copied from, by field name (`host_arrays()`):
         # backends' own host work and graph refills read them rather than deriving them again
         self._host: dict[str, np.ndarray] = {}
+        # the arrays of the PENDING device fields and their device (`upload_pending`)
+        self._pending: tuple[dict[str, np.ndarray], torch.device] | None = None
+
+    def upload_pending(self) -> None:
+        """Upload the device fields a builder left PENDING, in one copy (`upload`), on the current
+        stream; a no-op once done. Reading any of them does this."""
+        if self._pending is None:
+            return
+        (arrays, device), self._pending = self._pending, None
+        for name, tensor in upload(arrays, device).items():
+            self.__dict__[name] = tensor
+        self.after_upload()
+
+    def after_upload(self) -> None:
+        """Device fields a backend derives from the uploaded ones (set PENDING by its builder)."""
+
+    def has(self, name: str) -> bool:
+        """Whether field `name` is set (not None), a PENDING device field included: no upload."""
+        return self.__dict__.get(name) is not None
+
+    def is_uploaded(self, name: str) -> bool:
+        """Whether field `name` holds its value, i.e. is no device field still PENDING: no upload."""
+        return self.__dict__.get(name) is not PENDING
+
+    @property
+    def device(self) -> torch.device:
+        """Where the device fields are (or go, once read): no upload."""
+        return self._pending[1] if self._pending is not None else self.slot_mapping.device
 
     @property
     def num_seqs(self) -> int:
@@ -230,7 +311,7 @@ _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int6
 
 def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """Host int32 / int64 arrays on `device`, by the same names, after one host-to-device copy
-    (for CPU: the arrays themselves, no copy).
+    (for CPU: the arrays themselves, no copy, but for read-only ones).
 
     Packed into one pinned buffer (`packed_copy`), the step's arrays take one copy, queued without
     waiting for the stream: PyTorch's caching host allocator keeps the buffer from reuse until the
@@ -243,8 +324,9 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
     for name, a in arrays.items():
         if a.dtype not in _TORCH_DTYPES:
             raise TypeError(f"device field {name} must be an int32 or int64 array, got {a.dtype}")
-    if device.type == "cpu":
-        return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+    if device.type == "cpu":  # shared, but for read-only arrays (the tables a builder froze): no tensor may view them
+        return {name: torch.from_numpy(np.ascontiguousarray(a) if a.flags.writeable else a.copy())
+                for name, a in arrays.items()}
     return packed_copy(arrays, lambda host: host.to(device, non_blocking=True), pin=device.type == "cuda")
 
 
@@ -389,7 +471,11 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         backend_fields = self.add_backend_fields(seq_lens, query_lens, num_prefills, cross.get("encoder_seq_lens"),
                                                  table, ids)
         uploads = {name: a for name, a in backend_fields.items() if isinstance(a, np.ndarray)}
-        fields = {**backend_fields, **self._to_device(int32_parts, int64_parts, tables, uploads)}
+        if not uploads.keys() <= device_field_names(self.metadata_cls):
+            raise TypeError(f"{self.metadata_cls.__name__} must declare its uploaded fields "
+                            f"{sorted(uploads.keys() - device_field_names(self.metadata_cls))} as DeviceField()")
+        arrays = self._device_arrays(int32_parts, int64_parts, tables, uploads)
+        fields = {**backend_fields, **dict.fromkeys(arrays, PENDING)}
         for checked in tables.values():  # graph refills trust these host tables while nobody can edit them
             checked.flags.writeable = False
         md = self.metadata_cls(
@@ -414,6 +500,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         md._builder = self
         md._needed_block_ids = ids
         md._host = {**int32_parts, **int64_parts}
+        md._pending = (arrays, self.device)
         return md
 
     def _scratch(self) -> np.ndarray:
@@ -463,18 +550,27 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
             "num_encoder_tokens": sum(encoder_seq_lens),
         }
 
+    @staticmethod
+    def _device_arrays(
+        int32_parts: dict[str, np.ndarray],
+        int64_parts: dict[str, np.ndarray],
+        tables: dict[str, np.ndarray],
+        backend_parts: dict[str, np.ndarray] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """The step's device fields as the host arrays one `upload` copies, by field name; tables
+        and backend_parts as they are (int32 / int64)."""
+        arrays = {name: a.astype(np.int32, copy=False) for name, a in int32_parts.items()}
+        arrays.update((name, a.astype(np.int64, copy=False)) for name, a in int64_parts.items())
+        return {**arrays, **tables, **(backend_parts or {})}
+
     def _to_device(
         self,
         int32_parts: dict[str, np.ndarray],
         int64_parts: dict[str, np.ndarray],
         tables: dict[str, np.ndarray],
-        backend_parts: dict[str, np.ndarray] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Every device field of the step in one copy (`upload`); tables and backend_parts as
-        they are (int32 / int64)."""
-        arrays = {name: a.astype(np.int32, copy=False) for name, a in int32_parts.items()}
-        arrays.update((name, a.astype(np.int64, copy=False)) for name, a in int64_parts.items())
-        return upload({**arrays, **tables, **(backend_parts or {})}, self.device)
+        """Fields uploaded at once, in one copy (`upload`): a backend's own, after the common ones."""
+        return upload(self._device_arrays(int32_parts, int64_parts, tables), self.device)
 
     def add_backend_fields(
         self,
@@ -486,7 +582,8 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         block_ids: np.ndarray,
     ) -> dict[str, Any]:
         """Host work for the backend's own metadata fields, by name. A numpy array (int32 / int64)
-        is a device field: it reaches the device in the step's one copy with the common fields.
+        is a device field, declared `DeviceField()` on `metadata_cls`: it reaches the device in
+        the step's one copy with the common fields.
         block_table: the step's checked host table [num_seqs, width]; block_ids: the ids its
         requests read, flat in request order (`CommonMetadata.needed_block_ids`)."""
         return {}

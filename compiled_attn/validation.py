@@ -906,13 +906,15 @@ def check_graph_step(md: Any, spec: AttentionSpec, backend_name: str, batch_size
     if (md.num_blocks, md.block_size) != (spec.num_blocks, spec.block_size):
         raise ValueError(f"metadata for num_blocks={md.num_blocks}, block_size={md.block_size} does not match "
                          f"the state's spec ({spec.num_blocks}, {spec.block_size})")
-    if md.slot_mapping.device != device:
-        raise ValueError(f"metadata on {md.slot_mapping.device}, graph buffers on {device}")
+    # md.device, md.has, md.is_uploaded: a replay reads the host arrays only, so nothing here uploads the step
+    if md.device != device:
+        raise ValueError(f"metadata on {md.device}, graph buffers on {device}")
     tables = (("block_tables", md.seq_lens),) + (
-        (("cross_block_tables", md.encoder_seq_lens),) if md.cross_block_tables is not None else ())
+        (("cross_block_tables", md.encoder_seq_lens),) if md.has("cross_block_tables") else ())
     for name, lens in tables:
         host = getattr(md, f"{name}_host", None)
-        if host is None or tuple(host.shape) != tuple(getattr(md, name).shape):
+        # a PENDING table is uploaded from this host table (`build`)
+        if host is None or (md.is_uploaded(name) and tuple(host.shape) != tuple(getattr(md, name).shape)):
             raise ValueError(f"{backend_name} graphs replay metadata from {backend_name}'s builder (its {name} "
                              "with the host copy they were made from)")
         if host.flags.writeable:  # the builder freezes the tables it checked; anything else is checked here

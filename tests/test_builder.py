@@ -3,6 +3,8 @@ TORCH_SDPA's padded layout, checked against values worked out by hand."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,7 @@ import compiled_attn as ca
 from compiled_attn import block_ids
 from compiled_attn.bench.kernel_table import cuda_kernels
 from compiled_attn.block_ids import BlockIdCheck
-from compiled_attn.metadata import UPLOAD_ALIGN, packed_copy, upload
+from compiled_attn.metadata import PENDING, UPLOAD_ALIGN, DeviceField, packed_copy, upload
 from compiled_attn.validation import check_block_ids, needed_table, rolled_blocks
 
 T = ca.AttentionType
@@ -403,6 +405,10 @@ def test_upload_copies_to_other_devices_and_shares_cpu_arrays():
         ("meta", torch.int32, (5,)), ("meta", torch.int64, (2, 3))]
     cpu = upload({"a": a, "b": b}, torch.device("cpu"))
     assert np.shares_memory(cpu["a"].numpy(), a) and np.shares_memory(cpu["b"].numpy(), b)  # no copy on CPU
+    b.flags.writeable = False  # a builder's frozen table: copied, as no tensor may view read-only memory
+    cpu = upload({"a": a, "b": b}, torch.device("cpu"))
+    assert np.shares_memory(cpu["a"].numpy(), a) and not np.shares_memory(cpu["b"].numpy(), b)
+    assert cpu["b"].tolist() == b.tolist()
 
 
 @pytest.mark.parametrize(("backend_name", "fields"), [
@@ -423,11 +429,60 @@ def test_every_device_field_of_a_step_comes_from_one_copy(backend_name, fields, 
     # a prefill with a cached prefix and a decode whose table holds entries past its need: the
     # page list is not the table read row by row, and TORCH_SDPA lays out its prefill
     md = b.build([9, 5], [3, 1], [[10, 3, 8], [0, 21, 30]])
+    assert copies == []  # made when a device field is first read
     common = ("slot_mapping", "seq_lens_tensor", "context_lens_tensor", "query_start_loc", "block_tables")
-    assert len(copies) == 1 and set(copies[0]) == set(common + fields)
     assert all(getattr(md, name).device.type == "meta" for name in common + fields)
+    assert len(copies) == 1 and set(copies[0]) == set(common + fields)
     if backend_name == "FLASHINFER":
         assert md.paged_kv_indices.shape == (5,)  # the pages read: 3 + 2, not the table's 6
+
+
+def test_device_fields_wait_for_their_first_read_and_come_from_one_copy(monkeypatch):
+    copies = []
+
+    def spy(arrays, copy, **kw):
+        copies.append(sorted(arrays))
+        return packed_copy(arrays, copy, **kw)
+
+    monkeypatch.setattr(ca.metadata, "packed_copy", spy)
+    spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
+                            dtype=torch.bfloat16, device="meta")
+    rng = np.random.default_rng()
+    seq_lens = rng.integers(2, 3 * BS, size=3)
+    tables = rng.permutation(NB)[: 3 * 3].reshape(3, 3)
+    md = ca.registry.BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(spec).build(seq_lens, np.ones(3, int), tables)
+    # what asks without uploading
+    assert md.device == torch.device("meta") and md.has("block_tables") and not md.has("cross_block_tables")
+    assert not md.is_uploaded("slot_mapping") and md.is_uploaded("seq_lens") and copies == []
+    assert md.block_tables.shape == (3, int(max(-(-seq_lens // BS))))  # one read uploads every field
+    common = ["block_tables", "context_lens_tensor", "query_start_loc", "seq_lens_tensor", "slot_mapping"]
+    assert copies == [common] and md.is_uploaded("slot_mapping")
+    md.upload_pending()  # done: no second copy
+    assert md.seq_lens_tensor.device.type == "meta" and len(copies) == 1
+    # a variant reads every field of the original (uploaded) and has nothing pending
+    cpu_spec = dataclasses.replace(spec, device="cpu")
+    cpu_md = ca.registry.BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(cpu_spec).build(
+        seq_lens, np.ones(3, int), tables)
+    variant = dataclasses.replace(cpu_md, max_query_len=1)
+    assert cpu_md.is_uploaded("slot_mapping") and variant.is_uploaded("slot_mapping")
+    assert variant.seq_lens_tensor.tolist() == seq_lens.tolist()
+    assert variant.context_lens_tensor.tolist() == (seq_lens - 1).tolist()
+
+
+def test_a_pending_field_without_an_upload_and_an_undeclared_upload_raise(monkeypatch):
+    spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
+                            dtype=torch.float32, device="cpu")
+    builder = ca.registry.BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(spec)
+    md = builder.build([5, 9], [1, 1], [[1, 2], [3, 4, 5]])
+    md.upload_pending()
+    md.slot_mapping = PENDING  # only a builder's step may hold it
+    with pytest.raises(RuntimeError, match="slot_mapping is PENDING with no upload to make"):
+        md.slot_mapping  # noqa: B018
+    # a backend field uploaded with the step's copy must be a DeviceField, or nothing would replace PENDING
+    monkeypatch.setattr(type(builder), "add_backend_fields", lambda self, *args: {"extra_rows": np.zeros(2, np.int64)})
+    with pytest.raises(TypeError, match=r"must declare its uploaded fields \['extra_rows'\] as DeviceField"):
+        builder.build([5, 9], [1, 1], [[1, 2], [3, 4, 5]])
+    assert isinstance(vars(ca.metadata.CommonMetadata)["slot_mapping"], DeviceField)
 
 
 def test_flashinfer_page_list_of_full_tables_is_the_table_itself(monkeypatch):

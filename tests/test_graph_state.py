@@ -346,6 +346,26 @@ def test_runner_step_copies_live_rows_and_pads_the_rest(case, fake_flashinfer):
 
 
 @pytest.mark.parametrize("case", list(OWN_AFTER_SECOND))
+def test_a_graph_step_leaves_the_builders_upload_pending(case, fake_flashinfer):
+    """A replay reads the step's host arrays (the State's mirror), so the builder's one upload is
+    never made for it; XFORMERS's builder uploads at once (its biases hold device tensors)."""
+    name, options, _ = OWN_AFTER_SECOND[case]
+    if name == "XFORMERS":
+        pytest.importorskip("xformers.ops.fmha")
+    backend, spec = BACKEND_CLASSES()[name], spec_for(**options)
+    state = backend.get_state_cls()(spec)
+    runner = static_runner(recording_model(state, []), name, spec, [], [4], state)
+    builder = backend.get_builder_cls()(spec)
+    for step in (FIRST, SECOND):
+        md = decode_step(builder, spec, step)
+        tokens = torch.zeros(md.num_seqs, dtype=torch.int64)
+        runner.run(md, tokens, tokens)
+        assert runner.counts["graph"] and md.is_uploaded("slot_mapping") == (name == "XFORMERS")
+    # read after all, the fields are the step's
+    assert md.slot_mapping.tolist() == [6 * 64 + 6, 7 * 64 + 3] and md.block_tables.tolist() == [[5, 6], [7, 0]]
+
+
+@pytest.mark.parametrize("case", list(OWN_AFTER_SECOND))
 def test_runner_captures_a_graph_per_size_and_declared_width(case, fake_flashinfer):
     """FlashInfer's and xFormers' kernels read live lengths: one graph per size, over the full
     table; TORCH_SDPA's gather reads the table: a short step runs in its narrowest graph."""

@@ -37,7 +37,7 @@ import torch
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionType
 from compiled_attn.backends.common import CommonImpl
 from compiled_attn.graph_state import SCRATCH_BLOCK, GraphState
-from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, prefix_sums
+from compiled_attn.metadata import PENDING, CommonMetadata, CommonMetadataBuilder, DeviceField, prefix_sums
 from compiled_attn.ops.flashinfer import stream_capturing  # importing registers the op
 
 NAME = "FLASHINFER"
@@ -201,9 +201,15 @@ class FlashInferMetadata(CommonMetadata):
 
     qo_indptr: torch.Tensor | None = None
     paged_kv_indptr: torch.Tensor | None = None
-    paged_kv_indices: torch.Tensor | None = None
+    paged_kv_indices: torch.Tensor | None = DeviceField(None)
     paged_kv_last_page_len: torch.Tensor | None = None
     step_plan: Any = None
+
+    def after_upload(self) -> None:
+        # still PENDING: every table entry is live, so the builder uploaded no page list of its
+        # own (`add_backend_fields`) and the page list is the device table read row by row
+        if self.__dict__.get("paged_kv_indices") is PENDING:
+            self.paged_kv_indices = self.block_tables.view(-1)
 
 
 def paged_kv_layout(
@@ -531,8 +537,8 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
         if self.spec.attn_type == AttentionType.DECODER:
             indptr, last = paged_kv_layout(host["seq_lens_tensor"], self.spec.block_size, md.rolled_blocks)
             md.paged_kv_indptr = torch.from_numpy(indptr)
-            if md.paged_kv_indices is None:  # every table entry is live (`add_backend_fields`)
-                md.paged_kv_indices = md.block_tables.view(-1)
+            if not md.has("paged_kv_indices"):  # every table entry is live: a view of the table (`after_upload`)
+                md.paged_kv_indices = PENDING
             md.paged_kv_last_page_len = torch.from_numpy(last)
         md.step_plan = StepPlan(self._pool, md, self._turn)
         self._turn += 1

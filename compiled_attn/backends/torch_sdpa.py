@@ -16,7 +16,7 @@ import torch
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionType
 from compiled_attn.backends.common import CommonImpl
 from compiled_attn.graph_state import GraphState
-from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder
+from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, DeviceField
 from compiled_attn.ops import torch_sdpa as _ops  # noqa: F401  (registers the op)
 
 NAME = "TORCH_SDPA"
@@ -67,12 +67,12 @@ class TorchSDPAMetadata(CommonMetadata):
     encoder_*:           the same for the encoder tokens (ENCODER attention)
     """
 
-    prefill_token_index: torch.Tensor | None = None
-    prefill_q_pos: torch.Tensor | None = None
-    prefill_flat_index: torch.Tensor | None = None
-    encoder_token_index: torch.Tensor | None = None
-    encoder_q_pos: torch.Tensor | None = None
-    encoder_flat_index: torch.Tensor | None = None
+    prefill_token_index: torch.Tensor | None = DeviceField(None)
+    prefill_q_pos: torch.Tensor | None = DeviceField(None)
+    prefill_flat_index: torch.Tensor | None = DeviceField(None)
+    encoder_token_index: torch.Tensor | None = DeviceField(None)
+    encoder_q_pos: torch.Tensor | None = DeviceField(None)
+    encoder_flat_index: torch.Tensor | None = DeviceField(None)
     flex_decode: bool = False  # graph metadata of a State on FlexAttention (`graph_decode_kernel`)
 
 
