@@ -39,22 +39,17 @@ from compiled_attn.validation import (
 )
 
 
-class _Pending:
-    def __repr__(self) -> str:
-        return "<pending upload>"
-
-
-# What a builder's metadata holds for a device field until its upload (`DeviceField`).
-PENDING = _Pending()
-
-
 class DeviceField:
-    """A device tensor field of the metadata. A builder's step holds PENDING in each until the
-    first read of any of them, which makes the step's one upload (`CommonMetadata.upload_pending`).
-    A decode step replayed as a CUDA graph reads only the host arrays (its State writes them into
+    """A device tensor field of the metadata. A builder's step leaves these unset until the first
+    read of any of them, which makes the step's one upload (`CommonMetadata.upload_pending`). A
+    decode step replayed as a CUDA graph reads only the host arrays (its State writes them into
     the graph's pinned mirror), so it never pays for the upload: a third of `build()` on an
-    H200's host (BENCHMARKS.md, thirtieth session). A dataclass field's descriptor (see the
-    dataclasses docs): the class-level read gives the default, if any."""
+    H200's host (BENCHMARKS.md, thirtieth session).
+
+    A dataclass field's descriptor (see the dataclasses docs; the class-level read gives the
+    default, if any), and a non-data one: a set field is a plain instance attribute, so reading
+    it costs what any attribute does (a data descriptor's call added ~100 ns to every read, a few
+    hundred a step on the eager path). Python reaches `__get__` only for an unset field."""
 
     def __init__(self, default: Any = dataclasses.MISSING) -> None:
         self.default = default
@@ -63,21 +58,13 @@ class DeviceField:
         self.name = name
 
     def __get__(self, md: CommonMetadata | None, owner: type | None = None) -> Any:
-        if md is None:
-            if self.default is dataclasses.MISSING:
-                raise AttributeError(self.name)  # a field without a default
-            return self.default
-        value = md.__dict__.get(self.name, self.default)
-        if value is PENDING:
+        if md is not None and md._pending is not None:
             md.upload_pending()
-            value = md.__dict__[self.name]
-            if value is PENDING:
-                raise RuntimeError(f"{type(md).__name__}.{self.name} is PENDING with no upload to make: only a "
-                                   "builder's step holds PENDING fields")
-        return value
-
-    def __set__(self, md: CommonMetadata, value: Any) -> None:
-        md.__dict__[self.name] = value
+            if self.name in md.__dict__:
+                return md.__dict__[self.name]
+        if self.default is dataclasses.MISSING:
+            raise AttributeError(self.name)
+        return self.default
 
 
 @functools.cache
@@ -107,7 +94,7 @@ class CommonMetadata(AttentionMetadata):
         cross_slot_mapping:      int64 [num_encoder_tokens of the prefills]; key/value hold the
                                  encoder tokens of the prefills on the step that has them
     A builder's device fields are uploaded together when one of them is first read
-    (`DeviceField`); `has` and `is_uploaded` ask without uploading.
+    (`DeviceField`); `has`, `is_uploaded` and `device` ask without uploading.
     Host copies the device tables were made from (what graph States check before a replay):
         block_tables_host / cross_block_tables_host: int32 numpy, the tables above
     Rolling tables (a builder made with rolling_tables=True, for a spec with a window W):
@@ -151,11 +138,22 @@ class CommonMetadata(AttentionMetadata):
         # the host arrays the device fields were copied from, by field name (`host_arrays()`):
         # backends' own host work and graph refills read them rather than deriving them again
         self._host: dict[str, np.ndarray] = {}
-        # the arrays of the PENDING device fields and their device (`upload_pending`)
+        # the arrays of the unset device fields and their device (`upload_pending`)
         self._pending: tuple[dict[str, np.ndarray], torch.device] | None = None
 
+    def _defer_upload(self, arrays: dict[str, np.ndarray], device: torch.device) -> None:
+        """Unset the DeviceFields `arrays` names until one of them is read: then one upload of
+        `arrays` to `device` sets them all (`upload_pending`)."""
+        for name in arrays:
+            del self.__dict__[name]
+        self._pending = (arrays, device)
+
+    def _derive_after_upload(self, name: str) -> None:
+        """Unset DeviceField `name` too, which `after_upload` sets from the uploaded fields."""
+        del self.__dict__[name]
+
     def upload_pending(self) -> None:
-        """Upload the device fields a builder left PENDING, in one copy (`upload`), on the current
+        """Upload the device fields a builder left unset, in one copy (`upload`), on the current
         stream; a no-op once done. Reading any of them does this."""
         if self._pending is None:
             return
@@ -165,15 +163,15 @@ class CommonMetadata(AttentionMetadata):
         self.after_upload()
 
     def after_upload(self) -> None:
-        """Device fields a backend derives from the uploaded ones (set PENDING by its builder)."""
-
-    def has(self, name: str) -> bool:
-        """Whether field `name` is set (not None), a PENDING device field included: no upload."""
-        return self.__dict__.get(name) is not None
+        """Device fields a backend derives from the uploaded ones (`_derive_after_upload`)."""
 
     def is_uploaded(self, name: str) -> bool:
-        """Whether field `name` holds its value, i.e. is no device field still PENDING: no upload."""
-        return self.__dict__.get(name) is not PENDING
+        """Whether field `name` holds its value (no device field still waiting for the upload): no upload."""
+        return name in self.__dict__ or self._pending is None or name not in device_field_names(type(self))
+
+    def has(self, name: str) -> bool:
+        """Whether field `name` is set (not None), a device field waiting for the upload included: no upload."""
+        return not self.is_uploaded(name) or self.__dict__.get(name) is not None
 
     @property
     def device(self) -> torch.device:
@@ -330,6 +328,14 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
     return packed_copy(arrays, lambda host: host.to(device, non_blocking=True), pin=device.type == "cuda")
 
 
+def current_device(device: torch.device) -> torch.device:
+    """`device` with its index: a CUDA device named without one is the current one (where a copy
+    made now would land, and what the tensors' `.device` would say)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def aligned_offsets(nbytes: dict[str, int]) -> tuple[dict[str, int], int]:
     """Where each of the named byte sizes starts when packed in this order, each UPLOAD_ALIGN-aligned,
     and the packed total."""
@@ -475,7 +481,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
             raise TypeError(f"{self.metadata_cls.__name__} must declare its uploaded fields "
                             f"{sorted(uploads.keys() - device_field_names(self.metadata_cls))} as DeviceField()")
         arrays = self._device_arrays(int32_parts, int64_parts, tables, uploads)
-        fields = {**backend_fields, **dict.fromkeys(arrays, PENDING)}
+        fields = {**backend_fields, **dict.fromkeys(arrays)}  # unset below (`_defer_upload`)
         for checked in tables.values():  # graph refills trust these host tables while nobody can edit them
             checked.flags.writeable = False
         md = self.metadata_cls(
@@ -500,7 +506,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         md._builder = self
         md._needed_block_ids = ids
         md._host = {**int32_parts, **int64_parts}
-        md._pending = (arrays, self.device)
+        md._defer_upload(arrays, current_device(self.device))
         return md
 
     def _scratch(self) -> np.ndarray:

@@ -913,7 +913,7 @@ def check_graph_step(md: Any, spec: AttentionSpec, backend_name: str, batch_size
         (("cross_block_tables", md.encoder_seq_lens),) if md.has("cross_block_tables") else ())
     for name, lens in tables:
         host = getattr(md, f"{name}_host", None)
-        # a PENDING table is uploaded from this host table (`build`)
+        # a table waiting for the upload is uploaded from this host table (`build`)
         if host is None or (md.is_uploaded(name) and tuple(host.shape) != tuple(getattr(md, name).shape)):
             raise ValueError(f"{backend_name} graphs replay metadata from {backend_name}'s builder (its {name} "
                              "with the host copy they were made from)")

@@ -13,7 +13,7 @@ import compiled_attn as ca
 from compiled_attn import block_ids
 from compiled_attn.bench.kernel_table import cuda_kernels
 from compiled_attn.block_ids import BlockIdCheck
-from compiled_attn.metadata import PENDING, UPLOAD_ALIGN, DeviceField, packed_copy, upload
+from compiled_attn.metadata import UPLOAD_ALIGN, DeviceField, current_device, packed_copy, upload
 from compiled_attn.validation import check_block_ids, needed_table, rolled_blocks
 
 T = ca.AttentionType
@@ -469,16 +469,19 @@ def test_device_fields_wait_for_their_first_read_and_come_from_one_copy(monkeypa
     assert variant.context_lens_tensor.tolist() == (seq_lens - 1).tolist()
 
 
-def test_a_pending_field_without_an_upload_and_an_undeclared_upload_raise(monkeypatch):
+def test_a_deferred_upload_names_the_device_with_its_index(monkeypatch):
+    # what md.device says before the upload, compared with the graph buffers' (`cuda:0`) device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert current_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert current_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert current_device(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_an_upload_of_a_field_not_declared_a_device_field_raises(monkeypatch):
     spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
                             dtype=torch.float32, device="cpu")
     builder = ca.registry.BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(spec)
-    md = builder.build([5, 9], [1, 1], [[1, 2], [3, 4, 5]])
-    md.upload_pending()
-    md.slot_mapping = PENDING  # only a builder's step may hold it
-    with pytest.raises(RuntimeError, match="slot_mapping is PENDING with no upload to make"):
-        md.slot_mapping  # noqa: B018
-    # a backend field uploaded with the step's copy must be a DeviceField, or nothing would replace PENDING
+    # a backend field uploaded with the step's copy must be a DeviceField, or nothing would upload it on its read
     monkeypatch.setattr(type(builder), "add_backend_fields", lambda self, *args: {"extra_rows": np.zeros(2, np.int64)})
     with pytest.raises(TypeError, match=r"must declare its uploaded fields \['extra_rows'\] as DeviceField"):
         builder.build([5, 9], [1, 1], [[1, 2], [3, 4, 5]])

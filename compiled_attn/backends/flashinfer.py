@@ -37,7 +37,7 @@ import torch
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionType
 from compiled_attn.backends.common import CommonImpl
 from compiled_attn.graph_state import SCRATCH_BLOCK, GraphState
-from compiled_attn.metadata import PENDING, CommonMetadata, CommonMetadataBuilder, DeviceField, prefix_sums
+from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, DeviceField, prefix_sums
 from compiled_attn.ops.flashinfer import stream_capturing  # importing registers the op
 
 NAME = "FLASHINFER"
@@ -206,9 +206,9 @@ class FlashInferMetadata(CommonMetadata):
     step_plan: Any = None
 
     def after_upload(self) -> None:
-        # still PENDING: every table entry is live, so the builder uploaded no page list of its
+        # still unset: every table entry is live, so the builder uploaded no page list of its
         # own (`add_backend_fields`) and the page list is the device table read row by row
-        if self.__dict__.get("paged_kv_indices") is PENDING:
+        if "paged_kv_indices" not in self.__dict__:
             self.paged_kv_indices = self.block_tables.view(-1)
 
 
@@ -538,7 +538,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
             indptr, last = paged_kv_layout(host["seq_lens_tensor"], self.spec.block_size, md.rolled_blocks)
             md.paged_kv_indptr = torch.from_numpy(indptr)
             if not md.has("paged_kv_indices"):  # every table entry is live: a view of the table (`after_upload`)
-                md.paged_kv_indices = PENDING
+                md._derive_after_upload("paged_kv_indices")
             md.paged_kv_last_page_len = torch.from_numpy(last)
         md.step_plan = StepPlan(self._pool, md, self._turn)
         self._turn += 1
