@@ -469,6 +469,29 @@ def test_device_fields_wait_for_their_first_read_and_come_from_one_copy(monkeypa
     assert variant.context_lens_tensor.tolist() == (seq_lens - 1).tolist()
 
 
+@pytest.mark.parametrize("backend_name", ["FLASHINFER", "TORCH_SDPA"])
+@pytest.mark.parametrize("as_tensor", [False, True])
+@pytest.mark.parametrize("full", [False, True])  # every row needs the whole table: no masking copy
+def test_a_deferred_upload_copies_the_step_as_built_though_the_caller_edits_its_arrays(backend_name, as_tensor, full):
+    # a server edits its tables and lengths arrays in place for the next step, before this one's
+    # upload (its first device-field read) has run
+    spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
+                            dtype=torch.float32, device="cpu")
+    rng = np.random.default_rng()
+    seq_lens = rng.integers(3 * BS + 1 if full else 2, 4 * BS + 1, size=3)
+    tables = rng.permutation(NB)[:12].reshape(3, 4).astype(np.int32)
+    want_tables = [list(t[: -(-s // BS)]) for t, s in zip(tables.tolist(), seq_lens.tolist(), strict=True)]
+    want_slots = [t[(s - 1) // BS] * BS + (s - 1) % BS for t, s in zip(want_tables, seq_lens.tolist(), strict=True)]
+    given = (torch.from_numpy(seq_lens), torch.from_numpy(tables)) if as_tensor else (seq_lens, tables)
+    md = ca.registry.BACKEND_CLASSES()[backend_name].get_builder_cls()(spec).build(given[0], np.ones(3, int), given[1])
+    seq_lens[:] += 1
+    tables[:] = 0
+    assert not md.is_uploaded("block_tables")
+    assert [row[: len(w)] for row, w in zip(md.block_tables.tolist(), want_tables, strict=True)] == want_tables
+    assert md.slot_mapping.tolist() == want_slots
+    assert md.seq_lens_tensor.tolist() == (seq_lens - 1).tolist()
+
+
 def test_a_deferred_upload_names_the_device_with_its_index(monkeypatch):
     # what md.device says before the upload, compared with the graph buffers' (`cuda:0`) device
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
