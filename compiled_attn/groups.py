@@ -14,12 +14,26 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import torch
 
 from compiled_attn.abstract import AttentionMetadata, AttentionState
 
 _SEP = "/"  # group name / field name in the flat buffer dict a runner keeps
+
+
+class _FirstGroupField:
+    """A step-level device field, the first group's, read when asked: a builder's metadata uploads
+    at its first device-field read (`metadata.DeviceField`), which a graph step never makes."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, md: GroupedMetadata | None, owner: type | None = None) -> Any:
+        if md is None:
+            raise AttributeError(self.name)  # no default: the dataclass field stays required
+        return getattr(md.first, self.name)
 
 
 @dataclasses.dataclass(eq=False)
@@ -37,7 +51,12 @@ class GroupedMetadata(AttentionMetadata):
             logits = model(input_ids, positions, kv_caches)
     """
 
+    slot_mapping: torch.Tensor = _FirstGroupField()
     groups: dict[str, AttentionMetadata] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.__dict__.get("slot_mapping") is None:  # `of`'s: the first group's when read
+            del self.__dict__["slot_mapping"]
 
     @classmethod
     def of(cls, groups: Mapping[str, AttentionMetadata]) -> GroupedMetadata:
@@ -58,7 +77,7 @@ class GroupedMetadata(AttentionMetadata):
                 raise ValueError(f"groups {first_name!r} and {name!r} come from different backends: one forward "
                                  "runs one backend")
         return cls(num_prefills=first.num_prefills, num_prefill_tokens=first.num_prefill_tokens,
-                   num_decode_tokens=first.num_decode_tokens, slot_mapping=first.slot_mapping, groups=dict(items))
+                   num_decode_tokens=first.num_decode_tokens, slot_mapping=None, groups=dict(items))
 
     @property
     def first(self) -> AttentionMetadata:

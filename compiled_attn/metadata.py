@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from compiled_attn.abstract import (
     AttentionBackend,
@@ -38,6 +40,10 @@ from compiled_attn.validation import (
     rolled_blocks,
 )
 
+# Held while a metadata uploads: another thread's first read of it waits, then finds the fields
+# set (one lock for all, as uploads are one a step; an instance's would not pickle or deepcopy).
+_UPLOAD_LOCK = threading.RLock()
+
 
 class DeviceField:
     """A device tensor field of the metadata. A builder's step leaves these unset until the first
@@ -58,7 +64,7 @@ class DeviceField:
         self.name = name
 
     def __get__(self, md: CommonMetadata | None, owner: type | None = None) -> Any:
-        if md is not None and md._pending is not None:
+        if md is not None:
             md.upload_pending()
             if self.name in md.__dict__:
                 return md.__dict__[self.name]
@@ -153,14 +159,23 @@ class CommonMetadata(AttentionMetadata):
         del self.__dict__[name]
 
     def upload_pending(self) -> None:
-        """Upload the device fields a builder left unset, in one copy (`upload`), on the current
-        stream; a no-op once done. Reading any of them does this."""
-        if self._pending is None:
-            return
-        (arrays, device), self._pending = self._pending, None
-        for name, tensor in upload(arrays, device).items():
-            self.__dict__[name] = tensor
-        self.after_upload()
+        """Upload the device fields a builder left unset, in one copy (`upload`), on the calling
+        thread's current stream; a no-op once done. The first read of any of them does this, so
+        make it (or call this) before a CUDA-graph capture or compiled code reads them: inside a
+        capture it raises RuntimeError. Under FakeTensorMode the tensors are real all the same."""
+        with _UPLOAD_LOCK:
+            if self._pending is None:
+                return
+            arrays, device = self._pending
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("this step's metadata is first read inside a CUDA-graph capture, where its "
+                                   "upload cannot run: read it before the capture (md.upload_pending())")
+            with unset_fake_temporarily():  # the metadata keeps real tensors, whoever reads it first
+                tensors = upload(arrays, device)
+            for name, tensor in tensors.items():
+                self.__dict__.setdefault(name, tensor)  # a field assigned since build() stays
+            self.after_upload()
+            self._pending = None  # last: a failed upload can be made again
 
     def after_upload(self) -> None:
         """Device fields a backend derives from the uploaded ones (`_derive_after_upload`)."""
@@ -319,13 +334,17 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
     for one pageable copy per array (`bench` suite `overhead`, BENCHMARKS.md); the loop's figures
     were all measured with this copy.
     """
-    for name, a in arrays.items():
-        if a.dtype not in _TORCH_DTYPES:
-            raise TypeError(f"device field {name} must be an int32 or int64 array, got {a.dtype}")
+    check_upload_dtypes(arrays)
     if device.type == "cpu":  # shared, but for read-only arrays (the tables a builder froze): no tensor may view them
         return {name: torch.from_numpy(np.ascontiguousarray(a) if a.flags.writeable else a.copy())
                 for name, a in arrays.items()}
     return packed_copy(arrays, lambda host: host.to(device, non_blocking=True), pin=device.type == "cuda")
+
+
+def check_upload_dtypes(arrays: dict[str, np.ndarray]) -> None:
+    for name, a in arrays.items():
+        if a.dtype not in _TORCH_DTYPES:
+            raise TypeError(f"device field {name} must be an int32 or int64 array, got {a.dtype}")
 
 
 def current_device(device: torch.device) -> torch.device:
@@ -567,7 +586,9 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         and backend_parts as they are (int32 / int64)."""
         arrays = {name: a.astype(np.int32, copy=False) for name, a in int32_parts.items()}
         arrays.update((name, a.astype(np.int64, copy=False)) for name, a in int64_parts.items())
-        return {**arrays, **tables, **(backend_parts or {})}
+        arrays = {**arrays, **tables, **(backend_parts or {})}
+        check_upload_dtypes(arrays)  # here, not at the deferred upload: build() refuses the step
+        return arrays
 
     def _to_device(
         self,

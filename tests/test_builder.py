@@ -4,6 +4,8 @@ TORCH_SDPA's padded layout, checked against values worked out by hand."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -492,6 +494,60 @@ def test_a_deferred_upload_copies_the_step_as_built_though_the_caller_edits_its_
     assert md.seq_lens_tensor.tolist() == (seq_lens - 1).tolist()
 
 
+def _sdpa_step(seq_lens: list[int]) -> ca.AttentionMetadata:
+    spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
+                            dtype=torch.float32, device="cpu")
+    tables = np.random.default_rng().permutation(NB)[: 4 * len(seq_lens)].reshape(len(seq_lens), 4)
+    return ca.registry.BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(spec).build(seq_lens, [1] * len(seq_lens),
+                                                                                      tables)
+
+
+def test_a_failed_upload_is_made_again_at_the_next_read_and_keeps_assigned_fields(monkeypatch):
+    md = _sdpa_step([5, 9, 14])
+    real, calls = ca.metadata.upload, []
+
+    def failing_once(arrays, device):
+        calls.append(device)
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("out of pinned memory")
+        return real(arrays, device)
+
+    monkeypatch.setattr(ca.metadata, "upload", failing_once)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        md.seq_lens_tensor  # noqa: B018
+    assert not md.is_uploaded("seq_lens_tensor") and md.has("slot_mapping")
+    mine = torch.tensor([7, 7, 7], dtype=torch.int32)
+    md.context_lens_tensor = mine  # assigned before the upload: the upload leaves it
+    assert md.seq_lens_tensor.tolist() == [5, 9, 14] and len(calls) == 2
+    assert md.context_lens_tensor is mine and md.query_start_loc.tolist() == [0, 1, 2, 3]
+
+
+def test_a_first_read_under_fake_tensor_mode_or_from_two_threads_uploads_real_tensors_once(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    md = _sdpa_step([5, 9])
+    with FakeTensorMode():  # e.g. a trace that hands the ops their metadata
+        fake_mode_read = md.seq_lens_tensor
+    assert not isinstance(fake_mode_read, FakeTensor) and md.seq_lens_tensor.tolist() == [5, 9]
+
+    md = _sdpa_step([6, 10, 3])
+    real, uploads = ca.metadata.upload, []
+
+    def slow(arrays, device):
+        uploads.append(device)
+        time.sleep(0.2)  # the other thread reads meanwhile
+        return real(arrays, device)
+
+    monkeypatch.setattr(ca.metadata, "upload", slow)
+    reads = {}
+    first = threading.Thread(target=lambda: reads.setdefault("first", md.slot_mapping.tolist()))
+    first.start()
+    time.sleep(0.05)
+    reads["second"] = md.seq_lens_tensor.tolist()
+    first.join()
+    assert reads["second"] == [6, 10, 3] and len(reads["first"]) == 3 and len(uploads) == 1
+
+
 def test_a_deferred_upload_names_the_device_with_its_index(monkeypatch):
     # what md.device says before the upload, compared with the graph buffers' (`cuda:0`) device
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
@@ -545,14 +601,16 @@ def test_cuda_fields_equal_cpu_fields_from_one_pinned_copy(backend_name):
     table = rng.permutation(NB)[:12].reshape(3, 4).astype(np.int32)  # entries past each need: a page list
     query = np.array([5, 1, 1])
     want = builders[0].build(seq, query, table)
-    builders[1].build(seq, query, table)  # allocations and lazy set-up outside the profile
+    builders[1].build(seq, query, table).upload_pending()  # allocations and lazy set-up outside the profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         got = builders[1].build(seq, query, table)
+        got.upload_pending()  # what the first device-field read does
         torch.cuda.synchronize()
     copies = [k.name for k in cuda_kernels(prof) if k.name.startswith("Memcpy HtoD")]
     # XFORMERS copies its own fields once more: this step has a prefill with a cached prefix
     assert copies == ["Memcpy HtoD (Pinned -> Device)"] * (2 if backend_name == "XFORMERS" else 1), copies
+    want.upload_pending()
     fields = [f for f, v in vars(want).items()
               if isinstance(v, torch.Tensor) and isinstance(getattr(got, f), torch.Tensor) and getattr(got, f).is_cuda]
     assert {"slot_mapping", "block_tables", "seq_lens_tensor", "query_start_loc"} <= set(fields)

@@ -356,13 +356,18 @@ def test_a_graph_step_leaves_the_builders_upload_pending(case, fake_flashinfer):
     state = backend.get_state_cls()(spec)
     runner = static_runner(recording_model(state, []), name, spec, [], [4], state)
     builder = backend.get_builder_cls()(spec)
-    for step in (FIRST, SECOND):
+    # the last step's tables are full: FlashInfer's page list is then the table itself, made at the upload
+    full = dict(SECOND, seq_lens=[72, 100], tables=[[5, 6], [7, 8]])
+    for i, step in enumerate((FIRST, SECOND, full)):
         md = decode_step(builder, spec, step)
         tokens = torch.zeros(md.num_seqs, dtype=torch.int64)
         runner.run(md, tokens, tokens)
-        assert runner.counts["graph"] and md.is_uploaded("slot_mapping") == (name == "XFORMERS")
+        assert runner.counts["graph"] == i + 1 and md.is_uploaded("slot_mapping") == (name == "XFORMERS")
     # read after all, the fields are the step's
-    assert md.slot_mapping.tolist() == [6 * 64 + 6, 7 * 64 + 3] and md.block_tables.tolist() == [[5, 6], [7, 0]]
+    assert md.slot_mapping.tolist() == [6 * 64 + 7, 8 * 64 + 35] and md.block_tables.tolist() == [[5, 6], [7, 8]]
+    if name == "FLASHINFER":
+        assert md.paged_kv_indices.tolist() == [5, 6, 7, 8]
+        assert md.paged_kv_indices.data_ptr() == md.block_tables.data_ptr()
 
 
 @pytest.mark.parametrize("case", list(OWN_AFTER_SECOND))

@@ -145,6 +145,9 @@ def test_grouped_state_serves_a_runner_whose_groups_differ():
     ids, pos = torch.tensor([3, 5, 7]), torch.tensor([8, 29, 16])
     eager_caches = [c.clone() for c in caches]
     graphed = runner.run(md, ids, pos)
+    # the graph step read the groups' host arrays only: no group uploaded its device fields
+    assert not any(group.is_uploaded("slot_mapping") for group in md.groups.values())
+    assert md.slot_mapping.tolist() == [1 * 16 + 8, 3 * 16 + 13, 5 * 16 + 0]  # the first group's, read now
     with ca.set_forward_context(md):
         eager = model(ids, pos, eager_caches)
     assert runner.counts["graph"] == 1
