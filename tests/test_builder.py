@@ -413,18 +413,25 @@ def test_upload_copies_to_other_devices_and_shares_cpu_arrays():
     assert cpu["b"].tolist() == b.tolist()
 
 
+@pytest.fixture
+def packed_copies(monkeypatch) -> list[list[str]]:
+    """The field names each `packed_copy` (one device upload) copies, sorted, in call order."""
+    copies = []
+
+    def spy(arrays, copy, **kw):
+        copies.append(sorted(arrays))
+        return packed_copy(arrays, copy, **kw)
+
+    monkeypatch.setattr(ca.metadata, "packed_copy", spy)
+    return copies
+
+
 @pytest.mark.parametrize(("backend_name", "fields"), [
     ("TORCH_SDPA", ("prefill_token_index", "prefill_q_pos", "prefill_flat_index")),
     ("FLASHINFER", ("paged_kv_indices",)),
 ])
-def test_every_device_field_of_a_step_comes_from_one_copy(backend_name, fields, monkeypatch):
-    copies = []
-
-    def spy(arrays, copy, **kw):
-        copies.append(list(arrays))
-        return packed_copy(arrays, copy, **kw)
-
-    monkeypatch.setattr(ca.metadata, "packed_copy", spy)
+def test_every_device_field_of_a_step_comes_from_one_copy(backend_name, fields, packed_copies):
+    copies = packed_copies
     spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
                             dtype=torch.bfloat16, device="meta")  # a device copy on a CPU-only machine
     b = ca.registry.BACKEND_CLASSES()[backend_name].get_builder_cls()(spec)
@@ -439,14 +446,8 @@ def test_every_device_field_of_a_step_comes_from_one_copy(backend_name, fields, 
         assert md.paged_kv_indices.shape == (5,)  # the pages read: 3 + 2, not the table's 6
 
 
-def test_device_fields_wait_for_their_first_read_and_come_from_one_copy(monkeypatch):
-    copies = []
-
-    def spy(arrays, copy, **kw):
-        copies.append(sorted(arrays))
-        return packed_copy(arrays, copy, **kw)
-
-    monkeypatch.setattr(ca.metadata, "packed_copy", spy)
+def test_device_fields_wait_for_their_first_read_and_come_from_one_copy(packed_copies):
+    copies = packed_copies
     spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
                             dtype=torch.bfloat16, device="meta")
     rng = np.random.default_rng()
@@ -567,14 +568,8 @@ def test_an_upload_of_a_field_not_declared_a_device_field_raises(monkeypatch):
     assert isinstance(vars(ca.metadata.CommonMetadata)["slot_mapping"], DeviceField)
 
 
-def test_flashinfer_page_list_of_full_tables_is_the_table_itself(monkeypatch):
-    copies = []
-
-    def spy(arrays, copy, **kw):
-        copies.append(list(arrays))
-        return packed_copy(arrays, copy, **kw)
-
-    monkeypatch.setattr(ca.metadata, "packed_copy", spy)
+def test_flashinfer_page_list_of_full_tables_is_the_table_itself(packed_copies):
+    copies = packed_copies
     for device in ("meta", "cpu"):
         spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
                                 dtype=torch.bfloat16, device=device)
