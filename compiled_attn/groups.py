@@ -51,7 +51,7 @@ class GroupedMetadata(AttentionMetadata):
             logits = model(input_ids, positions, kv_caches)
     """
 
-    slot_mapping: torch.Tensor = _FirstGroupField()
+    slot_mapping: torch.Tensor | None = _FirstGroupField()  # None: the first group's (`of`)
     groups: dict[str, AttentionMetadata] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -33,6 +33,7 @@ from compiled_attn.validation import (
     check_device_available,
     check_total,
     check_written_blocks,
+    indexed_device,
     int_array,
     int_list,
     live_entries,
@@ -49,8 +50,8 @@ class DeviceField:
     """A device tensor field of the metadata. A builder's step leaves these unset until the first
     read of any of them, which makes the step's one upload (`CommonMetadata.upload_pending`). A
     decode step replayed as a CUDA graph reads only the host arrays (its State writes them into
-    the graph's pinned mirror), so it never pays for the upload: a third of `build()` on an
-    H200's host (BENCHMARKS.md, thirtieth session).
+    the graph's pinned mirror), so it never pays for the upload: about a third of the common
+    `build()` on an H200's host by cProfile (BENCHMARKS.md, thirtieth session).
 
     A dataclass field's descriptor (see the dataclasses docs; the class-level read gives the
     default, if any), and a non-data one: a set field is a plain instance attribute, so reading
@@ -69,12 +70,12 @@ class DeviceField:
             if self.name in md.__dict__:
                 return md.__dict__[self.name]
         if self.default is dataclasses.MISSING:
-            raise AttributeError(self.name)
+            raise AttributeError(self.name if md is None else f"{type(md).__name__}.{self.name} is unset (deleted?)")
         return self.default
 
 
 @functools.cache
-def device_field_names(cls: type) -> frozenset[str]:
+def _device_field_names(cls: type) -> frozenset[str]:
     """The fields `cls` declares as DeviceField (its own and inherited)."""
     return frozenset(name for klass in cls.__mro__ for name, attr in vars(klass).items()
                      if isinstance(attr, DeviceField))
@@ -154,8 +155,11 @@ class CommonMetadata(AttentionMetadata):
             del self.__dict__[name]
         self._pending = (arrays, device)
 
-    def _derive_after_upload(self, name: str) -> None:
-        """Unset DeviceField `name` too, which `after_upload` sets from the uploaded fields."""
+    def _derive_at_upload(self, name: str) -> None:
+        """Unset DeviceField `name` too, for a builder whose metadata's `after_upload` sets it from
+        the uploaded fields."""
+        if self._pending is None or name not in self.__dict__:
+            raise RuntimeError(f"{name} can wait for an upload only while its builder's upload is pending")
         del self.__dict__[name]
 
     def upload_pending(self) -> None:
@@ -168,21 +172,27 @@ class CommonMetadata(AttentionMetadata):
                 return
             arrays, device = self._pending
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("this step's metadata is first read inside a CUDA-graph capture, where its "
-                                   "upload cannot run: read it before the capture (md.upload_pending())")
-            with unset_fake_temporarily():  # the metadata keeps real tensors, whoever reads it first
+                raise RuntimeError(
+                    "a builder's metadata is first read inside a CUDA-graph capture, where its upload cannot run: "
+                    "capture with a State's metadata (graph_capture_get_metadata_for_batch), or read the step's "
+                    "fields (md.upload_pending()) before the capture")
+            if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
                 tensors = upload(arrays, device)
+            else:
+                with unset_fake_temporarily():  # the metadata keeps real tensors, whoever reads it first
+                    tensors = upload(arrays, device)
             for name, tensor in tensors.items():
                 self.__dict__.setdefault(name, tensor)  # a field assigned since build() stays
+            self._pending = None  # only now: a failed upload is made again at the next read
             self.after_upload()
-            self._pending = None  # last: a failed upload can be made again
 
     def after_upload(self) -> None:
-        """Device fields a backend derives from the uploaded ones (`_derive_after_upload`)."""
+        """Set the device fields a backend derives from the uploaded ones (`_derive_at_upload`);
+        called once the uploaded fields are set."""
 
     def is_uploaded(self, name: str) -> bool:
         """Whether field `name` holds its value (no device field still waiting for the upload): no upload."""
-        return name in self.__dict__ or self._pending is None or name not in device_field_names(type(self))
+        return name in self.__dict__ or self._pending is None or name not in _device_field_names(type(self))
 
     def has(self, name: str) -> bool:
         """Whether field `name` is set (not None), a device field waiting for the upload included: no upload."""
@@ -334,25 +344,18 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
     for one pageable copy per array (`bench` suite `overhead`, BENCHMARKS.md); the loop's figures
     were all measured with this copy.
     """
-    check_upload_dtypes(arrays)
+    _check_upload_dtypes(arrays)
     if device.type == "cpu":  # shared, but for read-only arrays (the tables a builder froze): no tensor may view them
         return {name: torch.from_numpy(np.ascontiguousarray(a) if a.flags.writeable else a.copy())
                 for name, a in arrays.items()}
     return packed_copy(arrays, lambda host: host.to(device, non_blocking=True), pin=device.type == "cuda")
 
 
-def check_upload_dtypes(arrays: dict[str, np.ndarray]) -> None:
+def _check_upload_dtypes(arrays: dict[str, np.ndarray]) -> None:
+    """TypeError unless every array has a dtype `upload` copies (int32 / int64)."""
     for name, a in arrays.items():
         if a.dtype not in _TORCH_DTYPES:
             raise TypeError(f"device field {name} must be an int32 or int64 array, got {a.dtype}")
-
-
-def current_device(device: torch.device) -> torch.device:
-    """`device` with its index: a CUDA device named without one is the current one (where a copy
-    made now would land, and what the tensors' `.device` would say)."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def aligned_offsets(nbytes: dict[str, int]) -> tuple[dict[str, int], int]:
@@ -496,9 +499,10 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         backend_fields = self.add_backend_fields(seq_lens, query_lens, num_prefills, cross.get("encoder_seq_lens"),
                                                  table, ids)
         uploads = {name: a for name, a in backend_fields.items() if isinstance(a, np.ndarray)}
-        if not uploads.keys() <= device_field_names(self.metadata_cls):
+        if not uploads.keys() <= _device_field_names(self.metadata_cls):
             raise TypeError(f"{self.metadata_cls.__name__} must declare its uploaded fields "
-                            f"{sorted(uploads.keys() - device_field_names(self.metadata_cls))} as DeviceField()")
+                            f"{sorted(uploads.keys() - _device_field_names(self.metadata_cls))} as DeviceField(None)")
+        _check_upload_dtypes(uploads)  # here, not at the deferred upload: build() refuses the step
         arrays = self._device_arrays(int32_parts, int64_parts, tables, uploads)
         fields = {**backend_fields, **dict.fromkeys(arrays)}  # unset below (`_defer_upload`)
         for checked in tables.values():  # graph refills trust these host tables while nobody can edit them
@@ -525,7 +529,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         md._builder = self
         md._needed_block_ids = ids
         md._host = {**int32_parts, **int64_parts}
-        md._defer_upload(arrays, current_device(self.device))
+        md._defer_upload(arrays, indexed_device(self.device))
         return md
 
     def _scratch(self) -> np.ndarray:
@@ -586,9 +590,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         and backend_parts as they are (int32 / int64)."""
         arrays = {name: a.astype(np.int32, copy=False) for name, a in int32_parts.items()}
         arrays.update((name, a.astype(np.int64, copy=False)) for name, a in int64_parts.items())
-        arrays = {**arrays, **tables, **(backend_parts or {})}
-        check_upload_dtypes(arrays)  # here, not at the deferred upload: build() refuses the step
-        return arrays
+        return {**arrays, **tables, **(backend_parts or {})}
 
     def _to_device(
         self,

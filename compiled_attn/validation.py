@@ -108,6 +108,14 @@ def as_device(name: str, value: object) -> torch.device:
         ) from None
 
 
+def indexed_device(device: torch.device) -> torch.device:
+    """`device` with its index: a CUDA device named without one is the current one (where a
+    tensor made now would land, and what its `.device` would say)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def check_device_available(device: torch.device) -> None:
     """A CUDA device this machine has (CPU and meta always exist); ValueError otherwise, before
     anything is allocated on it."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -15,8 +14,8 @@ import compiled_attn as ca
 from compiled_attn import block_ids
 from compiled_attn.bench.kernel_table import cuda_kernels
 from compiled_attn.block_ids import BlockIdCheck
-from compiled_attn.metadata import UPLOAD_ALIGN, DeviceField, current_device, packed_copy, upload
-from compiled_attn.validation import check_block_ids, needed_table, rolled_blocks
+from compiled_attn.metadata import UPLOAD_ALIGN, DeviceField, packed_copy, upload
+from compiled_attn.validation import check_block_ids, indexed_device, needed_table, rolled_blocks
 
 T = ca.AttentionType
 BACKEND = ca.get_attn_backend("TORCH_SDPA")
@@ -456,7 +455,7 @@ def test_device_fields_wait_for_their_first_read_and_come_from_one_copy(packed_c
     md = ca.registry.BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(spec).build(seq_lens, np.ones(3, int), tables)
     # what asks without uploading
     assert md.device == torch.device("meta") and md.has("block_tables") and not md.has("cross_block_tables")
-    assert not md.is_uploaded("slot_mapping") and md.is_uploaded("seq_lens") and copies == []
+    assert not md.is_uploaded("slot_mapping") and copies == []
     assert md.block_tables.shape == (3, int(max(-(-seq_lens // BS))))  # one read uploads every field
     common = ["block_tables", "context_lens_tensor", "query_start_loc", "seq_lens_tensor", "slot_mapping"]
     assert copies == [common] and md.is_uploaded("slot_mapping")
@@ -532,29 +531,39 @@ def test_a_first_read_under_fake_tensor_mode_or_from_two_threads_uploads_real_te
     assert not isinstance(fake_mode_read, FakeTensor) and md.seq_lens_tensor.tolist() == [5, 9]
 
     md = _sdpa_step([6, 10, 3])
-    real, uploads = ca.metadata.upload, []
+    real, uploads, entered, proceed = ca.metadata.upload, [], threading.Event(), threading.Event()
 
-    def slow(arrays, device):
+    def held(arrays, device):  # an upload in flight until the test lets it finish
         uploads.append(device)
-        time.sleep(0.2)  # the other thread reads meanwhile
+        entered.set()
+        assert proceed.wait(10)
         return real(arrays, device)
 
-    monkeypatch.setattr(ca.metadata, "upload", slow)
+    monkeypatch.setattr(ca.metadata, "upload", held)
     reads = {}
     first = threading.Thread(target=lambda: reads.setdefault("first", md.slot_mapping.tolist()))
+    second = threading.Thread(target=lambda: reads.setdefault("second", md.seq_lens_tensor.tolist()))
     first.start()
-    time.sleep(0.05)
-    reads["second"] = md.seq_lens_tensor.tolist()
-    first.join()
-    assert reads["second"] == [6, 10, 3] and len(reads["first"]) == 3 and len(uploads) == 1
+    assert entered.wait(10)
+    second.start()
+    second.join(0.2)
+    assert second.is_alive()  # waits for the upload in flight
+    proceed.set()
+    first.join(10)
+    second.join(10)
+    assert reads == {"first": md.slot_mapping.tolist(), "second": [6, 10, 3]} and len(uploads) == 1
 
 
 def test_a_deferred_upload_names_the_device_with_its_index(monkeypatch):
     # what md.device says before the upload, compared with the graph buffers' (`cuda:0`) device
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert current_device(torch.device("cuda")) == torch.device("cuda", 1)
-    assert current_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
-    assert current_device(torch.device("cpu")) == torch.device("cpu")
+    assert indexed_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert indexed_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert indexed_device(torch.device("cpu")) == torch.device("cpu")
+    # build() defers to the indexed device (a CUDA spec cannot be built here: a stand-in for it)
+    monkeypatch.setattr(ca.metadata, "indexed_device", lambda device: torch.device("meta"))
+    md = _sdpa_step([5, 9])
+    assert md.device == torch.device("meta") and md.slot_mapping.device.type == "meta"
 
 
 def test_an_upload_of_a_field_not_declared_a_device_field_raises(monkeypatch):
@@ -563,7 +572,7 @@ def test_an_upload_of_a_field_not_declared_a_device_field_raises(monkeypatch):
     builder = ca.registry.BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(spec)
     # a backend field uploaded with the step's copy must be a DeviceField, or nothing would upload it on its read
     monkeypatch.setattr(type(builder), "add_backend_fields", lambda self, *args: {"extra_rows": np.zeros(2, np.int64)})
-    with pytest.raises(TypeError, match=r"must declare its uploaded fields \['extra_rows'\] as DeviceField"):
+    with pytest.raises(TypeError, match=r"must declare its uploaded fields \['extra_rows'\] as DeviceField\(None\)"):
         builder.build([5, 9], [1, 1], [[1, 2], [3, 4, 5]])
     assert isinstance(vars(ca.metadata.CommonMetadata)["slot_mapping"], DeviceField)
 
@@ -580,6 +589,19 @@ def test_flashinfer_page_list_of_full_tables_is_the_table_itself(packed_copies):
             assert md.paged_kv_indices.data_ptr() == md.block_tables.data_ptr()
             assert md.paged_kv_indices.tolist() == [4, 9, 17, 2]
     assert len(copies) == 1 and "paged_kv_indices" not in copies[0]  # meta only: CPU does not copy
+
+
+@pytest.mark.gpu
+def test_a_builders_metadata_first_read_inside_a_capture_raises_naming_the_fix():
+    spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
+                            dtype=torch.bfloat16, device="cuda")
+    seq_lens = np.random.default_rng().integers(2, 4 * BS, size=3)
+    md = ca.registry.BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(spec).build(
+        seq_lens, np.ones(3, int), np.arange(12).reshape(3, 4))
+    fix = r"graph_capture_get_metadata_for_batch.*md.upload_pending\(\)"
+    with torch.cuda.graph(torch.cuda.CUDAGraph()), pytest.raises(RuntimeError, match=fix):
+        md.seq_lens_tensor  # noqa: B018
+    assert md.seq_lens_tensor.tolist() == seq_lens.tolist()  # read after the capture: uploaded then
 
 
 @pytest.mark.gpu

@@ -538,7 +538,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
             indptr, last = paged_kv_layout(host["seq_lens_tensor"], self.spec.block_size, md.rolled_blocks)
             md.paged_kv_indptr = torch.from_numpy(indptr)
             if not md.has("paged_kv_indices"):  # every table entry is live: a view of the table (`after_upload`)
-                md._derive_after_upload("paged_kv_indices")
+                md._derive_at_upload("paged_kv_indices")
             md.paged_kv_last_page_len = torch.from_numpy(last)
         md.step_plan = StepPlan(self._pool, md, self._turn)
         self._turn += 1

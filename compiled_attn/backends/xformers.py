@@ -205,6 +205,7 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
         cross_block_tables: list[list[int]] | None = None,
     ) -> XFormersMetadata:
         md = super().build(seq_lens, query_lens, block_tables, encoder_seq_lens, cross_block_tables)
+        md.upload_pending()  # now, not at a first read: the bias objects below hold the device fields
         self.add_gather_fields(md)
         md.biases = build_biases(md)
         return md

@@ -31,6 +31,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from compiled_attn.validation import indexed_device
+
 
 @dataclasses.dataclass(frozen=True)
 class TPLayout:
@@ -108,7 +110,7 @@ def check_group_device(group: dist.ProcessGroup | None, device: str | torch.devi
         )
     bound = getattr(group, "bound_device_id", None)
     if device.type == "cuda" and bound is not None:
-        here = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        here = indexed_device(device)
         if bound != here:
             raise ValueError(f"the NCCL group is bound to {bound} but the model is on {here}")
 
