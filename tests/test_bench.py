@@ -298,5 +298,5 @@ def test_overhead_copy_rows_time_each_copy_form_and_build():
     rows = overhead.copy_rows(iters=2, device="meta", batch=4, ctx=64)  # meta: a device copy on a CPU machine
     assert [r["what"].split(": ", 1)[1] for r in rows] == [
         "one pinned copy (upload)", "one pageable copy per array", "one pageable copy, packed",
-        "build(), tables as array"]
+        "build() and its upload, tables as array"]
     assert all(r["us/call"] > 0 for r in rows)

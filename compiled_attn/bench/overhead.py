@@ -122,7 +122,8 @@ def copy_rows(iters: int, device: str = "cuda", batch: int = 64, ctx: int = 1024
     """Host time of a FLASHINFER decode step's metadata copies to `device` (no synchronize: what
     `build()` pays): its arrays in `upload`'s one pinned copy, against one pageable copy per
     array (`build()` before the fifteenth session) and one pageable copy of the same packed
-    buffer, and `build()` itself on a spec of `device`."""
+    buffer, and `build()` itself on a spec of `device` with the upload an eager step's first op
+    makes (`md.upload_pending()`: `build()` defers it, and a graph step never makes it)."""
     width = -(-(ctx + 16) // 16)
     specs = [ca.AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, num_blocks=batch * width,
                               dtype=torch.bfloat16, device=d) for d in ("cpu", device)]
@@ -140,7 +141,8 @@ def copy_rows(iters: int, device: str = "cuda", batch: int = 64, ctx: int = 1024
         ("one pageable copy per array",
          lambda: [torch.from_numpy(a).to(target, non_blocking=True) for a in arrays.values()]),
         ("one pageable copy, packed", lambda: packed_copy(arrays, lambda host: host.to(target, non_blocking=True))),
-        ("build(), tables as array", lambda: builders[1].build(seq_lens, query_lens, table)),
+        ("build() and its upload, tables as array",
+         lambda: builders[1].build(seq_lens, query_lens, table).upload_pending()),
     ):
         us = eager_time_us(fn, iters=iters, host_only=True)
         if target.type == "cuda":
