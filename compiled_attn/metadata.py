@@ -611,7 +611,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         block_ids: np.ndarray,
     ) -> dict[str, Any]:
         """Host work for the backend's own metadata fields, by name. A numpy array (int32 / int64)
-        is a device field, declared `DeviceField()` on `metadata_cls`: it reaches the device in
+        is a device field, declared `DeviceField(None)` on `metadata_cls`: it reaches the device in
         the step's one copy with the common fields.
         block_table: the step's checked host table [num_seqs, width]; block_ids: the ids its
         requests read, flat in request order (`CommonMetadata.needed_block_ids`)."""
