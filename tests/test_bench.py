@@ -250,24 +250,27 @@ def test_decode_loop_fp8_flashinfer_variant_names_flashinfers_decode():
 
 def test_decode_loop_rows_split_setup_from_timed_seconds(monkeypatch):
     """A decode-loop row says how long its side took to build, compile and run its first loop
-    (`setup s`) and how long its timed loops took (`timed s`): the first loop (a 0.3 s
-    stand-in for the compile) is setup, the timed loops (4 ms each) are not."""
-    import time
+    (`setup s`) and how long its timed loops took (`timed s`): the first loop (0.3 s of a fake
+    clock, standing in for the compile) is setup, the timed loops (40 ms each) are not. The clock
+    is the bench's own, advanced only by the loops, so the figures are exact on any host."""
+    import types
 
-    calls = []
+    calls, now = [], [100.0]
 
     def fake_loop(steps: int, sync_each: bool) -> None:
         calls.append(sync_each)
-        time.sleep(0.3 if len(calls) == 1 else 0.004)
+        now[0] += 0.3 if len(calls) == 1 else 0.04
 
+    monkeypatch.setattr(dl, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(dl, "peer_loop", lambda model, batch, ctx: fake_loop)
     monkeypatch.setattr(dl, "nominal_bandwidth", lambda: 1e12)
     model = build_model(TINY_LOOP, seed=0, backend="TORCH_SDPA")
     row = dl.measure_peer(model, batch=2, ctx=16, compiles=1, repeats=3)
     assert calls == [False] + [False] * 3 + [True] * 3  # one warm-up, then pipelined and synced loops
-    assert 0.3 <= row["setup s"] < 0.6 and row["timed s"] < 0.2
-    assert row["ms/step"] < 1.0  # the timed loops' ~0.07 ms a step, not the warm-up's 5.4
+    assert row["setup s"] == 0.3 and row["timed s"] == 0.2  # six timed loops: 0.24 s, rounded
+    assert row["ms/step"] == pytest.approx(40.0 / dl.STEPS)  # the timed loops' ms a step, not the warm-up's
+    assert row["ms/step synced"] == pytest.approx(40.0 / dl.STEPS)
 
 
 @pytest.mark.parametrize("sides", [("peer", "ours"), ("ours",), ("peer",)])
