@@ -726,6 +726,81 @@ def test_runner_compiler_compiles_batch_one_per_option_set_from_one_trace(monkey
     torch._dynamo.reset()
 
 
+class FailingCandidate(RecordingInductor):
+    """RecordingInductor whose compile with `failing`'s ONE_TOKEN_COMPILES options raises."""
+
+    def __init__(self, monkeypatch, failing: str) -> None:
+        super().__init__(monkeypatch)
+        self.failing = failing
+
+    def __call__(self, gm, example_inputs, config_patches):
+        if self.compiler._tracing_one_token and config_patches is ONE_TOKEN_COMPILES[self.failing]:
+            raise RuntimeError(f"{self.failing} lowering broke")
+        return super().__call__(gm, example_inputs, config_patches)
+
+
+def test_batch_one_goes_without_a_candidate_that_fails_to_compile(monkeypatch):
+    """A batch-1 candidate compile that raises (cuBLAS's GEMVs here) is left out with a warning that
+    names it and its error, recorded in `failed`; the primary compile serves batch 1 and its output
+    matches a float64 reference. If the primary itself fails, the compile fails."""
+    inductor = FailingCandidate(monkeypatch, failing="cublas")
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(8, 16, generator=gen)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight).tanh()
+
+    torch._dynamo.reset()
+    backend = inductor.compiler = RunnerCompiler()
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=True)
+    x = torch.randn(1, 16, generator=gen)
+    with backend.one_token_calls(), pytest.warns(UserWarning, match="batch 1's 'cublas' compile .* failed.*"
+                                                 "RuntimeError: cublas lowering broke"):
+        out = compiled(x)
+    torch.testing.assert_close(out.double(), (x.double() @ weight.double().T).tanh())
+    assert backend.failed == {"cublas": "RuntimeError: cublas lowering broke"}
+    assert [c[0] for c in inductor.compiles] == ["reductions"] and inductor.ran == ["reductions"]
+    assert backend.use == compiler_module.PRIMARY_ONE_TOKEN_COMPILE == "reductions"
+
+    torch._dynamo.reset()
+    inductor = FailingCandidate(monkeypatch, failing="reductions")
+    backend = inductor.compiler = RunnerCompiler()
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=True)
+    with backend.one_token_calls(), pytest.raises(Exception, match="reductions lowering broke"):
+        compiled(x)
+    assert backend.failed == {} and inductor.compiles == []
+    torch._dynamo.reset()
+
+
+def test_batch_one_capture_skips_a_candidate_that_failed_to_compile(tiny_model, monkeypatch):
+    """The capture's pick on CPU with stand-in graphs, the cuBLAS candidate having failed to compile
+    in batch 1's trace: batch 1 is captured once, from the primary compile, which is kept; the
+    capture's stats name the failure."""
+    from compiled_attn.graphs import runner as runner_module
+
+    spec = cpu_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1], max_batch_size=1)
+    runner._compiler, runner._pick_batch_one = RunnerCompiler(), True
+    captured = []
+
+    def capture_graph(self, bs, md_bs, input_buffers, graph_state, pool, side_stream):
+        if self._output is None:
+            self._output = torch.empty(bs, TINY.vocab_size)
+        if not self._compiler.one_token_graphs:  # the first call traces batch 1: the candidate fails
+            self._compiler.one_token_graphs, self._compiler.failed["cublas"] = 1, "RuntimeError: broke"
+        captured.append(self._compiler.use)
+        return self._compiler.use, True
+
+    monkeypatch.setattr(CUDAGraphRunner, "_capture_graph", capture_graph)
+    monkeypatch.setattr(runner_module, "_replay_ms", lambda graph, replays: 2.5)
+    with runner.state.graph_capture(1):
+        entry = runner._capture_size(1, runner.widths[0], None, "a side stream")
+    assert captured == ["reductions"] and entry.graph == "reductions"
+    assert runner._one_token_stats == {"compile": "reductions", "replay_ms": {"reductions": 2.5},
+                                       "failed": {"cublas": "RuntimeError: broke"}}
+    assert runner._compiler.use == runner._compiler.kept == "reductions"
+
+
 def test_one_token_calls_nest_and_stay_in_their_thread():
     """The mark of one-token calls is a context variable: a nested call leaves it on for the rest of
     the outer one, and a trace on another thread meanwhile is not batch 1's."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -28,6 +29,9 @@ COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
 # tuned ones won (5.86 against 6.35 ms; BENCHMARKS.md, twenty-eighth session). So with CUDA
 # graphs, batch 1's graph is captured from both and the faster replay kept.
 ONE_TOKEN_COMPILES = {"reductions": COMPILE_OPTIONS, "cublas": {"coordinate_descent_tuning": False}}
+# The compile batch 1 runs without a pick (no CUDA graphs) and the one whose failure fails the
+# compile; the others are candidates: one that fails to compile is dropped with a warning.
+PRIMARY_ONE_TOKEN_COMPILE = "reductions"
 
 
 class RunnerCompiler:
@@ -35,11 +39,15 @@ class RunnerCompiler:
     patch the dict to try other options). A graph traced inside `one_token_calls()` (the runner's
     calls of one token) is batch 1's: until a compile is kept (`keep`), it is compiled once per
     ONE_TOKEN_COMPILES entry, and each call of it runs the compile `use` names; after, a batch-1
-    graph traced again (another grad mode, other caches) is compiled with the kept options only."""
+    graph traced again (another grad mode, other caches) is compiled with the kept options only.
+    A candidate other than PRIMARY_ONE_TOKEN_COMPILE that fails to compile is left out with a
+    warning, its error in `failed` (a pick then has one candidate fewer); the primary's failure
+    raises, as any other compile's."""
 
     def __init__(self) -> None:
-        self.use = "reductions"
+        self.use = PRIMARY_ONE_TOKEN_COMPILE
         self.kept: str | None = None
+        self.failed: dict[str, str] = {}  # candidates that failed to compile: their errors
         self.compiles = 0  # graphs Dynamo handed over (none while Dynamo is disabled)
         self.one_token_graphs = 0  # of those, compiled per ONE_TOKEN_COMPILES entry
         # a context variable, as the forward context: per thread, and nested calls restore it
@@ -69,8 +77,17 @@ class RunnerCompiler:
             return compile_fx(gm, example_inputs, config_patches=ONE_TOKEN_COMPILES[self.kept])
         # compile_fx may rewrite the graph it is given: every compile but the last gets a copy
         last = len(ONE_TOKEN_COMPILES) - 1
-        compiled = {name: compile_fx(gm if i == last else _copy_graph(gm), example_inputs, config_patches=options)
-                    for i, (name, options) in enumerate(ONE_TOKEN_COMPILES.items())}
+        compiled = {}
+        for i, (name, options) in enumerate(ONE_TOKEN_COMPILES.items()):
+            try:
+                compiled[name] = compile_fx(gm if i == last else _copy_graph(gm), example_inputs,
+                                            config_patches=options)
+            except Exception as e:
+                if name == PRIMARY_ONE_TOKEN_COMPILE:
+                    raise
+                self.failed[name] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"batch 1's {name!r} compile (options {options}) failed, so batch 1 goes without "
+                              f"it: {self.failed[name]}", stacklevel=1)  # raised inside Dynamo: no caller to point at
         self.one_token_graphs += 1
 
         def run(*args: Any) -> Any:

@@ -238,7 +238,8 @@ class CUDAGraphRunner:
         so pool_bytes and seconds cover them too. Piecewise buckets are captured first (the
         largest token counts). one_token: with `compile=True`, CUDA graphs and 1 among the
         capture sizes, the compile batch 1's graphs and one-token eager steps run (a name in
-        ONE_TOKEN_COMPILES) and each one's best replay_ms at capture; else None.
+        ONE_TOKEN_COMPILES) and each one's best replay_ms at capture, with failed (each candidate
+        that failed to compile: its error; the key only when one did); else None.
         """
         if self.capture_stats:
             raise RuntimeError("this runner is captured already; make a new runner to capture again")
@@ -314,7 +315,9 @@ class CUDAGraphRunner:
         """Batch 1's graph captured from each compile of its one trace; the faster replay's kept
         (`_pick_one_token`), and its compile serves every one-token step from then on."""
         graphs = {}
-        for name in ONE_TOKEN_COMPILES:
+        for name in ONE_TOKEN_COMPILES:  # the primary first: its capture traces and compiles them all
+            if name in self._compiler.failed:
+                continue
             self._compiler.use = name
             graphs[name] = self._capture_graph(1, md_bs, input_buffers, graph_state, pool, side_stream)
             if not self._compiler.one_token_graphs:  # batch 1's call traced nothing now
@@ -324,6 +327,8 @@ class CUDAGraphRunner:
                         "so its compiles cannot be compared: make a new runner and capture it before any call")
                 return graphs[name]  # Dynamo compiles nothing (TORCH_COMPILE_DISABLE, a force_eager stance)
         self._compiler.keep(self._pick_one_token({name: g for name, (g, _) in graphs.items()}))
+        if self._compiler.failed:
+            self._one_token_stats["failed"] = dict(self._compiler.failed)
         return graphs[self._compiler.use]
 
     def _capture_graph(self, bs: int, md_bs: AttentionMetadata,
