@@ -108,13 +108,27 @@ def check_capture_sizes_agree(sizes: Sequence[int], group: dist.ProcessGroup | N
         raise ValueError(f"ranks disagree on the {what} ({per_rank}); pass the same sizes on all")
 
 
+def slowest_rank_ms(replay_ms: dict[str, float], group: dist.ProcessGroup | None) -> dict[str, float]:
+    """Each candidate's replay time on the rank where it is slowest, for the candidates every rank
+    has (a rank may have lost one: a compile that failed there). A step of a sharded model waits
+    at each collective for the slowest rank, so this is what a candidate costs the group; every
+    rank gets the same dict, so a pick from it is the same on every rank. Without a group, or on
+    one rank, `replay_ms` itself."""
+    if group is None or dist.get_world_size(group) == 1:
+        return replay_ms
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, replay_ms, group=group)
+    shared = [name for name in gathered[0] if all(name in ms for ms in gathered)]
+    return {name: max(ms[name] for ms in gathered) for name in shared}
+
+
 def capture_sharded(runner: Any, group: dist.ProcessGroup | None) -> dict[str, Any]:
     """`runner.capture()` for a sharded model: checks first that every rank captures the same
     sizes and piecewise buckets (largest first, so the graphs' collectives line up), then
-    captures; returns its stats.
+    captures, every rank keeping the same batch-1 compile (`slowest_rank_ms`); returns its stats.
 
     runner: a `compiled_attn.graphs.CUDAGraphRunner` over this rank's model and KV caches.
     """
     check_capture_sizes_agree(runner.sizes, group)
     check_capture_sizes_agree([] if runner.piecewise is None else runner.piecewise.sizes, group, "piecewise buckets")
-    return runner.capture()
+    return runner.capture(group=group)

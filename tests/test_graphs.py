@@ -623,6 +623,29 @@ def test_batch_one_keeps_the_compile_whose_graph_replays_fastest(tiny_model, mon
     torch._dynamo.reset()
 
 
+def test_batch_one_pick_of_a_sharded_model_follows_the_slowest_rank(tiny_model, monkeypatch):
+    """With a group (a sharded model's capture), the pick goes by `slowest_rank_ms` of this rank's
+    best replays: here the other rank is slow on cublas, so reductions is kept though cublas
+    replayed faster on this rank; the stats hold both."""
+    from compiled_attn.graphs import runner as runner_module
+
+    spec = cpu_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1], max_batch_size=1)
+    group, seen = object(), []
+
+    def slowest_rank_ms(replay_ms, got_group):
+        seen.append((dict(replay_ms), got_group))
+        return {"reductions": replay_ms["reductions"], "cublas": 9.0}
+
+    monkeypatch.setattr(runner_module, "_replay_ms", lambda graph, replays: {"reductions": 4.0, "cublas": 3.0}[graph])
+    monkeypatch.setattr(runner_module, "slowest_rank_ms", slowest_rank_ms)
+    runner._group = group
+    assert runner._pick_one_token({"reductions": "reductions", "cublas": "cublas"}) == "reductions"
+    assert seen == [({"reductions": 4.0, "cublas": 3.0}, group)]
+    assert runner._one_token_stats == {"compile": "reductions", "replay_ms": {"reductions": 4.0, "cublas": 3.0},
+                                       "slowest_rank_ms": {"reductions": 4.0, "cublas": 9.0}}
+
+
 def test_batch_one_graphs_of_every_width_are_the_kept_compiles(tiny_model, monkeypatch):
     """The capture's wiring of the pick, on CPU with stand-in graphs: batch 1's widest graph is
     captured once per compile, its calls marked as one token's (their trace compiles them all);

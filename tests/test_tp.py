@@ -167,7 +167,11 @@ def gloo_rank_checks(group: dist.ProcessGroup, device: torch.device) -> dict:
     runner = CUDAGraphRunner(shard, ca.get_attn_backend(SDPA), spec, caches_for(TINY, spec), use_cuda_graphs=False,
                              capture_sizes=[1, 2, 4, 8], max_batch_size=8, progress=False)
     distributed.capture_sharded(runner, group)
+    out["runner_group"] = runner._group is group
     out["runner"], _ = serve(runner.run, spec, batch, tokens_of(out["gqa"]))
+    # batch 1's pick on each rank: rank 1 alone would keep cublas; rank 0 also has a candidate rank 1 lacks
+    out["slowest_rank_ms"] = distributed.slowest_rank_ms(
+        {"reductions": 4.0 + rank, "cublas": 6.0 - 3.0 * rank, **({"extra": 1.0} if rank == 0 else {})}, group)
     out["runner_counts"] = dict(runner.counts)
 
     try:
@@ -245,6 +249,13 @@ def test_runner_static_step_with_collectives_matches_unsharded(ranks):
         for g, w in zip(r["runner"], r["gqa"]["want"], strict=True):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
         assert r["runner_counts"]["graph"] == DECODE_STEPS
+
+
+def test_batch_one_pick_goes_by_each_candidates_slowest_rank(ranks):
+    """Every rank gets each shared candidate's slowest time (a step waits for the slowest rank at
+    its collectives), so each keeps the same compile; the sharded capture hands the runner its group."""
+    assert [r["slowest_rank_ms"] for r in ranks] == [{"reductions": 5.0, "cublas": 6.0}] * WORLD
+    assert all(r["runner_group"] for r in ranks)
 
 
 def test_ranks_disagreeing_on_capture_sizes_raise_on_every_rank(ranks):

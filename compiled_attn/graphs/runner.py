@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from compiled_attn.abstract import AttentionBackend, AttentionMetadata, AttentionSpec, AttentionState, AttentionType
+from compiled_attn.distributed import slowest_rank_ms
 from compiled_attn.dynamo import floats_as_constants, mark_token_dim
 from compiled_attn.forward_context import set_forward_context
 from compiled_attn.graphs.buckets import (
@@ -195,6 +196,7 @@ class CUDAGraphRunner:
         self._compiler = RunnerCompiler() if compile else None
         self.model = torch.compile(step, backend=self._compiler, fullgraph=True, dynamic=True) if compile else step
         self._one_token_stats: dict[str, Any] | None = None  # the pick: the kept compile, replay times
+        self._group = None  # a sharded model's ranks, at capture: batch 1's pick agrees across them
         self._unbacked_tokens = not compile
         self.backend = backend
         self.spec = spec
@@ -224,9 +226,11 @@ class CUDAGraphRunner:
 
     # -- capture ---------------------------------------------------------------------------
 
-    def capture(self) -> dict[str, Any]:
+    def capture(self, *, group: Any = None) -> dict[str, Any]:
         """Capture one graph per size and table width, largest first, into one pool; returns
-        `capture_stats`.
+        `capture_stats`. group: the process group of a sharded model's ranks (pass it through
+        `distributed.capture_sharded`, which checks the sizes first): batch 1's pick of compile
+        then goes by each candidate's slowest rank, so every rank keeps the same one.
 
         capture_stats: num_graphs (sizes x table widths), sizes, table_widths (blocks), seconds,
         graph_seconds (of those, inside the decode graphs' captures: no warm-up, no compile),
@@ -238,8 +242,9 @@ class CUDAGraphRunner:
         so pool_bytes and seconds cover them too. Piecewise buckets are captured first (the
         largest token counts). one_token: with `compile=True`, CUDA graphs and 1 among the
         capture sizes, the compile batch 1's graphs and one-token eager steps run (a name in
-        ONE_TOKEN_COMPILES) and each one's best replay_ms at capture, with failed (each candidate
-        that failed to compile: its error; the key only when one did); else None.
+        ONE_TOKEN_COMPILES) and each one's best replay_ms at capture (this rank's), with
+        slowest_rank_ms (the pick's figures, with a group of more than one rank) and failed (each
+        candidate that failed to compile: its error), those keys only when they apply; else None.
         """
         if self.capture_stats:
             raise RuntimeError("this runner is captured already; make a new runner to capture again")
@@ -254,6 +259,7 @@ class CUDAGraphRunner:
         start = time.perf_counter()
         self._graph_seconds = 0.0
         self._one_token_stats = None  # a capture retried after a failure times again
+        self._group = group
         if self._compiler is not None:
             self._compiler.kept = None
         piecewise_stats = None
@@ -368,8 +374,11 @@ class CUDAGraphRunner:
             for name, graph in graphs.items():
                 rounds[name].append(_replay_ms(graph, ONE_TOKEN_TIMED_REPLAYS))
         best = {name: min(ms) for name, ms in rounds.items()}
-        choice = min(best, key=best.__getitem__)
+        agreed = slowest_rank_ms(best, self._group)
+        choice = min(agreed, key=agreed.__getitem__)
         self._one_token_stats = {"compile": choice, "replay_ms": best}
+        if agreed is not best:
+            self._one_token_stats["slowest_rank_ms"] = agreed
         logger.info("batch 1: %s", ", ".join(f"{name} {ms:.3f} ms" for name, ms in best.items()) + f"; kept {choice}")
         return choice
 
