@@ -1386,6 +1386,38 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name, kept, monkeypatch)
     assert runner.counts["eager_prefill"] == 2 and runner.counts["graph"] == 16
 
 
+@pytest.mark.gpu
+@pytest.mark.long(30)
+def test_runner_compile_without_the_cublas_candidate_serves_greedy_tokens_like_eager(monkeypatch):
+    """Real graphs with batch 1's cuBLAS compile failing (forced): the capture warns, captures batch
+    1 from the primary compile alone and keeps it, says so in its stats, and serves eager's greedy
+    tokens at batch 1 and above."""
+    inductor = FailingCandidate(monkeypatch, failing="cublas")
+    name = "FLASHINFER"
+    spec = gpu_spec(name)
+    backend = gpu_backend(name, spec)
+    model = build_model(GPU_CONFIG, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
+    torch._dynamo.reset()
+    runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(GPU_CONFIG, backend, spec),
+                             capture_sizes=[1, 2], max_batch_size=2, progress=False, compile=True,
+                             postprocess=lambda logits: logits.argmax(-1))
+    inductor.compiler = runner._compiler
+    with pytest.warns(UserWarning, match="batch 1's 'cublas' compile .* failed"):
+        runner.capture()
+    one_token = runner.capture_stats["one_token"]
+    assert one_token["compile"] == "reductions" and set(one_token["replay_ms"]) == {"reductions"}
+    assert one_token["failed"] == {"cublas": "RuntimeError: cublas lowering broke"}
+    ref = Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec)), backend_name=name)
+    eng = Engine(spec, runner.run, backend_name=name)
+
+    def next_step(i: int, step: dict) -> dict:
+        return dict(list(step.items())[:1]) if i == 4 else step  # from step 5, batch 1: the static graph
+
+    assert greedy_agreement(ref, eng, prompts(2, seed=6, vocab=GPU_CONFIG.vocab_size), 8, next_step) >= 0.9
+    assert runner.counts["graph"] == 7
+    torch._dynamo.reset()
+
+
 def greedy_agreement(ref: Engine, eng: Engine, step: dict, steps: int,
                      next_step: Callable[[int, dict], dict] = lambda i, step: step) -> float:
     """`steps` steps of `eng`'s greedy tokens against `ref`'s logits, teacher-forced by eager's

@@ -274,8 +274,10 @@ def test_gloo_group_for_a_cuda_model_raises(ranks):
 
 
 def nccl_graphs_vs_eager(group: dist.ProcessGroup, device: torch.device, config: LlamaConfig,
-                         compile_model: bool) -> dict:
-    """Teacher-forced bf16 logits: eager sharded model vs the runner's captured graphs."""
+                         compile_model: str) -> dict:
+    """Teacher-forced bf16 logits: eager sharded model vs the runner's captured graphs; the model
+    eager ("eager"), compiled by the caller ("caller") or by the runner ("runner": batch 1's pick
+    of compile, agreed across the ranks)."""
     size = dist.get_world_size(group)
     spec = config.attention_spec(block_size=16, num_blocks=256, dtype=torch.bfloat16, device=device, tp_size=size,
                                  max_seq_len_to_capture=256)
@@ -286,15 +288,19 @@ def nccl_graphs_vs_eager(group: dist.ProcessGroup, device: torch.device, config:
     caches = [c.normal_() for c in allocate_kv_caches(config, backend, spec)]
     name = backend.get_name()
     want, tokens = serve(direct(model, caches), spec, batch, None, name)
-    step = torch.compile(model, fullgraph=True, dynamic=True) if compile_model else model
+    step = torch.compile(model, fullgraph=True, dynamic=True) if compile_model == "caller" else model
     runner = CUDAGraphRunner(step, backend, spec, [c.normal_() for c in allocate_kv_caches(config, backend, spec)],
-                             capture_sizes=[1, 4, 8], max_batch_size=8, progress=False)
+                             capture_sizes=[1, 4, 8], max_batch_size=8, progress=False,
+                             compile=compile_model == "runner")
     distributed.capture_sharded(runner, group)
     got, _ = serve(runner.run, spec, batch, tokens, name)
-    return {"want": want, "got": got, "counts": dict(runner.counts), "backend": name}
+    return {"want": want, "got": got, "counts": dict(runner.counts), "backend": name,
+            "one_token": runner.capture_stats["one_token"]}
 
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+SMALL_GPU = LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16,
+                        num_kv_heads=4)
 
 
 @pytest.mark.gpu
@@ -302,13 +308,19 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPU
 @pytest.mark.parametrize(
     ("config", "compile_model"),
     [
-        pytest.param(LlamaConfig.llama3_8b(), False, id="8b-eager-graphs"),
-        pytest.param(LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_layers=8,
-                                 num_heads=16, num_kv_heads=4), True, id="small-compiled-graphs"),
+        pytest.param(LlamaConfig.llama3_8b(), "eager", id="8b-eager-graphs"),
+        pytest.param(SMALL_GPU, "caller", id="small-compiled-graphs"),
+        pytest.param(SMALL_GPU, "runner", id="small-runner-compiled-graphs"),
     ],
 )
 def test_tp2_graphs_match_eager_in_bf16(config, compile_model):
-    for r in distributed.run_ranks(nccl_graphs_vs_eager, 2, config, compile_model, device_type="cuda"):
+    ranks = distributed.run_ranks(nccl_graphs_vs_eager, 2, config, compile_model, device_type="cuda")
+    if compile_model == "runner":  # both ranks keep the compile their slowest rank's times chose
+        picks = [r["one_token"] for r in ranks]
+        assert picks[0]["slowest_rank_ms"] == picks[1]["slowest_rank_ms"]
+        assert picks[0]["compile"] == picks[1]["compile"] == min(picks[0]["slowest_rank_ms"],
+                                                                 key=picks[0]["slowest_rank_ms"].get)
+    for r in ranks:
         assert r["counts"]["graph"] == DECODE_STEPS, r["counts"]
         for g, w in zip(r["got"], r["want"], strict=True):
             err = ((g - w).norm() / w.norm()).item()
