@@ -108,18 +108,36 @@ def check_capture_sizes_agree(sizes: Sequence[int], group: dist.ProcessGroup | N
         raise ValueError(f"ranks disagree on the {what} ({per_rank}); pass the same sizes on all")
 
 
+def failed_on_any_rank(failed: dict[str, str], group: dist.ProcessGroup | None) -> dict[str, str]:
+    """Batch 1's candidate compiles that failed on any rank, each with its error (another rank's
+    named as such), the same names on every rank: every rank must capture and replay the same
+    candidates, since each graph holds collectives that pair with the other ranks'. Without a
+    group, or on one rank, `failed` itself."""
+    if group is None or dist.get_world_size(group) == 1:
+        return failed
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, failed, group=group)
+    merged = dict(failed)
+    for rank, errors in enumerate(gathered):
+        for name, error in errors.items():
+            merged.setdefault(name, f"failed on rank {rank}: {error}")
+    return merged
+
+
 def slowest_rank_ms(replay_ms: dict[str, float], group: dist.ProcessGroup | None) -> dict[str, float]:
-    """Each candidate's replay time on the rank where it is slowest, for the candidates every rank
-    has (a rank may have lost one: a compile that failed there). A step of a sharded model waits
-    at each collective for the slowest rank, so this is what a candidate costs the group; every
-    rank gets the same dict, so a pick from it is the same on every rank. Without a group, or on
-    one rank, `replay_ms` itself."""
+    """Each candidate's replay time on the rank where it is slowest. A step of a sharded model
+    waits at each collective for the slowest rank, so this is what a candidate costs the group;
+    every rank gets the same dict, so a pick from it is the same on every rank. The ranks must
+    have timed the same candidates (`failed_on_any_rank`); RuntimeError on every rank if not.
+    Without a group, or on one rank, `replay_ms` itself."""
     if group is None or dist.get_world_size(group) == 1:
         return replay_ms
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, replay_ms, group=group)
-    shared = [name for name in gathered[0] if all(name in ms for ms in gathered)]
-    return {name: max(ms[name] for ms in gathered) for name in shared}
+    if any(ms.keys() != gathered[0].keys() for ms in gathered):
+        per_rank = ", ".join(f"rank {r}: {sorted(ms)}" for r, ms in enumerate(gathered))
+        raise RuntimeError(f"the ranks timed different batch-1 compiles ({per_rank})")
+    return {name: max(ms[name] for ms in gathered) for name in gathered[0]}
 
 
 def capture_sharded(runner: Any, group: dist.ProcessGroup | None) -> dict[str, Any]:

@@ -169,9 +169,14 @@ def gloo_rank_checks(group: dist.ProcessGroup, device: torch.device) -> dict:
     distributed.capture_sharded(runner, group)
     out["runner_group"] = runner._group is group
     out["runner"], _ = serve(runner.run, spec, batch, tokens_of(out["gqa"]))
-    # batch 1's pick on each rank: rank 1 alone would keep cublas; rank 0 also has a candidate rank 1 lacks
-    out["slowest_rank_ms"] = distributed.slowest_rank_ms(
-        {"reductions": 4.0 + rank, "cublas": 6.0 - 3.0 * rank, **({"extra": 1.0} if rank == 0 else {})}, group)
+    # batch 1's pick on each rank: rank 1 alone would keep cublas
+    out["slowest_rank_ms"] = distributed.slowest_rank_ms({"reductions": 4.0 + rank, "cublas": 6.0 - 3.0 * rank}, group)
+    try:  # ranks that timed different candidates: every rank raises (none waits for the others)
+        distributed.slowest_rank_ms({"reductions": 4.0, **({"cublas": 3.0} if rank == 0 else {})}, group)
+    except RuntimeError as e:
+        out["timed_error"] = str(e)
+    # a candidate that failed to compile on rank 0 only: both ranks leave it out
+    out["failed"] = distributed.failed_on_any_rank({"cublas": "OOM"} if rank == 0 else {}, group)
     out["runner_counts"] = dict(runner.counts)
 
     try:
@@ -252,10 +257,15 @@ def test_runner_static_step_with_collectives_matches_unsharded(ranks):
 
 
 def test_batch_one_pick_goes_by_each_candidates_slowest_rank(ranks):
-    """Every rank gets each shared candidate's slowest time (a step waits for the slowest rank at
-    its collectives), so each keeps the same compile; the sharded capture hands the runner its group."""
+    """Every rank gets each candidate's slowest time (a step waits for the slowest rank at its
+    collectives), so each keeps the same compile; ranks that timed different candidates all raise;
+    a candidate that failed on one rank is left out on all; the sharded capture hands the runner
+    its group."""
     assert [r["slowest_rank_ms"] for r in ranks] == [{"reductions": 5.0, "cublas": 6.0}] * WORLD
     assert all(r["runner_group"] for r in ranks)
+    assert all("the ranks timed different batch-1 compiles (rank 0: ['cublas', 'reductions'], rank 1: "
+               "['reductions'])" in r["timed_error"] for r in ranks)
+    assert [r["failed"] for r in ranks] == [{"cublas": "OOM"}, {"cublas": "failed on rank 0: OOM"}]
 
 
 def test_ranks_disagreeing_on_capture_sizes_raise_on_every_rank(ranks):

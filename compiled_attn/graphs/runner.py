@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from compiled_attn.abstract import AttentionBackend, AttentionMetadata, AttentionSpec, AttentionState, AttentionType
-from compiled_attn.distributed import slowest_rank_ms
+from compiled_attn.distributed import failed_on_any_rank, slowest_rank_ms
 from compiled_attn.dynamo import floats_as_constants, mark_token_dim
 from compiled_attn.forward_context import set_forward_context
 from compiled_attn.graphs.buckets import (
@@ -42,7 +42,12 @@ from compiled_attn.graphs.buckets import (
     pick_table_width,
     piecewise_sizes_for,
 )
-from compiled_attn.graphs.compiler import COMPILE_OPTIONS, ONE_TOKEN_COMPILES, RunnerCompiler
+from compiled_attn.graphs.compiler import (
+    COMPILE_OPTIONS,
+    ONE_TOKEN_COMPILES,
+    PRIMARY_ONE_TOKEN_COMPILE,
+    RunnerCompiler,
+)
 from compiled_attn.graphs.piecewise import PiecewiseGraphs
 from compiled_attn.inductor_cache import keep_tuned_configs
 from compiled_attn.validation import as_int, check_cache_list
@@ -320,21 +325,24 @@ class CUDAGraphRunner:
                            side_stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, bool]:
         """Batch 1's graph captured from each compile of its one trace; the faster replay's kept
         (`_pick_one_token`), and its compile serves every one-token step from then on."""
-        graphs = {}
-        for name in ONE_TOKEN_COMPILES:  # the primary first: its capture traces and compiles them all
-            if name in self._compiler.failed:
-                continue
-            self._compiler.use = name
-            graphs[name] = self._capture_graph(1, md_bs, input_buffers, graph_state, pool, side_stream)
-            if not self._compiler.one_token_graphs:  # batch 1's call traced nothing now
-                if self._compiler.compiles:
-                    raise RuntimeError(
-                        "batch 1's graph was compiled before the capture (runner.model called with one token?), "
-                        "so its compiles cannot be compared: make a new runner and capture it before any call")
-                return graphs[name]  # Dynamo compiles nothing (TORCH_COMPILE_DISABLE, a force_eager stance)
+        primary = PRIMARY_ONE_TOKEN_COMPILE
+        self._compiler.use = primary
+        # the primary's calls trace batch 1 and compile every candidate
+        graphs = {primary: self._capture_graph(1, md_bs, input_buffers, graph_state, pool, side_stream)}
+        if not self._compiler.one_token_graphs:  # batch 1's call traced nothing now
+            if self._compiler.compiles:
+                raise RuntimeError(
+                    "batch 1's graph was compiled before the capture (runner.model called with one token?), "
+                    "so its compiles cannot be compared: make a new runner and capture it before any call")
+            return graphs[primary]  # Dynamo compiles nothing (TORCH_COMPILE_DISABLE, a force_eager stance)
+        failed = failed_on_any_rank(self._compiler.failed, self._group)
+        for name in ONE_TOKEN_COMPILES:
+            if name not in graphs and name not in failed:
+                self._compiler.use = name
+                graphs[name] = self._capture_graph(1, md_bs, input_buffers, graph_state, pool, side_stream)
         self._compiler.keep(self._pick_one_token({name: g for name, (g, _) in graphs.items()}))
-        if self._compiler.failed:
-            self._one_token_stats["failed"] = dict(self._compiler.failed)
+        if failed:
+            self._one_token_stats["failed"] = failed
         return graphs[self._compiler.use]
 
     def _capture_graph(self, bs: int, md_bs: AttentionMetadata,
