@@ -152,17 +152,23 @@ def test_bench_shows_rows_as_measured_unless_logging_is_configured(monkeypatch, 
 
 def test_launch_only_times_the_call_without_the_synchronize_after_it(monkeypatch):
     """`eager_time_us(launch_only=True)`: the host's part of a call (an op's overhead without the
-    GPU's time); the default: the call and its synchronize (here a 3 ms stand-in)."""
-    import time
+    GPU's time); the default: the call and its synchronize. On a fake clock that only the call
+    (1 ms) and the synchronize (3 ms) advance, so the figures are exact on any host."""
+    import types
 
-    from compiled_attn.bench.timing import eager_time_us
+    from compiled_attn.bench import timing
 
-    synced = []
+    now, synced = [0.0], []
+
+    def advance(seconds: float) -> None:
+        now[0] += seconds
+
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(1) or time.sleep(3e-3))
-    call = lambda: time.sleep(1e-3)  # noqa: E731
-    full, launch = eager_time_us(call, iters=5), eager_time_us(call, iters=5, launch_only=True)
-    assert 3900 < full < 8000 and 900 < launch < 2500
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(1) or advance(3e-3))
+    full = timing.eager_time_us(lambda: advance(1e-3), iters=5)
+    launch = timing.eager_time_us(lambda: advance(1e-3), iters=5, launch_only=True)
+    assert full == pytest.approx(4000) and launch == pytest.approx(1000)
     assert len(synced) == 2 * (5 + 1)  # a synchronize after every timed call and after the warm-up, both ways
 
 
