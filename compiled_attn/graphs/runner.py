@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from compiled_attn.abstract import AttentionBackend, AttentionMetadata, AttentionSpec, AttentionState, AttentionType
 from compiled_attn.distributed import failed_on_any_rank, slowest_rank_ms
@@ -201,7 +202,7 @@ class CUDAGraphRunner:
         self._compiler = RunnerCompiler() if compile else None
         self.model = torch.compile(step, backend=self._compiler, fullgraph=True, dynamic=True) if compile else step
         self._one_token_stats: dict[str, Any] | None = None  # the pick: the kept compile, replay times
-        self._group = None  # a sharded model's ranks, at capture: batch 1's pick agrees across them
+        self._group: dist.ProcessGroup | None = None  # a sharded model's ranks: batch 1's pick agrees across them
         self._unbacked_tokens = not compile
         self.backend = backend
         self.spec = spec
@@ -231,7 +232,7 @@ class CUDAGraphRunner:
 
     # -- capture ---------------------------------------------------------------------------
 
-    def capture(self, *, group: Any = None) -> dict[str, Any]:
+    def capture(self, *, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """Capture one graph per size and table width, largest first, into one pool; returns
         `capture_stats`. group: the process group of a sharded model's ranks (pass it through
         `distributed.capture_sharded`, which checks the sizes first): batch 1's pick of compile
