@@ -1,0 +1,105 @@
+"""Probe for issue 14's warm-capture goal: can the reference Llama (our ops, the forward context)
+be compiled ahead of time with `torch.compile(...).aot_compile` (experimental in torch), saved,
+and loaded in a fresh process without Dynamo tracing it again?
+
+    python scripts/aot_compile_probe.py [--layers 32] [--backend inductor] [--device cpu]
+
+Three fresh processes, one after another:
+- save: compiles with `aot_compile` and saves the artifact;
+- load: loads it, runs one decode step of two requests and prints the largest absolute difference
+  from the eager model's step on the same random caches;
+- jit: what a new process pays today, the first call of `torch.compile` (Dynamo traces the model
+  again; Inductor's caches are warm from the first process).
+The model's token count is a backed dynamic size, as `CUDAGraphRunner(compile=True)` compiles its
+shared graph. Batch 1 would need an artifact of its own: Dynamo specialises sizes 0 and 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import compiled_attn as ca
+from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
+
+
+def setup(layers: int, device: str) -> tuple:
+    """The model, a decode step's inputs and random caches (seed 0), under the step's metadata."""
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4,
+                      num_kv_heads=2)
+    backend = ca.get_attn_backend("TORCH_SDPA")
+    spec = cfg.attention_spec(block_size=16, num_blocks=64, dtype=torch.float32, device=device,
+                              max_seq_len_to_capture=256)
+    model = build_model(cfg, seed=0, backend="TORCH_SDPA", device=device)
+    gen = torch.Generator(device).manual_seed(0)
+    caches = [c.normal_(generator=gen) for c in allocate_kv_caches(cfg, backend, spec)]
+    md = backend.get_builder_cls()(spec).build([5, 9], [1, 1], [[1], [2]])
+    ids, pos = torch.tensor([3, 4], device=device), torch.tensor([4, 8], device=device)
+    return model, md, ids, pos, caches
+
+
+def save(args: argparse.Namespace) -> None:
+    model, md, ids, pos, caches = setup(args.layers, args.device)
+    with ca.set_forward_context(md), torch.no_grad(), ca.floats_as_constants():
+        start = time.perf_counter()
+        compiled = torch.compile(model.forward, fullgraph=True, dynamic=True, backend=args.backend)
+        artifact = compiled.aot_compile(((ids, pos, caches), {}))
+        compile_s = time.perf_counter() - start
+        artifact.save_compiled_function(args.path)
+    print(f"aot_compile ({args.backend}, {args.layers} layers, {args.device}): {compile_s:.2f} s", flush=True)
+
+
+def load(args: argparse.Namespace) -> None:
+    model, md, ids, pos, caches = setup(args.layers, args.device)
+    with ca.set_forward_context(md), torch.no_grad(), ca.floats_as_constants():
+        start = time.perf_counter()
+        with open(args.path, "rb") as f:
+            step = torch.compiler.load_compiled_function(f, f_globals=model.forward.__globals__)
+        load_s = time.perf_counter() - start
+        start = time.perf_counter()
+        got = step(model, ids, pos, [c.clone() for c in caches])
+        call_s = time.perf_counter() - start
+        want = model(ids, pos, caches)
+    print(f"load {load_s:.2f} s, first call {call_s:.2f} s, largest difference from eager "
+          f"{(got - want).abs().max().item():.2e}", flush=True)
+
+
+def jit(args: argparse.Namespace) -> None:
+    model, md, ids, pos, caches = setup(args.layers, args.device)
+    with ca.set_forward_context(md), torch.no_grad(), ca.floats_as_constants():
+        start = time.perf_counter()
+        torch.compile(model, fullgraph=True, dynamic=True, backend=args.backend)(ids, pos, caches)
+    print(f"torch.compile's first call in a new process: {time.perf_counter() - start:.2f} s", flush=True)
+
+
+STAGES = {"save": save, "load": load, "jit": jit}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--stage", choices=tuple(STAGES), help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.stage:
+        STAGES[args.stage](args)
+        return
+    if not hasattr(torch.compiler, "load_compiled_function"):
+        sys.exit(f"torch {torch.__version__} has no torch.compiler.load_compiled_function (aot_compile)")
+    with tempfile.TemporaryDirectory() as tmp:
+        common = [sys.executable, __file__, "--layers", str(args.layers), "--backend", args.backend,
+                  "--device", args.device, "--path", str(Path(tmp) / "step.bin")]
+        for stage in STAGES:  # each in a fresh process
+            subprocess.run([*common, "--stage", stage], check=True)
+
+
+if __name__ == "__main__":
+    main()
