@@ -29,18 +29,24 @@ import compiled_attn as ca
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 
 
-def setup(layers: int, device: str) -> tuple:
-    """The model, a decode step's inputs and random caches (seed 0), under the step's metadata."""
+def setup(layers: int, device: str, requests: int = 3, model: torch.nn.Module | None = None) -> tuple:
+    """The model, the inputs of a decode step of `requests` requests (one block each), its
+    metadata, and random caches (seed 0). The example step has 3 requests: with 2, Dynamo's duck
+    sizing gives the token count the symbol of the caches' K/V dimension (also 2), and the
+    artifact then serves 2 tokens only. `model`: reuse this one (a second model's layers get
+    other names, which the artifact's guards refuse)."""
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4,
                       num_kv_heads=2)
     backend = ca.get_attn_backend("TORCH_SDPA")
     spec = cfg.attention_spec(block_size=16, num_blocks=64, dtype=torch.float32, device=device,
                               max_seq_len_to_capture=256)
-    model = build_model(cfg, seed=0, backend="TORCH_SDPA", device=device)
+    model = build_model(cfg, seed=0, backend="TORCH_SDPA", device=device) if model is None else model
     gen = torch.Generator(device).manual_seed(0)
     caches = [c.normal_(generator=gen) for c in allocate_kv_caches(cfg, backend, spec)]
-    md = backend.get_builder_cls()(spec).build([5, 9], [1, 1], [[1], [2]])
-    ids, pos = torch.tensor([3, 4], device=device), torch.tensor([4, 8], device=device)
+    seq_lens = [5 + 2 * i for i in range(requests)]  # within one block of 16
+    md = backend.get_builder_cls()(spec).build(seq_lens, [1] * requests, [[i + 1] for i in range(requests)])
+    ids = torch.arange(3, 3 + requests, device=device)
+    pos = torch.tensor(seq_lens, device=device) - 1
     return model, md, ids, pos, caches
 
 
@@ -68,6 +74,15 @@ def load(args: argparse.Namespace) -> None:
         want = model(ids, pos, caches)
     print(f"load {load_s:.2f} s, first call {call_s:.2f} s, largest difference from eager "
           f"{(got - want).abs().max().item():.2e}", flush=True)
+    for requests in (5, 1):  # another size the shared graph serves, and batch 1, which it must refuse
+        _, md, ids, pos, caches = setup(args.layers, args.device, requests, model)
+        with ca.set_forward_context(md), torch.no_grad(), ca.floats_as_constants():
+            try:
+                got = step(model, ids, pos, [c.clone() for c in caches])
+                diff = f"served, largest difference {(got - model(ids, pos, caches)).abs().max().item():.2e}"
+            except RuntimeError as e:  # the artifact's guards
+                diff = f"refused: {str(e).splitlines()[0]}"
+        print(f"{requests} requests: {diff}", flush=True)
 
 
 def jit(args: argparse.Namespace) -> None:
