@@ -424,8 +424,9 @@ def live_entries(table: np.ndarray, need: np.ndarray,
     if rolled is None and need.size and bool((need == table.shape[1]).all()):  # every row full: no mask
         padded = table.astype(np.int32)
         # ids in the table's own dtype, so that a wider one is range-checked before it is narrowed;
-        # an int32 table's are the copy's (no second copy, and never a view of the caller's array)
-        return padded, padded.reshape(-1) if table.dtype == np.int32 else table.reshape(-1)
+        # an int32 table's are the copy's (no second copy). Never a view of the caller's array:
+        # the metadata keeps the ids, and a table edited after build() must not change them.
+        return padded, padded.reshape(-1) if table.dtype == np.int32 else table.flatten()
     cols = np.arange(table.shape[1], dtype=np.int32)[None, :]  # int32: compares 2x faster than int64
     live = cols < need.astype(np.int32)[:, None]
     if rolled is not None:

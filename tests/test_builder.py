@@ -474,20 +474,24 @@ def test_device_fields_wait_for_their_first_read_and_come_from_one_copy(packed_c
 @pytest.mark.parametrize("backend_name", ["FLASHINFER", "TORCH_SDPA"])
 @pytest.mark.parametrize("as_tensor", [False, True])
 @pytest.mark.parametrize("full", [False, True])  # every row needs the whole table: no masking copy
-def test_a_deferred_upload_copies_the_step_as_built_though_the_caller_edits_its_arrays(backend_name, as_tensor, full):
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])  # an int64 table's ids keep its dtype (no narrowing copy)
+def test_a_deferred_upload_copies_the_step_as_built_though_the_caller_edits_its_arrays(backend_name, as_tensor, full,
+                                                                                        dtype):
     # a server edits its tables and lengths arrays in place for the next step, before this one's
     # upload (its first device-field read) has run
     spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
                             dtype=torch.float32, device="cpu")
     rng = np.random.default_rng()
     seq_lens = rng.integers(3 * BS + 1 if full else 2, 4 * BS + 1, size=3)
-    tables = rng.permutation(NB)[:12].reshape(3, 4).astype(np.int32)
+    tables = rng.permutation(NB)[:12].reshape(3, 4).astype(dtype)
     want_tables = [list(t[: -(-s // BS)]) for t, s in zip(tables.tolist(), seq_lens.tolist(), strict=True)]
     want_slots = [t[(s - 1) // BS] * BS + (s - 1) % BS for t, s in zip(want_tables, seq_lens.tolist(), strict=True)]
     given = (torch.from_numpy(seq_lens), torch.from_numpy(tables)) if as_tensor else (seq_lens, tables)
     md = ca.registry.BACKEND_CLASSES()[backend_name].get_builder_cls()(spec).build(given[0], np.ones(3, int), given[1])
     seq_lens[:] += 1
     tables[:] = 0
+    # the ids FLASHINFER's own graphed decode copies into its page list: the builder's, not the caller's
+    assert md.needed_block_ids().tolist() == [b for row in want_tables for b in row]
     assert not md.is_uploaded("block_tables")
     assert [row[: len(w)] for row, w in zip(md.block_tables.tolist(), want_tables, strict=True)] == want_tables
     assert md.slot_mapping.tolist() == want_slots
