@@ -182,8 +182,9 @@ def test_cross_step_with_prefills_needs_their_encoder_kv():
 
 
 @pytest.mark.parametrize(("spec_kw", "match"), [
-    ({"logits_soft_cap": 30.0, "head_size": 64, "block_size": 64}, "XFORMERS does not support logits_soft_cap"),
-    ({"kv_cache_dtype": "fp8"}, "TORCH_SDPA does not support kv_cache_dtype"),
+    ({"logits_soft_cap": 30.0, "head_size": 64, "block_size": 64},
+     "XFORMERS does not support logits_soft_cap: its builder cannot serve this spec; use FLASHINFER or TORCH_SDPA"),
+    ({"kv_cache_dtype": "fp8"}, r"TORCH_SDPA does not support kv_cache_dtype.*; use FLASHINFER$"),
 ], ids=["xformers_soft_cap", "sdpa_fp8"])
 def test_builders_refuse_spec_options_their_backend_would_ignore(spec_kw, match):
     name = "XFORMERS" if "head_size" in spec_kw else "TORCH_SDPA"
