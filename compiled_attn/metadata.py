@@ -27,7 +27,7 @@ from compiled_attn.abstract import (
 )
 from compiled_attn.block_ids import BlockIdCheck
 from compiled_attn.capabilities import capability_reason, spec_needs
-from compiled_attn.registry import backends_with
+from compiled_attn.registry import alternatives
 from compiled_attn.validation import (
     CACHELESS_TYPES,
     check_block_ids,
@@ -440,9 +440,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
             del needs["dtype"]
         reason = capability_reason(self.backend_cls, **needs)
         if reason is not None:
-            others = backends_with(**needs)
-            raise NotImplementedError(f"{reason}: its builder cannot serve this spec; use "
-                                      f"{' or '.join(others) if others else 'no backend has it'}")
+            raise NotImplementedError(f"{reason}: its builder cannot serve this spec; {alternatives(**needs)}")
 
     def build(
         self,

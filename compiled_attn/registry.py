@@ -62,6 +62,12 @@ def backends_with(**needs: object) -> list[str]:
     return [n for n, c in _BACKENDS.items() if capability_reason(c, **needs) is None]
 
 
+def alternatives(**needs: object) -> str:
+    """The end of an error for a backend that lacks `needs`: the backends to use instead."""
+    others = backends_with(**needs)
+    return f"use {' or '.join(others)}" if others else "no registered backend has all of them"
+
+
 def _supporters(spec: AttentionSpec) -> list[str]:
     return [n for n, c in _BACKENDS.items() if c.unsupported_reason(spec) is None]
 

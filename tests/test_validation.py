@@ -181,13 +181,15 @@ def test_cross_step_with_prefills_needs_their_encoder_kv():
         impl().forward(b.query, None, None, b.kv_cache, b.build(SDPA), attn_type=T.ENCODER_DECODER)
 
 
-@pytest.mark.parametrize(("spec_kw", "match"), [
-    ({"logits_soft_cap": 30.0, "head_size": 64, "block_size": 64},
-     "XFORMERS does not support logits_soft_cap: its builder cannot serve this spec; use FLASHINFER or TORCH_SDPA"),
-    ({"kv_cache_dtype": "fp8"}, r"TORCH_SDPA does not support kv_cache_dtype.*; use FLASHINFER$"),
-], ids=["xformers_soft_cap", "sdpa_fp8"])
-def test_builders_refuse_spec_options_their_backend_would_ignore(spec_kw, match):
-    name = "XFORMERS" if "head_size" in spec_kw else "TORCH_SDPA"
+@pytest.mark.parametrize(("name", "spec_kw", "match"), [
+    ("XFORMERS", {"logits_soft_cap": 30.0, "head_size": 64, "block_size": 64},
+     "XFORMERS does not support logits_soft_cap: its builder cannot serve this spec; use FLASHINFER or TORCH_SDPA$"),
+    ("TORCH_SDPA", {"kv_cache_dtype": "fp8", "head_size": 64}, r"TORCH_SDPA does not support kv_cache_dtype.*; use "
+     "FLASHINFER$"),
+    ("TORCH_SDPA", {"kv_cache_dtype": "fp8"}, r"; no registered backend has all of them$"),  # head_size 16: none
+], ids=["xformers_soft_cap", "sdpa_fp8", "sdpa_fp8_head_16"])
+def test_builders_refuse_spec_options_their_backend_would_ignore(name, spec_kw, match):
+    """The message names the backends that have every option the spec needs, or says none does."""
     with pytest.raises(NotImplementedError, match=match):
         BACKEND_CLASSES()[name].get_builder_cls()(make_spec(**spec_kw))
 

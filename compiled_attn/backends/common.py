@@ -15,7 +15,7 @@ import torch
 from compiled_attn.abstract import AttentionBackend, AttentionImpl, AttentionMetadata, AttentionType
 from compiled_attn.capabilities import capability_reason
 from compiled_attn.forward_context import LayerCall, register_layer, set_forward_context
-from compiled_attn.registry import backends_with
+from compiled_attn.registry import alternatives
 from compiled_attn.validation import (
     CACHE_WRITING_TYPES,
     as_attn_type,
@@ -87,8 +87,7 @@ class CommonImpl(AttentionImpl):
     def _require(self, **needs: object) -> None:
         reason = capability_reason(self.backend_cls, **needs)
         if reason is not None:
-            others = backends_with(**needs)
-            raise NotImplementedError(f"{reason}; use {' or '.join(others) if others else 'no backend has it'}")
+            raise NotImplementedError(f"{reason}; {alternatives(**needs)}")
 
     def check_attn_type(self, attn_type: AttentionType) -> AttentionType:
         attn_type = as_attn_type(attn_type)
