@@ -369,6 +369,21 @@ def static_runner(model, spec, caches, **kw) -> CUDAGraphRunner:
     return runner
 
 
+def test_a_refused_graph_step_leaves_the_static_inputs_untouched(tiny_model):
+    """A decode step the graphs refuse (metadata of another cache size) raises before the runner
+    copies its ids and positions into the static buffers the graphs read."""
+    spec = cpu_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[2], max_batch_size=2)
+    ids_before, pos_before = runner._input_ids.clone(), runner._positions.clone()
+    other_spec = dataclasses.replace(spec, num_blocks=NUM_BLOCKS + 8)
+    other = sdpa_builder(other_spec).build([5, 9], [1, 1], [[1, 2], [3, 4, 5]])
+    ids, pos = torch.tensor([7, 8]), torch.tensor([4, 8])
+    with pytest.raises(ValueError, match="num_blocks"):
+        runner.run(other, ids, pos)
+    assert torch.equal(runner._input_ids, ids_before) and torch.equal(runner._positions, pos_before)
+    assert runner.counts["graph"] == 1  # the path was chosen; nothing was replayed or written
+
+
 def test_runner_refuses_cuda_graphs_on_cpu(tiny_model):
     spec = cpu_spec()
     with pytest.raises(ValueError, match="CUDA"):

@@ -463,8 +463,9 @@ class CUDAGraphRunner:
         n = md.num_seqs
         bs = pick_batch_size(self.sizes, n)
         entry = self._captured[bs, pick_table_width(self.widths, md.max_seq_len, self.spec.block_size)]
-        self._pads_from = fill_padded((self._input_ids, self._positions), (input_ids, positions), self._pads_from)
+        # the step's checks first: a refused step leaves every static buffer as it was
         entry.graph_state.prepare_graph_input_buffers(entry.input_buffers, md, **entry.prepare_kw)
+        self._pads_from = fill_padded((self._input_ids, self._positions), (input_ids, positions), self._pads_from)
         entry.graph_state.begin_forward(md)
         if entry.graph is not None:
             entry.graph.replay()
