@@ -86,7 +86,8 @@ def get_attn_backend(name: str | None = None, spec: AttentionSpec | None = None)
     >>> backend.get_name()
     'TORCH_SDPA'
     """
-    name = name or os.environ.get(ENV_VAR) or None
+    if name is None:  # an empty or falsy name given is an unknown one, not "pick for me"
+        name = os.environ.get(ENV_VAR) or None
     if spec is not None and not isinstance(spec, AttentionSpec):
         raise ValueError(f"spec must be an AttentionSpec or None, got {type(spec).__name__}")
     if name is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import toy_backend
@@ -69,6 +71,13 @@ def test_env_var_cuda_backend_on_cpu(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "FLASHINFER")
     with pytest.raises(ca.BackendUnavailableError, match="FLASHINFER"):
         ca.get_attn_backend()
+
+
+@pytest.mark.parametrize("name", ["", 0, False, []], ids=repr)
+def test_a_falsy_name_is_unknown_not_auto(name, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "TORCH_SDPA")  # what a falsy name read as None would have picked
+    with pytest.raises(ValueError, match=f"unknown attention backend {re.escape(repr(name))}"):
+        ca.get_attn_backend(name)
 
 
 def test_named_unknown():

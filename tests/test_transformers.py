@@ -332,3 +332,13 @@ def test_a_mask_or_dropout_the_engine_would_ignore_is_refused():
         ca_hf.attention_forward(module, q, kv, kv, torch.ones(1, 1, 3, 3, dtype=torch.bool), **call)
     with pytest.raises(ValueError, match="dropout"):
         ca_hf.attention_forward(module, q, kv, kv, None, dropout=0.1, **call)
+
+
+def test_an_empty_backend_name_is_unknown_not_auto(monkeypatch):
+    """As `get_attn_backend`: only None means "pick one"; an empty name given is refused."""
+    monkeypatch.setenv("COMPILED_ATTN_BACKEND", "TORCH_SDPA")
+    spec = ca.AttentionSpec(num_heads=4, num_kv_heads=2, head_size=16, block_size=16, num_blocks=8,
+                            dtype=torch.float32, device="cpu")
+    assert ca_hf.pick_backend(None, [spec]).get_name() == "TORCH_SDPA"
+    with pytest.raises(ValueError, match="unknown attention backend ''"):
+        ca_hf.pick_backend("", [spec])

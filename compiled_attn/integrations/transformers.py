@@ -412,7 +412,8 @@ class PagedEngine:
 def pick_backend(name: str | None, specs: list[ca.AttentionSpec]) -> type[ca.AttentionBackend]:
     """The named backend (or $COMPILED_ATTN_BACKEND's), checked against every group's spec, or the
     first in auto-selection order that serves every group: one forward runs one backend."""
-    name = name or os.environ.get(ENV_VAR) or None
+    if name is None:  # as get_attn_backend: a falsy name given is an unknown one
+        name = os.environ.get(ENV_VAR) or None
     if name is not None:
         for spec in specs:
             backend = ca.get_attn_backend(name, spec)
