@@ -142,11 +142,12 @@ def slowest_rank_ms(replay_ms: dict[str, float], group: dist.ProcessGroup | None
 
 def capture_sharded(runner: Any, group: dist.ProcessGroup | None) -> dict[str, Any]:
     """`runner.capture()` for a sharded model: checks first that every rank captures the same
-    sizes and piecewise buckets (largest first, so the graphs' collectives line up), then
+    sizes, table widths and piecewise buckets (largest first, so the graphs' collectives line up), then
     captures, every rank keeping the same batch-1 compile (`slowest_rank_ms`); returns its stats.
 
     runner: a `compiled_attn.graphs.CUDAGraphRunner` over this rank's model and KV caches.
     """
     check_capture_sizes_agree(runner.sizes, group)
+    check_capture_sizes_agree(runner.widths if runner.sizes else [], group, "decode graphs' block-table widths")
     check_capture_sizes_agree([] if runner.piecewise is None else runner.piecewise.sizes, group, "piecewise buckets")
     return runner.capture(group=group)

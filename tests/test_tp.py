@@ -190,6 +190,13 @@ def gloo_rank_checks(group: dist.ProcessGroup, device: torch.device) -> dict:
         distributed.capture_sharded(pw, group)
     except ValueError as e:
         out["buckets_error"] = str(e)
+    wide = dataclasses.replace(spec, max_seq_len_to_capture=MAX_LEN * (1 + rank))  # another table width on rank 1
+    widths = CUDAGraphRunner(shard, ca.get_attn_backend(SDPA), wide, caches_for(TINY, wide), use_cuda_graphs=False,
+                             capture_sizes=[2, 1], max_batch_size=2, progress=False)
+    try:  # a graph per size and width: other widths would pair different graphs' collectives
+        distributed.capture_sharded(widths, group)
+    except ValueError as e:
+        out["widths_error"] = str(e)
     try:
         build_model(TINY, seed=0, backend=SDPA, device="cuda", tp_group=group)
     except ValueError as e:
@@ -272,6 +279,7 @@ def test_ranks_disagreeing_on_capture_sizes_raise_on_every_rank(ranks):
     for r in ranks:
         assert "ranks disagree" in r["sizes_error"] and "rank 1: [8, 4, 2]" in r["sizes_error"]
         assert "disagree on the piecewise buckets" in r["buckets_error"] and "rank 1: [16, 8]" in r["buckets_error"]
+        assert "disagree on the decode graphs' block-table widths" in r["widths_error"]
 
 
 def test_gloo_group_for_a_cuda_model_raises(ranks):
