@@ -12,6 +12,7 @@ so `CUDAGraphRunner` captures such a model with no change: it sees one metadata 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -141,8 +142,12 @@ def _step_of(md: AttentionMetadata) -> tuple:
 class GroupedState(AttentionState):
     """The CUDA-graph States of several layer groups as one State (docs/design.md, section 3):
     every call goes to each group's State with that group's metadata; input buffers are one flat
-    dict keyed "group/field". The groups' States must declare the same table widths (same
-    block_size and max_seq_len_to_capture).
+    dict keyed "group/field". The groups' States must declare the same full table width (same
+    block_size and max_seq_len_to_capture); of the narrower widths, the graphs capture those
+    every group's State declares. TORCH_SDPA's on CUDA differ so in a model with a sliding-window
+    group: FlexAttention's decode (a full-attention group) declares the full width only, the
+    gather (the window group) narrower ones too, so the window group then replays the full
+    width's graphs. A warning says so.
 
     Example::
 
@@ -154,16 +159,21 @@ class GroupedState(AttentionState):
         if not isinstance(states, Mapping) or not states or not all(
                 isinstance(s, AttentionState) for s in states.values()):
             raise ValueError("GroupedState needs a non-empty {group name: AttentionState} mapping")
+        super().__init__(next(iter(states.values())).spec)
         self.states = dict(states)
-        first = next(iter(self.states.values()))
-        super().__init__(first.spec)
         widths = {name: s.graph_table_widths() for name, s in self.states.items()}
-        if len(set(widths.values())) > 1:
+        if len({max(w) for w in widths.values()}) > 1:
             raise ValueError(f"the groups' States capture different table widths {widths}: give every group's "
                              "spec one block_size and max_seq_len_to_capture")
+        shared = set.intersection(*(set(w) for w in widths.values()))
+        self._widths = tuple(sorted(shared, reverse=True))
+        if any(len(w) > len(shared) for w in widths.values()):
+            warnings.warn(f"the groups' States declare different block-table widths {widths}: the graphs capture "
+                          f"the widths they share, {list(self._widths)} (steps of a group whose State has more "
+                          "replay a wider graph than it needs)", stacklevel=2)
 
     def graph_table_widths(self) -> tuple[int, ...]:
-        return next(iter(self.states.values())).graph_table_widths()
+        return self._widths
 
     @contextmanager
     def graph_capture(self, max_batch_size: int) -> Iterator[None]:
@@ -180,7 +190,11 @@ class GroupedState(AttentionState):
 
     def graph_clone(self, batch_size: int, *, table_width: int | None = None) -> GroupedState:
         kw = {} if table_width is None else {"table_width": table_width}
-        return GroupedState({g: s.graph_clone(batch_size, **kw) for g, s in self.states.items()})
+        clone = object.__new__(GroupedState)  # the widths were checked (and warned of) for this state
+        AttentionState.__init__(clone, self.spec)
+        clone.states = {g: s.graph_clone(batch_size, **kw) for g, s in self.states.items()}
+        clone._widths = self._widths
+        return clone
 
     def get_graph_input_buffers(self, attn_metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
         md = _grouped(attn_metadata)

@@ -166,6 +166,56 @@ def test_grouped_state_serves_a_runner_whose_groups_differ():
         GroupedState({"a": SDPA.get_state_cls()(specs["full"]), "b": SDPA.get_state_cls()(spec_of())})
 
 
+class FullWidthOnlyState(SDPA.get_state_cls()):
+    """Declares the full table width only, as TORCH_SDPA's State on FlexAttention (CUDA) does."""
+
+    def graph_table_widths(self) -> tuple[int, ...]:
+        return (max(super().graph_table_widths()),)
+
+
+def test_grouped_state_captures_the_widths_its_groups_share():
+    """A full-attention group on flex (the full width only) beside a window group on the gather
+    (narrower widths too), as TORCH_SDPA makes them on CUDA: the graphs capture the widths both
+    declare, with a warning once, and a runner over them serves a step like eager."""
+    import warnings
+
+    specs = {"full": spec_of(max_seq_len_to_capture=1024),
+             "window": spec_of(sliding_window=5, max_seq_len_to_capture=1024)}
+    assert len(SDPA.get_state_cls()(specs["window"]).graph_table_widths()) > 1
+    with pytest.warns(UserWarning, match=r"the graphs capture the widths they share, \[64\]"):
+        state = GroupedState({"full": FullWidthOnlyState(specs["full"]),
+                              "window": SDPA.get_state_cls()(specs["window"])})
+    assert state.graph_table_widths() == (64,)
+    layers = {name: ca.Attention(4, 64, 0.125, num_kv_heads=2, sliding_window=s.sliding_window,
+                                 backend="TORCH_SDPA", group=name) for name, s in specs.items()}
+    g = torch.Generator().manual_seed(1)
+    wq, wkv = torch.randn(64, 4 * 64, generator=g) * 0.1, torch.randn(64, 2 * 64, generator=g) * 0.1
+    table = torch.randn(16, 64, generator=g)
+
+    def model(input_ids, positions, kv_caches):
+        x = torch.nn.functional.embedding(input_ids, table) * (1 + positions[:, None] / 32)
+        q, kv = x @ wq, x @ wkv
+        return sum(layer(q, kv, kv, cache) for layer, cache in zip(layers.values(), kv_caches, strict=True))
+
+    caches = [torch.randn(SDPA.get_kv_cache_shape(32, 16, 2, 64), generator=g) for _ in specs]
+    runner = CUDAGraphRunner(model, SDPA, specs["full"], caches, state, capture_sizes=[2], use_cuda_graphs=False,
+                             progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the clones of each size and width do not warn again
+        runner.capture()
+    assert runner.widths == [64]
+    builders = {name: SDPA.get_builder_cls()(s) for name, s in specs.items()}
+    tables = {"full": [[1], [2, 3]], "window": [[6], [7, 8]]}
+    md = GroupedMetadata.of({name: b.build([9, 30], [1, 1], tables[name]) for name, b in builders.items()})
+    ids, pos = torch.tensor([3, 5]), torch.tensor([8, 29])
+    eager_caches = [c.clone() for c in caches]
+    graphed = runner.run(md, ids, pos)
+    with ca.set_forward_context(md):
+        eager = model(ids, pos, eager_caches)
+    assert runner.counts["graph"] == 1
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+
+
 class PrepareUploadsState(SDPA.get_state_cls()):
     """A State that keeps the abstract default: its graphs' upload is not captured, its prepare uploads."""
 
