@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from compiled_attn.validation import as_int
+
 ROLLED = -1  # a rolling table's entry whose block went back to the free list (builders ignore it)
 NULL_BLOCK = 0  # never handed out by an allocator that reserves it: rolled entries and graph pads read it
 
@@ -97,6 +99,22 @@ def last_token_rows(query_lens: list[int]) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------
 # Continuous batching
+
+
+def eos_ids(eos_token_id: object) -> frozenset[int]:
+    """A request's stop tokens: None (none), one id (an int, a numpy int, a 0-d tensor) or several."""
+    if eos_token_id is None:
+        return frozenset()
+    try:
+        many = list(eos_token_id)
+    except TypeError:  # a scalar
+        many = [eos_token_id]
+    return frozenset(as_int("eos_token_id", t, minimum=0) for t in many)
+
+
+def _describe(value: object) -> str:
+    shape = getattr(value, "shape", None)
+    return f"{type(value).__name__}{'' if shape is None else tuple(shape)}: {str(value)[:60]}"
 
 
 @dataclasses.dataclass
@@ -209,24 +227,44 @@ class Scheduler:
     def add_request(self, prompt: Sequence[int], max_new_tokens: int,
                     eos_token_id: int | Sequence[int] | None = None) -> int:
         """Queue a request; returns its id. ValueError for one that could never be served."""
-        prompt = [int(t) for t in prompt]
-        if not prompt:
+        return self.add_requests([prompt], max_new_tokens, eos_token_id)[0]
+
+    def add_requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                     eos_token_id: int | Sequence[int] | None = None) -> list[int]:
+        """Queue requests, all or none: each is checked before any is queued (ValueError naming
+        the first that could never be served); returns their ids in order."""
+        max_new_tokens = as_int("max_new_tokens", max_new_tokens)
+        eos = eos_ids(eos_token_id)
+        checked = []
+        for i, prompt in enumerate(prompts):
+            try:
+                checked.append(self._admissible(prompt, max_new_tokens))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}" if len(prompts) > 1 else str(e)) from None
+        ids = []
+        for tokens, reserved in checked:
+            request = ServedRequest(next(self._ids), len(tokens), tokens, max_new_tokens, eos,
+                                    {g: [] for g in self.windows}, reserved)
+            self.waiting.append(request)
+            ids.append(request.request_id)
+        return ids
+
+    def _admissible(self, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], dict[str, int]]:
+        """The prompt's tokens and the blocks per group it reserves; ValueError for a prompt that
+        is not token ids or a request no cache could hold."""
+        tokens = np.asarray(prompt.cpu() if isinstance(prompt, torch.Tensor) else prompt)
+        if tokens.ndim == 1 and not tokens.size:
             raise ValueError("a prompt needs at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        eos = frozenset(() if eos_token_id is None else
-                        (eos_token_id,) if isinstance(eos_token_id, int) else map(int, eos_token_id))
-        longest = len(prompt) + max_new_tokens - 1  # the last token is sampled, never fed
-        reserved = {g: self._most_blocks(g, longest, len(prompt)) for g in self.windows}
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or tokens.min() < 0:
+            raise ValueError(f"a prompt is a sequence of token ids (ints >= 0), got {_describe(prompt)}")
+        longest = tokens.size + max_new_tokens - 1  # the last token is sampled, never fed
+        reserved = {g: self._most_blocks(g, longest, tokens.size) for g in self.windows}
         for g, need in reserved.items():
             if need > self.allocators[g].num_usable:
-                raise ValueError(f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs up to {need} "
+                raise ValueError(f"a request of {tokens.size} prompt + {max_new_tokens} new tokens needs up to {need} "
                                  f"blocks of group {g!r}, the cache has {self.allocators[g].num_usable}: raise "
                                  "num_blocks or shorten the request")
-        request = ServedRequest(next(self._ids), len(prompt), prompt, max_new_tokens, eos,
-                                {g: [] for g in self.windows}, reserved)
-        self.waiting.append(request)
-        return request.request_id
+        return tokens.tolist(), reserved
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

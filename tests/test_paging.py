@@ -45,6 +45,48 @@ def test_long_prompts_are_chunked_under_the_token_budget():
     assert chunks == [([8], []), ([8], []), ([4], [3]), ([1], [0])]
 
 
+def test_add_requests_queues_all_or_none():
+    """A batch with one request no cache could hold raises, naming it, before any is queued."""
+    sched = Scheduler(num_blocks=8, block_size=4, group_windows={"full": None})
+    with pytest.raises(ValueError, match=r"prompts\[2\]: a request of 40 prompt \+ 2 new tokens needs up to 11 blocks"):
+        sched.add_requests([[1, 2, 3], [4, 5], list(range(40))], max_new_tokens=2)
+    assert not sched.has_unfinished() and sched.blocks_in_use() == {"full": 0}
+    ids = sched.add_requests([[1, 2, 3], [4, 5]], max_new_tokens=2)
+    assert [r.request_id for r in sched.waiting] == ids and len(set(ids)) == 2
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"max_new_tokens": 2.5}, "max_new_tokens must be an int"),
+    ({"max_new_tokens": "3"}, "max_new_tokens must be an int"),
+    ({"max_new_tokens": None}, "max_new_tokens must be an int"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+    ({"eos_token_id": 2.0}, "eos_token_id must be an int"),
+    ({"eos_token_id": [3, "x"]}, "eos_token_id must be an int"),
+    ({"prompt": [1, 2.5]}, "a prompt is a sequence of token ids"),
+    ({"prompt": [1, -2]}, "a prompt is a sequence of token ids"),
+    ({"prompt": [[1, 2]]}, "a prompt is a sequence of token ids"),
+    ({"prompt": []}, "a prompt needs at least one token"),
+], ids=repr)
+def test_requests_of_the_wrong_type_are_a_value_error(kw, match):
+    sched = Scheduler(num_blocks=8, block_size=4, group_windows={"full": None})
+    args = {"prompt": [1, 2, 3], "max_new_tokens": 2, **kw}
+    with pytest.raises(ValueError, match=match):
+        sched.add_request(**args)
+    assert not sched.has_unfinished()
+
+
+def test_numpy_and_tensor_ids_are_ints():
+    """A numpy int or 0-d tensor is one stop token; a prompt may be an array or a tensor."""
+    sched = Scheduler(num_blocks=16, block_size=4, group_windows={"full": None})
+    a = sched.add_request(np.array([1, 2, 3]), max_new_tokens=np.int64(5), eos_token_id=np.int64(7))
+    b = sched.add_request(torch.tensor([4, 5]), max_new_tokens=5, eos_token_id=torch.tensor(9))
+    assert [(r.tokens, r.eos_token_id) for r in sched.waiting] == [([1, 2, 3], frozenset({7})),
+                                                                  ([4, 5], frozenset({9}))]
+    step = sched.schedule()
+    finished = sched.update(step, [7, 9])
+    assert sorted(r.request_id for r in finished) == sorted([a, b])
+
+
 def test_blocks_are_freed_on_eos_and_on_length():
     sched = Scheduler(num_blocks=32, block_size=4, group_windows={"full": None})
     free = sched.allocators["full"].num_free

@@ -7,6 +7,7 @@ stand-in kernels; GPU (bf16): every backend that serves each model."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from reference import record_compiles
@@ -147,6 +148,13 @@ def test_generate_returns_the_new_tokens_of_every_prompt(family):
     eos = ref_tokens[0][1]
     stop = ref_tokens[0].index(eos) + 1  # the EOS token ends the request and is returned
     assert engine.generate(PROMPTS[:1], max_new_tokens=3, eos_token_id=eos) == [ref_tokens[0][:stop]]
+    # a numpy int is one stop token, as an int is
+    assert engine.generate(PROMPTS[:1], max_new_tokens=3, eos_token_id=np.int64(eos)) == [ref_tokens[0][:stop]]
+    # a batch with a prompt no cache could hold queues nothing: the next generate serves its own prompts only
+    with pytest.raises(ValueError, match=r"prompts\[1\]: a request of 300 prompt"):
+        engine.generate([PROMPTS[0], [1] * 300], max_new_tokens=NEW_TOKENS)
+    assert not engine.has_unfinished() and not engine._outputs
+    assert engine.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS) == ref_tokens[:1]
 
 
 def drop_window(model):

@@ -343,9 +343,16 @@ class PagedEngine:
                     eos_token_id: int | Sequence[int] | None = None) -> int:
         """Queue a request (it joins the running batch at the next step that has room); returns
         its id. eos_token_id None: stop only at max_new_tokens."""
-        rid = self.scheduler.add_request(prompt, max_new_tokens, eos_token_id)
-        self._outputs[rid] = RequestOutput(rid, list(prompt), [], False, None, [] if self.keep_logits else None)
-        return rid
+        return self._add([prompt], max_new_tokens, eos_token_id)[0]
+
+    def _add(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             eos_token_id: int | Sequence[int] | None) -> list[int]:
+        """Queue the prompts, all or none (`Scheduler.add_requests`), each with its output record."""
+        ids = self.scheduler.add_requests(prompts, max_new_tokens, eos_token_id)
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self._outputs[rid] = RequestOutput(rid, [int(t) for t in prompt], [], False, None,
+                                               [] if self.keep_logits else None)
+        return ids
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -375,8 +382,9 @@ class PagedEngine:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 8,
                  eos_token_id: int | Sequence[int] | None = None) -> list[list[int]]:
-        """Greedy continuations of every prompt, served together; returns the new tokens of each."""
-        ids = [self.add_request(p, max_new_tokens, eos_token_id) for p in prompts]
+        """Greedy continuations of every prompt, served together; returns the new tokens of each.
+        ValueError before anything is queued if one of them could never be served."""
+        ids = self._add(prompts, max_new_tokens, eos_token_id)
         while self.has_unfinished():
             self.step()
         return [self.pop_output(i).output_tokens for i in ids]
