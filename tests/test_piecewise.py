@@ -258,6 +258,19 @@ def test_no_decode_sizes_without_piecewise_is_refused(sdpa_model):
                         use_cuda_graphs=False, capture_sizes=[])
 
 
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"piecewise_sizes": [8]}, "piecewise_sizes without piecewise=True"),
+    ({"piece_compiler": "eager"}, "piece_compiler='eager' without piecewise=True"),
+    ({"piece_compiler": "bogus"}, r"piece_compiler must be one of \('inductor', 'eager'\), got 'bogus'"),
+    ({"piece_compiler": "bogus", "piecewise": True}, "piece_compiler must be one of"),
+], ids=["sizes", "eager", "unknown", "unknown-piecewise"])
+def test_piecewise_options_are_checked_whether_or_not_piecewise_is_on(sdpa_model, kw, match):
+    spec = cpu_spec()
+    with pytest.raises(ValueError, match=match):
+        CUDAGraphRunner(sdpa_model, ca.get_attn_backend("TORCH_SDPA"), spec, random_caches(spec, 0),
+                        use_cuda_graphs=False, **kw)
+
+
 def test_pad_tokens_write_no_cache(cpu_model, cpu_backend):
     """A 5-token step in bucket 8: the caches equal eager's after the step, bit for bit outside
     the step's own slots (pad rows' K/V never reach the cache)."""

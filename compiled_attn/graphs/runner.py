@@ -49,7 +49,7 @@ from compiled_attn.graphs.compiler import (
     PRIMARY_ONE_TOKEN_COMPILE,
     RunnerCompiler,
 )
-from compiled_attn.graphs.piecewise import PiecewiseGraphs
+from compiled_attn.graphs.piecewise import PIECE_COMPILERS, PiecewiseGraphs
 from compiled_attn.inductor_cache import keep_tuned_configs
 from compiled_attn.validation import as_int, check_cache_list
 
@@ -184,6 +184,11 @@ class CUDAGraphRunner:
                                       "these steps with piecewise=False")
         if piecewise_sizes is not None and not piecewise:
             raise ValueError("piecewise_sizes without piecewise=True: pass piecewise=True to capture them")
+        if piece_compiler not in PIECE_COMPILERS:
+            raise ValueError(f"piece_compiler must be one of {PIECE_COMPILERS}, got {piece_compiler!r}")
+        if piece_compiler != "inductor" and not piecewise:
+            raise ValueError(f"piece_compiler={piece_compiler!r} without piecewise=True: pass piecewise=True to "
+                             "compile pieces")
         step = model if postprocess is None else WithPostprocess(model, postprocess)
         self.piecewise: PiecewiseGraphs | None = None
         if piecewise:
