@@ -741,7 +741,9 @@ def metadata_kind(md: object) -> MetadataKind | None:
     """`md`'s interned `MetadataKind`, or None for an object that is not a builder's metadata
     (every call over it is checked in full, which names what is wrong)."""
     try:
-        key = (type(md), md.backend_name, id(md.spec), md.num_blocks, md.block_size, md.slot_mapping.device)
+        # rolling or not: a builder's choice, not the spec's, which a layer's checks depend on
+        key = (type(md), md.backend_name, id(md.spec), md.num_blocks, md.block_size, md.slot_mapping.device,
+               getattr(md, "rolled_blocks", None) is not None)
     except (AttributeError, TypeError):
         return None
     kind = _metadata_kinds.get(key)
@@ -798,8 +800,9 @@ class CheckedKind:
             return False
         if kv_cache is None or self.cache is None:
             return kv_cache is self.cache
-        # the shape too for the same tensor: a cache resized in place must be checked again
-        if self.cache() is kv_cache and kv_cache.shape == self.cache_facts[0]:
+        # the shape and layout too for the same tensor: a cache resized or restrided in place
+        # (`resize_`, `set_`, `as_strided_`) must be checked again
+        if self.cache() is kv_cache and kv_cache.shape == self.cache_facts[0] and kv_cache.is_contiguous():
             return True
         return _cache_facts(kv_cache) == self.cache_facts
 

@@ -330,3 +330,35 @@ def test_flex_graph_decode_reads_the_pages_in_place(device, dtype, tol, over, mo
     # the window-less layer's rows through FlexAttention, the windowed layer's gathered
     # (CPU: one call a step; CUDA: the warm-up's and the capture's, replays run no Python)
     assert calls == [(4, hq, d)] * 2
+
+
+def test_rolling_tables_serve_layers_within_the_spec_window_and_refuse_the_others():
+    """Rolling tables hold only the blocks the spec's window sees (block 0, here NaN, in place of
+    the rest). A layer of that window or a narrower one matches a float64 reference; a layer
+    seeing further back (a wider window, or none) is refused before it reads a freed block,
+    also when it first passed on metadata of the same spec built without rolling."""
+    heads, d, bs, window = 2, 8, 4, 4
+    spec = ca.AttentionSpec(num_heads=heads, num_kv_heads=heads, head_size=d, block_size=bs, num_blocks=16,
+                            dtype=torch.float32, device="cpu", sliding_window=window)
+    seq = 20  # a decode at position 19: the window sees 16..19, blocks of 0..15 are rolled
+    md = sdpa.TorchSDPABackend.get_builder_cls()(spec, rolling_tables=True).build([seq], [1], [[-1] * 4 + [5]])
+    assert md.rolled_blocks.tolist() == [4]
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(seq, heads, d, generator=g), torch.randn(seq, heads, d, generator=g)
+    q = torch.randn(1, heads, d, generator=g)
+    cache = torch.full((2, 16, bs, heads, d), float("nan"))
+    cache[:, 5, : (seq - 1) % bs] = torch.stack([k[16 : seq - 1], v[16 : seq - 1]])
+    for layer_window in (4, 2):
+        layer = ca.Attention(heads, d, d**-0.5, sliding_window=layer_window, backend="TORCH_SDPA")
+        with ca.set_forward_context(md):
+            out = layer(q.flatten(1), k[-1:].flatten(1), v[-1:].flatten(1), cache.clone())
+        want = reference_attention(q, k, v, torch.tensor([seq - 1]), causal=True, scale=d**-0.5,
+                                   sliding_window=layer_window)
+        assert rel_err(out.view(1, heads, d), want) < 1e-5, layer_window
+    for layer_window in (8, None):
+        layer = ca.Attention(heads, d, d**-0.5, sliding_window=layer_window, backend="TORCH_SDPA")
+        full = sdpa.TorchSDPABackend.get_builder_cls()(spec).build([seq], [1], [[1, 2, 3, 4, 5]])
+        with ca.set_forward_context(full):  # the same spec without rolling: served
+            layer(q.flatten(1), k[-1:].flatten(1), v[-1:].flatten(1), torch.zeros_like(cache))
+        with ca.set_forward_context(md), pytest.raises(ValueError, match="rolling tables have freed"):
+            layer(q.flatten(1), k[-1:].flatten(1), v[-1:].flatten(1), cache.clone())

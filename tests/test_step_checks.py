@@ -256,6 +256,21 @@ def test_a_cache_resized_in_place_is_checked_again(batch):
     assert len(call.checked_kinds) == 1
 
 
+def test_a_cache_restrided_in_place_is_checked_again(batch):
+    """The very tensor the layer passed with, given the same shape over other strides in place
+    (`set_`): no longer contiguous, so refused before any write, as a new tensor would be."""
+    name, call = sdpa_impl().register(1.0, 1.0, T.DECODER)
+    q, k, v = op_args(batch)
+    cache = batch.kv_cache.clone()
+    both_ops(name, batch.build(SDPA), q, k, v, cache)
+    two, nb, bs, h, d = cache.shape
+    cache.set_(torch.empty(cache.numel()).untyped_storage(), 0, cache.shape, (nb * bs * h * d, h * d, nb * h * d, d, 1))
+    assert cache.shape == batch.kv_cache.shape and not cache.is_contiguous()
+    with Untouched(cache), ca.set_forward_context(batch.build(SDPA)), \
+            pytest.raises(ValueError, match="kv_cache must be contiguous"):
+        torch.ops.compiled_attn.kv_cache_update(q, k, v, cache, name)
+
+
 def test_a_layer_does_not_keep_a_dropped_cache_alive(batch):
     name, _keep = sdpa_impl().register(1.0, 1.0, T.DECODER)
     q, k, v = op_args(batch)

@@ -162,6 +162,17 @@ def graph_decode_kernel(spec: AttentionSpec, choice: str | None = None) -> str:
 class TorchSDPAImpl(CommonImpl):
     backend_cls = TorchSDPABackend
 
+    def check_matches_metadata(self, x, kv_cache, md, attn_type) -> None:
+        # Each layer uses its own options, but rolling tables hold only the blocks the spec's
+        # window sees: a layer seeing further back would read freed blocks (block 0's contents).
+        super().check_matches_metadata(x, kv_cache, md, attn_type)
+        window = md.spec.sliding_window
+        if md.rolled_blocks is not None and attn_type == AttentionType.DECODER and (
+                self.sliding_window is None or self.sliding_window > window):
+            raise ValueError(f"TORCH_SDPA: the layer's sliding_window ({self.sliding_window}) sees keys that this "
+                             f"step's rolling tables have freed (rolled by the spec's window, {window}): give the "
+                             "layer a window <= the spec's, or build its metadata without rolling_tables")
+
 
 class TorchSDPAState(GraphState):
     """GraphState over the common buffers only: the op gathers each request's keys through its
