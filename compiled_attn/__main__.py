@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="shard the model over N processes (N GPUs with NCCL if there are N, else CPU with gloo)")
     bench_args = sub.add_parser("bench", help="benchmark suites (see BENCHMARKS.md)")
     bench_args.add_argument("--backend", type=backend_name, action="append", default=None,
-                       help="repeat to select several")
+                       help="skip the suites of other backends (repeat to select several); suites over every "
+                            "backend still measure each one available")
     bench_args.add_argument("--quick", action="store_true")
     bench_args.add_argument("--suite", action="append", default=None, choices=suite.suite_names(),
                        help="run only these suites (repeat to select several)")
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "demo":
         try:  # everything the run would trip over later, before it starts
-            demo.check_demo_args(steps=args.steps, backend_name=args.backend)
+            demo.check_demo_args(steps=args.steps, backend_name=args.backend, tp=args.tp)
         except (ValueError, RuntimeError, NotImplementedError) as e:
             parser.error(str(e))
         row = demo.run_demo(steps=args.steps, backend_name=args.backend, tp=args.tp)
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{best.removesuffix(' tok/s')}, {row[best] / row['eager tok/s']:.2f}x eager; {row['check']}"
         )
         return 0 if row["agree"] else 1
+    if not suite.chosen_suites(args.backend, args.suite):
+        parser.error(f"no suite to run here for --suite {args.suite or 'all'} and --backend {args.backend or 'any'} "
+                     "(some suites need CUDA, some one backend): choose others")
     return suite.run_bench(backends=args.backend, quick=args.quick, out=args.out, suites=args.suite)
 
 

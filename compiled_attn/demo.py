@@ -96,9 +96,29 @@ def generate(
 NUM_BLOCKS, BLOCK_SIZE, MAX_PROMPT = 512, 16, 47  # the demo's cache and longest prompt
 
 
-def check_demo_args(*, steps: int, num_requests: int = 6, backend_name: str | None = None) -> None:
+def demo_config(cuda: bool) -> LlamaConfig:
+    """The demo's model: 8 layers of 1024 on a GPU, 2 tiny layers on CPU."""
+    if cuda:
+        return LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_layers=8,
+                           num_heads=16, num_kv_heads=4)
+    return LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                       num_kv_heads=2)
+
+
+def demo_on_cuda(tp: int) -> bool:
+    """Where the demo runs: CUDA when there is a GPU per process, else CPU (gloo for tp > 1)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= tp
+
+
+def check_demo_args(*, steps: int, num_requests: int = 6, backend_name: str | None = None, tp: int = 1) -> None:
     """ValueError (or the registry's error for a backend name) for arguments the demo would fail
-    on only after running: no decode step to time, or more tokens than its cache holds."""
+    on only after running: no decode step to time, more tokens than its cache holds, or a `tp`
+    that does not split the model's heads, intermediate size and vocabulary."""
+    if tp > 1:
+        config = demo_config(demo_on_cuda(tp))
+        tpm.local_head_counts(config.num_heads, config.num_kv_heads, tp)
+        for name in ("intermediate_size", "vocab_size"):
+            tpm.check_divisible(name, getattr(config, name), tp)
     if steps < 1 or num_requests < 1:
         raise ValueError(f"the demo needs steps >= 1 and num_requests >= 1, got {steps} and {num_requests}")
     blocks = num_requests * -(-(MAX_PROMPT + steps + 1) // BLOCK_SIZE)
@@ -114,7 +134,7 @@ def run_demo(*, steps: int = 16, num_requests: int = 6, seed: int = 0, backend_n
              tp: int = 1, device: str | None = None) -> dict:
     """Run the demo and return its summary row (also used by tests); `tp` > 1 shards the model
     over that many spawned processes (GPUs with NCCL when there are enough, else CPU with gloo)."""
-    check_demo_args(steps=steps, num_requests=num_requests)
+    check_demo_args(steps=steps, num_requests=num_requests, tp=tp)
     if tp == 1:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         return _demo(None, device, steps, num_requests, seed, backend_name)
@@ -126,10 +146,7 @@ def _demo(group: dist.ProcessGroup | None, device: torch.device, steps: int, num
     """The demo on one process: the whole model, or this rank's shard of it."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    config = (LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_layers=8,
-                          num_heads=16, num_kv_heads=4) if cuda else
-              LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
-                          num_heads=4, num_kv_heads=2))
+    config = demo_config(cuda)
     tp_size = tpm.layout_of(group).size
     # graphs serve sequences up to max_seq_len_to_capture: the longest prompt (47) plus the steps
     # (TORCH_SDPA's graph reads that many keys per request whatever the live lengths)

@@ -49,9 +49,11 @@ BAD_MAIN_ARGS = {
     "demo_steps_past_the_cache": ["demo", "--steps", "5000"],  # once: "KV cache full" mid-run
     "demo_float_steps": ["demo", "--steps", "2.5"],
     "demo_zero_tp": ["demo", "--tp", "0"],
+    "demo_tp_that_splits_no_heads": ["demo", "--tp", "3"],  # once: spawned 3 processes, then failed (exit 1)
     "demo_unknown_backend": ["demo", "--backend", "FLASH"],
     "bench_unknown_suite": ["bench", "--suite", "e2ee"],  # once: ran nothing, exit 0
     "bench_unknown_backend": ["bench", "--backend", "XFORMER"],  # once: silently dropped its suite
+    "bench_nothing_to_run": ["bench", "--backend", "TORCH_SDPA", "--suite", "decode_xformers"],  # once: exit 0, no output
 }
 
 

@@ -71,13 +71,20 @@ def show_rows_as_measured() -> None:
         bench_log.setLevel(logging.INFO)
 
 
-def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list[str] | None = None) -> int:
-    show_rows_as_measured()
+def chosen_suites(backends: list[str] | None, suites: list[str] | None) -> list:
+    """The suite modules a run with these selections measures here: those of the named suites
+    (all by default) that run on this machine (some need CUDA) and that are tied to one of the
+    named backends or to none (a suite over every backend measures each one available)."""
     cuda = torch.cuda.is_available()
     wanted = {b.upper() for b in backends} if backends else None
-    chosen = [s for s, needs_cuda, b in SUITES
-              if (cuda or not needs_cuda) and (wanted is None or b is None or b in wanted)
-              and (suites is None or suite_name(s) in suites)]
+    return [s for s, needs_cuda, b in SUITES
+            if (cuda or not needs_cuda) and (wanted is None or b is None or b in wanted)
+            and (suites is None or suite_name(s) in suites)]
+
+
+def run_bench(*, backends: list[str] | None, quick: bool, out: str, suites: list[str] | None = None) -> int:
+    show_rows_as_measured()
+    chosen = chosen_suites(backends, suites)
     seconds: dict[str, float] = {}  # wall time per suite, by its results' key
     compiles: dict[str, dict[str, float]] = {}  # what each suite compiled (bench/compiles.py), by the same key
     results: dict[str, object] = {"card": card_name(), "nominal_bw": nominal_bandwidth() or 0, "suite seconds": seconds,
