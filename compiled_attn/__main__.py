@@ -13,7 +13,7 @@ from compiled_attn.bench.report import print_table
 from compiled_attn.cli import backend_name, output_dir, positive_int
 from compiled_attn.integrations.generate import run_generate
 from compiled_attn.integrations.hf_random import FAMILIES, SIZES
-from compiled_attn.registry import BACKEND_CLASSES
+from compiled_attn.registry import BACKEND_CLASSES, get_attn_backend
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     gen_args.add_argument("--no-cuda-graphs", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "generate":
+        if args.prompt and args.random:
+            parser.error("--prompt needs --model's tokenizer: with --random, use --num-prompts / --prompt-len")
+        if args.backend is not None:
+            try:  # before the model is built: the backend's package and device
+                get_attn_backend(args.backend)
+            except (RuntimeError, NotImplementedError) as e:
+                parser.error(str(e))
         return _generate(args)
     if args.command == "demo":
         try:  # everything the run would trip over later, before it starts

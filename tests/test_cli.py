@@ -11,6 +11,7 @@ import pytest
 
 from compiled_attn import __main__ as cli
 from compiled_attn.bench import e2e
+from compiled_attn.registry import BACKEND_CLASSES
 
 ROOT = Path(__file__).parent.parent
 
@@ -53,7 +54,9 @@ BAD_MAIN_ARGS = {
     "demo_unknown_backend": ["demo", "--backend", "FLASH"],
     "bench_unknown_suite": ["bench", "--suite", "e2ee"],  # once: ran nothing, exit 0
     "bench_unknown_backend": ["bench", "--backend", "XFORMER"],  # once: silently dropped its suite
-    "bench_nothing_to_run": ["bench", "--backend", "TORCH_SDPA", "--suite", "decode_xformers"],  # once: exit 0, no output
+    "generate_prompt_text_without_a_tokenizer": ["generate", "--random", "llama", "--prompt", "hi"],
+    # once: exit 0, nothing run or written
+    "bench_nothing_to_run": ["bench", "--backend", "TORCH_SDPA", "--suite", "decode_xformers"],
 }
 
 
@@ -134,3 +137,11 @@ def test_fault_hunt_refuses_zero_examples(monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         hunt.main()
     assert exit_.value.code == 2
+
+
+@pytest.mark.skipif(BACKEND_CLASSES()["FLASHINFER"].unavailable_reason() is None, reason="FlashInfer runs here")
+def test_generate_with_a_backend_that_cannot_run_here_exits_before_building(no_runs, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "--random", "llama", "--backend", "FLASHINFER"])
+    assert exit_.value.code == 2
+    assert "FLASHINFER cannot run here" in capsys.readouterr().err
