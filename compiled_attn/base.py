@@ -1,4 +1,5 @@
-"""The contract's plain data: attention types, KV-cache dtype names and the metadata base class.
+"""The contract's plain data: attention types, KV-cache dtype names, the metadata base class and
+the backend environment variable's name.
 
 They live below every other module (this one imports nothing of compiled_attn) because
 `validation` needs them and `abstract`'s classes call `validation`; `abstract` re-exports them,
@@ -13,6 +14,9 @@ from abc import abstractmethod
 from typing import Any
 
 import torch
+
+# the backend every layer and `get_attn_backend(None)` take when set (registry.get_attn_backend)
+ENV_VAR = "COMPILED_ATTN_BACKEND"
 
 
 class AttentionType(str, enum.Enum):

@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 
 from compiled_attn.abstract import AttentionBackend, AttentionSpec
+from compiled_attn.base import ENV_VAR
 from compiled_attn.capabilities import capability_reason
 
-ENV_VAR = "COMPILED_ATTN_BACKEND"
 # name -> class, in auto-selection order (fastest first): filled by register_backend
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 

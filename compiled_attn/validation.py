@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from compiled_attn.base import AttentionMetadata, AttentionType, kv_cache_torch_dtype
+from compiled_attn.base import ENV_VAR, AttentionMetadata, AttentionType, kv_cache_torch_dtype
 
 if TYPE_CHECKING:  # annotations only: `abstract` calls this module
     from compiled_attn.abstract import AttentionSpec
@@ -595,7 +595,9 @@ def check_metadata(md: object, backend_name: str) -> AttentionMetadata:
     if built_by != backend_name:
         raise ValueError(
             f"{backend_name} got metadata built for {built_by}; build it with {backend_name}'s builder "
-            "(backend.get_builder_cls()(spec).build(...))"
+            f"(backend.get_builder_cls()(spec).build(...)), or give the layers {built_by}: "
+            f"ca.Attention(..., backend={built_by!r}) or ${ENV_VAR}={built_by} (a layer without a backend picks "
+            "one without knowing the cache's block size, which the builder's backend may need)"
         )
     return md
 

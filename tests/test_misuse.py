@@ -119,7 +119,9 @@ def test_layer_under_metadata_of_another_backend_writes_nothing(batch):
     layer = ca.Attention(HQ, D, D**-0.5, HKV, backend="TORCH_SDPA")
     md = dataclasses.replace(batch.build(SDPA), backend_name="XFORMERS")
     with Untouched(batch.kv_cache), ca.set_forward_context(md), \
-            pytest.raises(ValueError, match="TORCH_SDPA got metadata built for XFORMERS; build it with TORCH_SDPA"):
+            pytest.raises(ValueError, match=r"TORCH_SDPA got metadata built for XFORMERS; build it with TORCH_SDPA's "
+                          r"builder .*, or give the layers XFORMERS: ca.Attention\(..., backend='XFORMERS'\) or "
+                          r"\$COMPILED_ATTN_BACKEND=XFORMERS"):
         layer(batch.query, batch.key, batch.value, batch.kv_cache)
 
 
