@@ -332,6 +332,17 @@ def test_eager_forward_registrations_stay_bounded(batch):
     assert len(forward_context._layers) <= registered + EAGER_NAMES_KEPT
 
 
+def test_a_refused_forward_evicts_no_kept_registration(batch):
+    layer_impl = impl()
+    md = batch.build(SDPA)
+    for i in range(EAGER_NAMES_KEPT):
+        layer_impl.forward(batch.query, batch.key, batch.value, batch.kv_cache.clone(), md, k_scale=1.0 + i / 64)
+    kept = list(layer_impl._eager_calls)
+    with pytest.raises(ValueError):  # a new scale on a call refused for its rows
+        layer_impl.forward(batch.query[:-1], batch.key, batch.value, batch.kv_cache, md, k_scale=0.5)
+    assert list(layer_impl._eager_calls) == kept
+
+
 def test_a_refused_forward_registers_nothing(batch):
     layer_impl = impl()
     with pytest.raises(ValueError):

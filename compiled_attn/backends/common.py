@@ -128,21 +128,22 @@ class CommonImpl(AttentionImpl):
         layer_name, _record = self._eager_name(key_)
         try:
             with set_forward_context(attn_metadata):
-                return self.run(query, key, value, kv_cache, key_[2], layer_name)
+                out = self.run(query, key, value, kv_cache, key_[2], layer_name)
         except BaseException:
-            if new:  # a refused call leaves no registration behind
+            if new:  # a refused call leaves no registration behind, and evicts none
                 self._eager_calls.pop(key_, None)
             raise
+        while len(self._eager_calls) > EAGER_NAMES_KEPT:  # a call that ran takes the oldest one's place
+            self._eager_calls.popitem(last=False)  # its record dies: the registry drops the name
+        return out
 
     def _eager_name(self, key: tuple[float, float, AttentionType]) -> tuple[str, LayerCall]:
         """The layer name eager calls with these scales and type use, and its record (kept for
-        the latest few)."""
+        the latest few, once a call with it has run)."""
         if key in self._eager_calls:
             self._eager_calls.move_to_end(key)
         else:
             self._eager_calls[key] = self.register(*key)
-            if len(self._eager_calls) > EAGER_NAMES_KEPT:
-                self._eager_calls.popitem(last=False)  # its record dies: the registry drops the name
         return self._eager_calls[key]
 
     def run(
