@@ -147,6 +147,24 @@ def test_update_fp8_stores_scaled_values(kv_cache_dtype):
     check_written(cache, before, md.slot_mapping.tolist(), key.float() / k_scale, value.float() / v_scale)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_update_fp8_saturates_values_past_the_format(kv_cache_dtype):
+    """Scaled values past the fp8 format's largest finite value are stored as that value, of
+    their sign (as the CUDA write's satfinite conversion does), never inf: e5m2's cast alone
+    gives inf; NaN stays NaN."""
+    spec = fp8_spec(kv_cache_dtype)
+    md = FLASHINFER.get_builder_cls()(spec).build([4], [4], [[7]])
+    cache_dtype = ca.kv_cache_torch_dtype(kv_cache_dtype, torch.bfloat16)
+    most = torch.finfo(cache_dtype).max
+    key = torch.tensor([1e6, -1e6, float("inf"), 1.5]).view(4, 1, 1).expand(4, HKV, 64).bfloat16()
+    value = torch.full((4, HKV, 64), float("nan")).bfloat16()
+    cache = nan_cache(spec)
+    write(md, key, value, cache, backend=FLASHINFER)
+    rows = cache[0].view(-1, HKV, 64)[md.slot_mapping].float()[:, 0, 0]
+    assert rows.tolist() == [most, -most, most, 1.5]
+    assert cache[1].view(-1, HKV, 64)[md.slot_mapping].float().isnan().all()
+
+
 def test_update_bf16_cache_from_bf16_keys():
     spec = ca.AttentionSpec(num_heads=4, num_kv_heads=HKV, head_size=D, block_size=BS, num_blocks=NB,
                             dtype=torch.bfloat16, device="cpu")
