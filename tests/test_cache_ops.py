@@ -150,8 +150,7 @@ def test_update_fp8_stores_scaled_values(kv_cache_dtype):
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_update_fp8_saturates_values_past_the_format(kv_cache_dtype):
     """Scaled values past the fp8 format's largest finite value are stored as that value, of
-    their sign (as the CUDA write's satfinite conversion does), never inf: e5m2's cast alone
-    gives inf; NaN stays NaN."""
+    their sign, never inf (e5m2's cast alone gives inf, e4m3fn's saturates); NaN stays NaN."""
     spec = fp8_spec(kv_cache_dtype)
     md = FLASHINFER.get_builder_cls()(spec).build([4], [4], [[7]])
     cache_dtype = ca.kv_cache_torch_dtype(kv_cache_dtype, torch.bfloat16)
@@ -294,6 +293,24 @@ def test_update_cuda_matches_cpu_bit_for_bit(kv_cache_dtype):
     cache_cuda = nan_cache(spec, device="cuda")
     write(md_cuda, key.cuda(), value.cuda(), cache_cuda, k_scale=0.5, v_scale=2.0, backend=backend)
     assert same_bits(cache_cuda.cpu(), cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_update_cuda_saturates_fp8_like_cpu(kv_cache_dtype):
+    """Values past the fp8 format's range: the Triton write stores what the CPU write does (the
+    largest finite value of their sign), NaN as NaN."""
+    spec = fp8_spec(kv_cache_dtype)
+    tables = [[7]]
+    key = torch.tensor([1e6, -1e6, float("inf"), 1.5]).view(4, 1, 1).expand(4, HKV, 64).bfloat16()
+    value = torch.tensor([float("nan"), 3e5, -2.0, -7e4]).view(4, 1, 1).expand(4, HKV, 64).bfloat16()
+    caches = []
+    for device in ("cpu", "cuda"):
+        md = FLASHINFER.get_builder_cls()(fp8_spec(kv_cache_dtype, device)).build([4], [4], tables)
+        cache = nan_cache(spec, device=device)
+        write(md, key.to(device), value.to(device), cache, backend=FLASHINFER)
+        caches.append(cache.cpu())
+    assert same_bits(caches[1], caches[0])
 
 
 def placed(t: torch.Tensor, shift: int, device: str = "cuda") -> torch.Tensor:

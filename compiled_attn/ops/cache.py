@@ -17,9 +17,9 @@ from compiled_attn.validation import check_block_cache, check_block_pairs
 
 
 def _to_cache_dtype(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
-    # fp8 caches store x / scale, saturated to the format's finite range as the CUDA write's
-    # conversion is (PTX's cvt...satfinite; torch's cast gives e5m2 inf); other caches store x
-    # as is (the scale is an fp8 notion).
+    # fp8 caches store x / scale, saturated to the format's finite range (torch's cast alone
+    # gives inf for e5m2 but saturates e4m3fn; one rule for both); other caches store x as is
+    # (the scale is an fp8 notion).
     if cache_dtype.itemsize == 1:
         most = torch.finfo(cache_dtype).max
         return (x.float() / scale).clamp(-most, most).to(cache_dtype)
