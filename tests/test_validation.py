@@ -438,3 +438,15 @@ def test_state_batch_sizes_of_the_wrong_type_raise(bad):
         pass
     with state.graph_capture(4), pytest.raises(ValueError, match="batch_size"):
         state.graph_capture_get_metadata_for_batch(bad)
+
+
+@pytest.mark.parametrize("option", ["num_heads", "head_size", "scale", "num_kv_heads", "alibi_slopes",
+                                    "sliding_window", "kv_cache_dtype", "logits_soft_cap"])
+def test_layer_options_are_fixed_at_construction(option):
+    """The ops check a layer once per kind of call and remember it: an option changed afterwards
+    would never be checked, so it cannot be changed."""
+    layer_impl = impl(sliding_window=4)
+    before = getattr(layer_impl, option)
+    with pytest.raises(AttributeError, match=f"{option} is fixed at construction"):
+        setattr(layer_impl, option, 3)
+    assert getattr(layer_impl, option) is before

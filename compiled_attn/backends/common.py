@@ -28,6 +28,10 @@ from compiled_attn.validation import (
 # Eager `forward` registers one layer name per (k_scale, v_scale, attn_type) it is called with;
 # the most recent few are kept (a caller varying its scales every step must not grow a registry).
 EAGER_NAMES_KEPT = 8
+# A layer's options, fixed at construction: the ops check a layer once per kind of call and
+# remember it passed (`validation.check_layer_call`), so a changed option would go unchecked.
+IMPL_OPTIONS = frozenset(("num_heads", "head_size", "scale", "num_kv_heads", "alibi_slopes", "sliding_window",
+                          "kv_cache_dtype", "logits_soft_cap"))
 
 
 class CommonImpl(AttentionImpl):
@@ -59,6 +63,12 @@ class CommonImpl(AttentionImpl):
         self.check_supported()
         self._alibi_by_device: dict[torch.device, torch.Tensor] = {}
         self._eager_calls: OrderedDict[tuple[float, float, AttentionType], tuple[str, LayerCall]] = OrderedDict()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in IMPL_OPTIONS and name in self.__dict__:
+            raise AttributeError(f"{type(self).__name__}.{name} is fixed at construction (the ops remember that "
+                                 "this layer's checks passed): make a new layer with the option you want")
+        super().__setattr__(name, value)
 
     def alibi_on(self, device: torch.device) -> torch.Tensor | None:
         """The ALiBi slopes on `device`, copied once (at the first, eager call: never in a graph)."""
