@@ -137,6 +137,11 @@ class CommonMetadata(AttentionMetadata):
     block_tables_host: np.ndarray | None = None
     cross_block_tables_host: np.ndarray | None = None
     rolled_blocks: np.ndarray | None = None
+    # Per row of each host table, the entries build() checked (each request's need then; the
+    # rest pad with block 0). A copy made by dataclasses.replace keeps them with the tables, so a
+    # graph State can refuse replaced lengths that would read padding as blocks.
+    block_tables_checked: np.ndarray | None = None
+    cross_block_tables_checked: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self._views: dict[str, AttentionMetadata | None] = {}
@@ -523,6 +528,9 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
             spec=spec,
             block_tables_host=tables["block_tables"],
             cross_block_tables_host=tables.get("cross_block_tables"),
+            block_tables_checked=need if uses_cache else None,
+            cross_block_tables_checked=(None if "cross_block_tables" not in tables else
+                                        -(-np.asarray(encoder_seq_lens, dtype=np.int64) // spec.block_size)),
             rolled_blocks=rolled,
             **cross,
             **fields,

@@ -914,8 +914,13 @@ def check_graph_step(md: Any, spec: AttentionSpec, backend_name: str, batch_size
         raise ValueError(f"graphs replay decode-only steps; this one has {md.num_prefills} prefills: run it eagerly")
     if not 1 <= md.num_seqs <= batch_size:
         raise ValueError(f"{md.num_seqs} decodes do not fit the graph of batch size {batch_size}: run it eagerly")
-    if md.longest_seq_len > spec.max_seq_len_to_capture:
-        raise ValueError(f"a sequence of {md.longest_seq_len} tokens > spec.max_seq_len_to_capture="
+    # Metadata not made by build() (`dataclasses.replace`) may carry lengths its other fields and
+    # frozen tables were never checked with: its lengths, and tables, are checked here.
+    own = getattr(md, "_builder", None) is not None
+    longest = md.longest_seq_len if own else max(
+        int(np.max(md.seq_lens)), int(np.max(md.encoder_seq_lens)) if md.encoder_seq_lens is not None else 0)
+    if longest > spec.max_seq_len_to_capture:
+        raise ValueError(f"a sequence of {longest} tokens > spec.max_seq_len_to_capture="
                          f"{spec.max_seq_len_to_capture}: run this step eagerly")
     if (md.num_blocks, md.block_size) != (spec.num_blocks, spec.block_size):
         raise ValueError(f"metadata for num_blocks={md.num_blocks}, block_size={md.block_size} does not match "
@@ -931,7 +936,16 @@ def check_graph_step(md: Any, spec: AttentionSpec, backend_name: str, batch_size
         if host is None or (md.is_uploaded(name) and tuple(host.shape) != tuple(getattr(md, name).shape)):
             raise ValueError(f"{backend_name} graphs replay metadata from {backend_name}'s builder (its {name} "
                              "with the host copy they were made from)")
-        if host.flags.writeable:  # the builder freezes the tables it checked; anything else is checked here
+        checked = getattr(md, f"{name}_checked", None)
+        if not own and checked is not None:  # replaced lengths: within the entries build() checked
+            need = -(-np.asarray(lens, dtype=np.int64) // spec.block_size)
+            over = np.nonzero(need > checked)[0] if need.shape == checked.shape else np.arange(need.size)
+            if over.size:
+                i = int(over[0])
+                raise ValueError(f"{name}: request {i} of {int(np.asarray(lens)[i])} tokens needs {int(need[i])} "
+                                 f"blocks, but its row holds the {int(checked[i]) if i < checked.size else 0} that "
+                                 "build() checked (metadata copied with other lengths): build the step again")
+        if host.flags.writeable or not own:  # the builder freezes the tables it checked with its lengths
             rolled = md.rolled_blocks if name == "block_tables" else None
             check_table_array(host, lens, spec.block_size, spec.num_blocks, name, rolled)
 

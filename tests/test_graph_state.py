@@ -283,6 +283,32 @@ def test_prepare_refuses_a_step_wider_than_the_graphs_table_and_writes_nothing()
     assert full["block_tables"][:, 4:].eq(SCRATCH_BLOCK).all(), "columns past the width stay untouched"
 
 
+@pytest.mark.parametrize("name", ["TORCH_SDPA", "FLASHINFER"])
+def test_replaced_lengths_are_checked_against_the_table_and_served_from_themselves(name, fake_flashinfer):
+    """Metadata made by `dataclasses.replace` with other lengths keeps the builder's frozen table
+    and stale derived fields: its lengths are checked against that table and the capture limit
+    before any buffer is written, and a step that fits is served from its own lengths."""
+    import dataclasses
+
+    spec = spec_for()
+    state = BACKEND_CLASSES()[name].get_state_cls()(spec)
+    with state.graph_capture(2):
+        bufs = state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(2))
+        clone = state.graph_clone(2)
+    md = BACKEND_CLASSES()[name].get_builder_cls()(spec).build([17, 100], [1, 1], [[5], [7, 8]])
+    before = {k: t.clone() for k, t in bufs.items()}
+    for seq_lens, match in (([65, 100], "block_tables"), ([17, 200], "max_seq_len_to_capture=192")):
+        with pytest.raises(ValueError, match=match):
+            clone.prepare_graph_input_buffers(bufs, dataclasses.replace(md, seq_lens=seq_lens))
+        assert all(torch.equal(bufs[k], before[k]) for k in before), seq_lens
+    clone.prepare_graph_input_buffers(bufs, dataclasses.replace(md, seq_lens=[40, 128]))
+    assert bufs["slot_mapping"].tolist() == [5 * 64 + 39, 8 * 64 + 63]
+    assert bufs["seq_lens_tensor"].tolist() == [40, 128]
+    if name == "FLASHINFER":  # the page CSR from the replaced lengths
+        assert bufs["paged_kv_indptr"].tolist() == [0, 1, 3]
+        assert bufs["paged_kv_last_page_len"][:2].tolist() == [40, 64]
+
+
 # -------------------------------------------------------------------------------------------
 # Buffers through the runner, every backend: a stand-in model records what the step reads
 

@@ -715,7 +715,14 @@ class FlashInferState(GraphState):
         rows = super().host_rows(md)
         if self.reads_tables:
             return rows
-        return {**rows, "paged_kv_last_page_len": md.paged_kv_last_page_len.numpy()}
+        return {**rows, "paged_kv_last_page_len": self._page_layout(md)[1]}
+
+    def _page_layout(self, md: FlashInferMetadata) -> tuple[np.ndarray, np.ndarray]:
+        """md's page CSR (indptr, last_page_len): the builder's, or for metadata made otherwise
+        (`dataclasses.replace`, whose lengths may differ from the fields it copied) from its lengths."""
+        if md._builder is not None:
+            return md.paged_kv_indptr.numpy(), md.paged_kv_last_page_len.numpy()
+        return paged_kv_layout(np.asarray(md.seq_lens), self.spec.block_size, md.rolled_blocks)
 
     def copy_extra(self, host: dict[str, np.ndarray], md: FlashInferMetadata | None, batch_size: int) -> None:
         if self.reads_tables:
@@ -723,7 +730,7 @@ class FlashInferState(GraphState):
         indptr, indices = host["paged_kv_indptr"], host["paged_kv_indices"]
         n = 0 if md is None else md.num_seqs
         if md is not None:
-            indptr[: n + 1] = md.paged_kv_indptr.numpy()
+            indptr[: n + 1] = self._page_layout(md)[0]
             # the host ids of md.paged_kv_indices (`paged_kv_layout`), checked by the builder or,
             # for metadata made otherwise, by `check_graph_step` on the host table they come from
             indices[: indptr[n]] = md.needed_block_ids()
