@@ -645,7 +645,8 @@ class TritonGraphDecode:
 
 class FlashInferState(GraphState):
     """GraphState plus FlashInfer's page CSR buffers and one `use_cuda_graph=True` decode wrapper
-    per captured batch size (`make_for_batch`), planned by `begin_forward` before each replay.
+    per captured batch size (`make_for_batch`), planned by `begin_forward` before each replay, or
+    once at capture where the plan depends on the batch size alone (no split-kv on fa2: `plan`).
 
         paged_kv_indptr:        int32 [max_batch_size + 1]
         paged_kv_last_page_len: int32 [max_batch_size]
