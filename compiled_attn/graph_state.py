@@ -333,8 +333,8 @@ class GraphState(AttentionState):
         The step's rows come from md's host fields (the lists and tables its device tensors were
         built from), written with its pads into a host mirror of the buffers and copied to them
         in one host-to-device copy per merged byte range (usually one) on the current stream
-        (ordered before the replay). No sync,
-        unless the GPU has not yet read the previous step's copy. upload=False writes the mirror
+        (ordered before the replay). No sync, unless the GPU has not yet read the previous step's
+        copy. upload=False writes the mirror
         only, for a graph that copies it itself: one whose capture began with
         `upload_graph_input_buffers(input_buffers)` (CUDAGraphRunner's do), which saves the
         copy's host calls each step.
