@@ -334,10 +334,9 @@ class GraphState(AttentionState):
         built from), written with its pads into a host mirror of the buffers and copied to them
         in one host-to-device copy per merged byte range (usually one) on the current stream
         (ordered before the replay). No sync, unless the GPU has not yet read the previous step's
-        copy. upload=False writes the mirror
-        only, for a graph that copies it itself: one whose capture began with
-        `upload_graph_input_buffers(input_buffers)` (CUDAGraphRunner's do), which saves the
-        copy's host calls each step.
+        copy. upload=False writes the mirror only, for a graph that copies it itself: one whose
+        capture began with `upload_graph_input_buffers(input_buffers)` (CUDAGraphRunner's do),
+        which saves the copy's host calls each step.
         ValueError for a step the graph cannot serve (prefills, n > bs, a sequence longer than
         spec.max_seq_len_to_capture, metadata of another backend, cache size or device, or without
         an input the graph reads); RuntimeError for buffers of a size this state did not capture,
