@@ -94,10 +94,10 @@ def _generate(args: argparse.Namespace) -> int:
                        num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
                        backend=args.backend, block_size=args.block_size, compile=not args.no_compile,
                        cuda_graphs=not args.no_cuda_graphs)
-    texts = row.pop("texts", None)
+    outputs = row.pop("texts", None) or row.pop("token ids", None)
     print_table([row], list(row))
-    for i, text in enumerate(texts or []):
-        print(f"[{i}] {text}")
+    for i, output in enumerate(outputs or []):
+        print(f"[{i}] {output}")
     steady = "" if row["steady tok/s"] is None else f", {row['steady tok/s']:.1f} tok/s after the first step"
     print(f"summary: {row['new tokens']} tokens in {row['seconds']:.2f} s = {row['tok/s']:.1f} tok/s{steady} "
           f"({row['backend']} on {row['device']}; groups {row['groups']})")

@@ -36,8 +36,9 @@ def floats_as_constants() -> AbstractContextManager[None]:
     of seconds of CPU feature checks and builds). Specialised, a float recompiles the model once
     per value it takes: nothing for a model's constants. The patch matters while Dynamo traces:
     wrap every call that may trace (the first, and any that recompile); a graph traced without it
-    keeps its float inputs. It costs about 16 us a call (development CPU). Since torch 2.12 the
-    patch holds for the calling thread only; torch 2.11 patches Dynamo's config for the process,
+    keeps its float inputs. It costs tens of microseconds a call (16-60 us on development CPUs).
+    Since torch 2.12 the patch holds for the calling thread only; torch 2.11 patches Dynamo's
+    config for the process,
     so two threads inside it at once may leave it on after both leave (floats then stay
     constants process-wide, which costs only recompiles for floats that change).
 

@@ -21,6 +21,10 @@ tried that block already). Left as torch has it: kernels compiled in worker proc
 back unmarked (an FX-cache miss, or a kernel that cannot launch statically).
 `scripts/autotune_probe.py` lists what a warm process still tunes and what the autotune cache
 said for each.
+
+From 2.12 torch's own method stays, and it lacks the cache-handle fallback above: a kernel whose
+FX entry kept only its best config is tuned again in each new process (seen on CPU with torch
+2.13 and a stand-in autotuner; not measured on a GPU).
 """
 
 from __future__ import annotations

@@ -350,3 +350,29 @@ def test_an_empty_backend_name_is_unknown_not_auto(monkeypatch):
     assert ca_hf.pick_backend(None, [spec]).get_name() == "TORCH_SDPA"
     with pytest.raises(ValueError, match="unknown attention backend ''"):
         ca_hf.pick_backend("", [spec])
+
+
+def test_random_config_overrides_the_familys_own_settings():
+    config = hf_random.random_config("gemma2", max_position_embeddings=4096, query_pre_attn_scalar=16,
+                                     attn_logit_softcapping=None)
+    assert (config.max_position_embeddings, config.query_pre_attn_scalar, config.attn_logit_softcapping) == (
+        4096, 16, None)
+    assert hf_random.random_config("qwen2", max_window_layers=2).max_window_layers == 2
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 3])
+def test_run_generate_reports_token_ids_without_a_tokenizer(max_new_tokens):
+    """The CLI's generate on random weights (no tokenizer): the row holds each prompt's new token
+    ids, those `PagedEngine.generate` gives for the same prompts, and no steady rate for a run of
+    one step."""
+    from compiled_attn.integrations.generate import run_generate
+
+    row = run_generate(family="llama", size="tiny", num_prompts=2, prompt_len=4, max_new_tokens=max_new_tokens,
+                       compile=False, cuda_graphs=False, progress=False, seed=3)
+    g = torch.Generator().manual_seed(3)
+    model = hf_random.random_model(hf_random.random_config("llama", "tiny"))
+    prompts = [torch.randint(1, model.config.vocab_size, (4,), generator=g).tolist() for _ in range(2)]
+    engine = ca_hf.PagedEngine(model, block_size=16, num_blocks=8, compile=False, cuda_graphs=False)
+    assert row["token ids"] == engine.generate(prompts, max_new_tokens=max_new_tokens)
+    assert "texts" not in row and row["new tokens"] == 2 * max_new_tokens
+    assert (row["steady tok/s"] is None) == (max_new_tokens == 1)

@@ -81,10 +81,12 @@ def run_generate(*, model_dir: str | None = None, family: str | None = None, siz
         "setup s": setup_s,
         "seconds": seconds,
         "tok/s": generated / seconds,
-        "steady tok/s": (generated - first[1]) / (seconds - first[0]) if seconds > first[0] else None,
+        "steady tok/s": (generated - first[1]) / (seconds - first[0]) if generated > first[1] else None,
     }
     if tokenizer is not None:
         row["texts"] = [tokenizer.decode(o) for o in outputs]
+    else:
+        row["token ids"] = outputs
     return row
 
 

@@ -28,23 +28,27 @@ SIZES: dict[str, dict[str, int]] = {
 
 def random_config(family: str, size: str = "tiny", *, sliding_window: int = 6, **overrides: Any) -> Any:
     """A transformers config of `family` and `size`; `sliding_window` (tokens) for the families
-    that have one (Qwen2: layers >= 1 of it, Mistral: all, Gemma2: every other layer)."""
+    that have one (Qwen2: layers >= 1 of it, Mistral: all, Gemma2: every other layer);
+    `overrides`: any config field, the family's settings here included."""
     import transformers as tr
 
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose one of {FAMILIES}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
-    shape = dict(SIZES[size], max_position_embeddings=16384, **overrides)
+    shape = dict(SIZES[size], max_position_embeddings=16384)
+    # the family's settings, then the caller's overrides of any of them
     if family == "llama":
-        return tr.LlamaConfig(**shape, rope_theta=500000.0)
+        return tr.LlamaConfig(**{**shape, "rope_theta": 500000.0, **overrides})
     if family == "qwen2":
-        return tr.Qwen2Config(**shape, use_sliding_window=True, sliding_window=sliding_window, max_window_layers=1)
+        return tr.Qwen2Config(**{**shape, "use_sliding_window": True, "sliding_window": sliding_window,
+                                 "max_window_layers": 1, **overrides})
     if family == "mistral":
-        return tr.MistralConfig(**shape, sliding_window=sliding_window)
+        return tr.MistralConfig(**{**shape, "sliding_window": sliding_window, **overrides})
     # Gemma2: a scale that is not head_dim ** -0.5, and caps low enough to bite at random weights
-    return tr.Gemma2Config(**shape, sliding_window=sliding_window, query_pre_attn_scalar=shape["head_dim"] // 2,
-                           attn_logit_softcapping=2.0, final_logit_softcapping=8.0)
+    return tr.Gemma2Config(**{**shape, "sliding_window": sliding_window,
+                              "query_pre_attn_scalar": shape["head_dim"] // 2, "attn_logit_softcapping": 2.0,
+                              "final_logit_softcapping": 8.0, **overrides})
 
 
 def random_model(config: Any, *, attn_implementation: str = "compiled_attn", dtype: torch.dtype = torch.float32,
