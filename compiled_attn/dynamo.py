@@ -38,9 +38,9 @@ def floats_as_constants() -> AbstractContextManager[None]:
     wrap every call that may trace (the first, and any that recompile); a graph traced without it
     keeps its float inputs. It costs tens of microseconds a call (16-60 us on development CPUs).
     Since torch 2.12 the patch holds for the calling thread only; torch 2.11 patches Dynamo's
-    config for the process,
-    so two threads inside it at once may leave it on after both leave (floats then stay
-    constants process-wide, which costs only recompiles for floats that change).
+    config for the process, so two threads inside it at once may leave it on after both leave
+    (floats then stay constants process-wide, which costs only recompiles for floats that
+    change).
 
     Example::
 
