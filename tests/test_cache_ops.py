@@ -149,19 +149,25 @@ def test_update_fp8_stores_scaled_values(kv_cache_dtype):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_update_fp8_saturates_values_past_the_format(kv_cache_dtype):
-    """Scaled values past the fp8 format's largest finite value are stored as that value, of
-    their sign, never inf (e5m2's cast alone gives inf, e4m3fn's saturates); NaN stays NaN."""
+    """Values that pass the fp8 format's largest finite value once scaled (key / 0.5, value / 3)
+    are stored as that value, of their sign, never inf (e5m2's cast alone gives inf, e4m3fn's
+    saturates); in-range values as scaled; NaN as NaN, over finite old contents."""
     spec = fp8_spec(kv_cache_dtype)
     md = FLASHINFER.get_builder_cls()(spec).build([4], [4], [[7]])
     cache_dtype = ca.kv_cache_torch_dtype(kv_cache_dtype, torch.bfloat16)
     most = torch.finfo(cache_dtype).max
-    key = torch.tensor([1e6, -1e6, float("inf"), 1.5]).view(4, 1, 1).expand(4, HKV, 64).bfloat16()
-    value = torch.full((4, HKV, 64), float("nan")).bfloat16()
-    cache = nan_cache(spec)
-    write(md, key, value, cache, backend=FLASHINFER)
-    rows = cache[0].view(-1, HKV, 64)[md.slot_mapping].float()[:, 0, 0]
-    assert rows.tolist() == [most, -most, most, 1.5]
-    assert cache[1].view(-1, HKV, 64)[md.slot_mapping].float().isnan().all()
+    # each key past the range only after its scale: most * 0.75 / 0.5 = 1.5 * most
+    key = torch.tensor([most * 0.75, -most * 0.75, float("inf"), 1.5]).view(4, 1, 1).expand(4, HKV, 64).bfloat16()
+    value = torch.tensor([float("nan"), most * 0.5, -6.0, -most * 0.4]).view(4, 1, 1).expand(4, HKV, 64).bfloat16()
+    cache = torch.zeros(ca.registry.BACKEND_CLASSES()["FLASHINFER"].get_kv_cache_shape(NB, BS, HKV, 64)).to(
+        cache_dtype)
+    write(md, key, value, cache, k_scale=0.5, v_scale=3.0, backend=FLASHINFER)
+    k_rows = cache[0].view(-1, HKV, 64)[md.slot_mapping].float()[:, 0, 0]
+    v_rows = cache[1].view(-1, HKV, 64)[md.slot_mapping].float()[:, 0, 0]
+    assert k_rows.tolist() == [most, -most, most, 3.0]
+    assert v_rows[0].isnan() and v_rows[2].item() == -2.0
+    assert v_rows[1].item() == pytest.approx(float(key.new_tensor(most * 0.5).float()) / 3.0, rel=0.15)
+    assert v_rows[3].item() == pytest.approx(-float(key.new_tensor(most * 0.4).float()) / 3.0, rel=0.15)
 
 
 def test_update_bf16_cache_from_bf16_keys():

@@ -11,6 +11,7 @@ import pytest
 
 from compiled_attn import __main__ as cli
 from compiled_attn.bench import e2e
+from compiled_attn.integrations import hf_random
 from compiled_attn.registry import BACKEND_CLASSES
 
 ROOT = Path(__file__).parent.parent
@@ -35,6 +36,8 @@ def no_runs(monkeypatch):
     monkeypatch.setattr(demo, "run_demo", not_reached)
     monkeypatch.setattr(suite, "run_bench", not_reached)
     monkeypatch.setattr(e2e, "run", not_reached)
+    monkeypatch.setattr(cli, "run_generate", not_reached)
+    monkeypatch.setattr(hf_random, "random_model", not_reached)  # nothing is built either
 
 
 @pytest.fixture

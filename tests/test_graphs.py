@@ -740,12 +740,12 @@ def test_runner_compiler_compiles_batch_one_per_option_set_from_one_trace(monkey
                    (torch.randn(1, 16, generator=gen), "reductions")]:
         want_cache += x.double().sum(0)
         if use is None:  # three rows: the shared graph, one compile
-            torch.testing.assert_close(compiled(x, cache).double(), reference(x))
+            torch.testing.assert_close(compiled(x, cache).double(), reference(x), rtol=1e-5, atol=1e-5)
             assert [c[:2] for c in compiles] == [("shared", COMPILE_OPTIONS)] and backend.one_token_graphs == 0
             continue
         backend.use = use
         with backend.one_token_calls():  # the first row of one traces once; the second reuses it
-            torch.testing.assert_close(compiled(x, cache).double(), reference(x))
+            torch.testing.assert_close(compiled(x, cache).double(), reference(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(cache.double(), want_cache)
     assert [c[:2] for c in compiles] == [("shared", COMPILE_OPTIONS), *ONE_TOKEN_COMPILES.items()]
     assert backend.one_token_graphs == 1
@@ -758,7 +758,7 @@ def test_runner_compiler_compiles_batch_one_per_option_set_from_one_trace(monkey
     backend.keep("cublas")
     one = torch.randn(1, 16, generator=gen)
     with torch.no_grad(), backend.one_token_calls():  # grad mode is guarded: batch 1 traced again
-        torch.testing.assert_close(compiled(one, cache).double(), reference(one))
+        torch.testing.assert_close(compiled(one, cache).double(), reference(one), rtol=1e-5, atol=1e-5)
     assert [c[:2] for c in compiles[3:]] == [("cublas", ONE_TOKEN_COMPILES["cublas"])]
     assert ran[3:] == ["cublas"] and backend.one_token_graphs == 1
     torch._dynamo.reset()
@@ -795,7 +795,7 @@ def test_batch_one_goes_without_a_candidate_that_fails_to_compile(monkeypatch):
     with backend.one_token_calls(), pytest.warns(UserWarning, match="batch 1's 'cublas' compile .* failed.*"
                                                  "RuntimeError: cublas lowering broke"):
         out = compiled(x)
-    torch.testing.assert_close(out.double(), (x.double() @ weight.double().T).tanh())
+    torch.testing.assert_close(out.double(), (x.double() @ weight.double().T).tanh(), rtol=1e-5, atol=1e-5)
     assert backend.failed == {"cublas": "RuntimeError: cublas lowering broke"}
     assert [c[0] for c in inductor.compiles] == ["reductions"] and inductor.ran == ["reductions"]
     assert backend.use == compiler_module.PRIMARY_ONE_TOKEN_COMPILE == "reductions"
@@ -1044,10 +1044,10 @@ def gpu_spec(name: str) -> ca.AttentionSpec:
 
 
 def gpu_backend(name: str, spec: ca.AttentionSpec) -> type[ca.AttentionBackend]:
-    """The backend `name` serving `spec` here, or skip the test naming why it cannot."""
+    """The backend `name` serving `spec` here, or skip the test when it cannot run here."""
     try:
         return ca.get_attn_backend(name, spec)
-    except (ca.BackendUnavailableError, NotImplementedError) as e:
+    except ca.BackendUnavailableError as e:  # a backend refusing the standard spec fails the test
         pytest.skip(f"{name} unavailable here: {e}")
 
 
