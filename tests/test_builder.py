@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -544,14 +545,20 @@ def test_a_first_read_under_fake_tensor_mode_or_from_two_threads_uploads_real_te
         return real(arrays, device)
 
     monkeypatch.setattr(ca.metadata, "upload", held)
-    reads = {}
+    reads, reading = {}, threading.Event()
+
+    def read_second() -> None:
+        reading.set()  # from here on the thread is in its first read
+        reads["second"] = md.seq_lens_tensor.tolist()
+
     first = threading.Thread(target=lambda: reads.setdefault("first", md.slot_mapping.tolist()))
-    second = threading.Thread(target=lambda: reads.setdefault("second", md.seq_lens_tensor.tolist()))
+    second = threading.Thread(target=read_second)
     first.start()
     assert entered.wait(10)
     second.start()
-    second.join(0.2)
-    assert second.is_alive()  # waits for the upload in flight
+    assert reading.wait(10)
+    time.sleep(0.2)  # time for an unlocked read to have started a second upload (it would block in `held`)
+    assert "second" not in reads  # it waits for the upload in flight
     proceed.set()
     first.join(10)
     second.join(10)
