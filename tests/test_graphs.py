@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import flex_on_cpu, record_compiles
+from reference import flex_on_cpu, record_compiles, rel_err
 from torch._inductor.compile_fx import compile_fx
 
 import compiled_attn as ca
@@ -1068,10 +1068,6 @@ def gpu_setup(name: str) -> GpuSetup:
 @pytest.fixture(scope="module", params=["TORCH_SDPA", "FLASHINFER", "XFORMERS"])
 def gpu(request) -> GpuSetup:
     return gpu_setup(request.param)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.gpu
