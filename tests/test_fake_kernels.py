@@ -100,10 +100,13 @@ def test_ops_run_under_fake_cuda_tensors_without_error():
         q, k, v, cache = make_fakes(num_tokens, num_tokens, True)
         q, k, v = q.view(-1, HQ, D), k.view(-1, HKV, D), v.view(-1, HKV, D)
         output = torch.empty_like(q)
-        with ca.set_forward_context(fake_cuda_metadata(md)):
-            assert torch.ops.compiled_attn.kv_cache_update(q, k, v, cache, name) is None
-            assert torch.ops.compiled_attn.torch_sdpa_attention(q, k, v, cache, output, name) is None
+        with ca.set_forward_context(fake_cuda_metadata(md)):  # each op's fake kernel: no error, no real work
+            torch.ops.compiled_attn.kv_cache_update(q, k, v, cache, name)
+            torch.ops.compiled_attn.torch_sdpa_attention(q, k, v, cache, output, name)
         other = torch.empty(2, 4, BS, HKV, D, dtype=DTYPE)  # a CPU cache (swap target)
         pairs = torch.tensor([[0, 1], [2, 3]])
-        assert torch.ops.compiled_attn.copy_blocks([cache], pairs) is None
-        assert torch.ops.compiled_attn.swap_blocks(cache, other, pairs) is None
+        torch.ops.compiled_attn.copy_blocks([cache], pairs)
+        torch.ops.compiled_attn.swap_blocks(cache, other, pairs)
+        # the mutated arguments stay fakes of their shapes on the fake CUDA device
+        assert all(isinstance(t, FakeTensor) and t.device.type == "cuda" for t in (output, cache))
+        assert output.shape == q.shape

@@ -119,7 +119,7 @@ def test_fake_kernel_under_fake_mode_on_cuda():
         kv = torch.empty(5, 2, 64, dtype=torch.bfloat16, device="cuda")
         cache = torch.empty(2, 4, 64, 2, 64, dtype=torch.bfloat16, device="cuda")
         out = torch.empty_like(q)
-        assert torch.ops.compiled_attn.xformers_attention(q, kv, kv, cache, out, "any.layer") is None
+        torch.ops.compiled_attn.xformers_attention(q, kv, kv, cache, out, "any.layer")  # the fake kernel: no error
 
 
 # ---------------------------------------------------------------- CPU with xformers: bias objects
