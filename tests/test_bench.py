@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import compiled_attn as ca
 from compiled_attn.bench import decode_loop as dl
@@ -86,7 +87,8 @@ def test_gpt_fast_peer_decodes_like_the_paged_model():
     tables = [[5, 1], [0, 7]]
     tokens = torch.randint(model.config.vocab_size, (batch,))
     for pos in range(steps):
-        want = peer(tokens.view(batch, 1), torch.tensor([pos]))[:, 0]
+        with sdpa_kernel(SDPBackend.MATH):  # as the bench's peer loop runs it
+            want = peer(tokens.view(batch, 1), torch.tensor([pos]))[:, 0]
         md = builder.build([pos + 1] * batch, [1] * batch, tables)
         with ca.set_forward_context(md):
             got = model(tokens, torch.full((batch,), pos), caches)
@@ -309,3 +311,16 @@ def test_overhead_copy_rows_time_each_copy_form_and_build():
         "one pinned copy (upload)", "one pageable copy per array", "one pageable copy, packed",
         "build() and its upload, tables as array"]
     assert all(r["us/call"] > 0 for r in rows)
+
+
+def test_bytes_per_step_counts_the_embedding_rows_gathered_not_the_table():
+    """A step reads every weight but the embedding table, of which only its batch's rows, and
+    the K/V of its requests at the loop's mean length, ctx + (STEPS + 1) / 2 tokens."""
+    model = build_model(TINY_LOOP, seed=0, backend="TORCH_SDPA")
+    c, table = TINY_LOOP, model.embed.weight
+    everything = sum(p.numel() * p.element_size() for p in model.parameters())
+    batch, ctx = 3, 100
+    kv = 2 * batch * (ctx + (dl.STEPS + 1) / 2) * c.num_layers * c.num_kv_heads * c.head_size * 2  # bf16 cache
+    want = everything - table.numel() * table.element_size() + batch * c.hidden_size * table.element_size() + kv
+    assert dl.bytes_per_step(model, batch, ctx) == int(want)
+    assert table.numel() > batch * c.hidden_size  # the table is more than the rows read

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import compiled_attn as ca
 from compiled_attn.backends.flashinfer import GRAPH_DECODE_ENV as FLASHINFER_GRAPH_DECODE_ENV
@@ -139,7 +140,9 @@ def peer_loop(model: Llama, batch: int, ctx: int) -> Callable[[int, bool], torch
         input_pos = torch.tensor([ctx], device="cuda")
         cur, out = first, []
         for _ in range(steps):
-            nxt = step(peer, cur, input_pos)
+            # as gpt-fast's decode_n_tokens: the math SDPA, which Inductor codegens and fuses
+            with sdpa_kernel(SDPBackend.MATH):
+                nxt = step(peer, cur, input_pos)
             input_pos += 1
             out.append(nxt.clone())  # the graph's output is overwritten by the next replay
             cur = nxt.clone()
@@ -270,12 +273,16 @@ def warm_up_seconds(loop: Callable[[int, bool], torch.Tensor]) -> float:
 
 
 def bytes_per_step(model: Llama, batch: int, ctx: int) -> int:
-    """Weights plus the live K/V a step reads (at the loop's mean length) in the layers' cache dtype."""
+    """What a step must read: every weight but the embedding table, of which only the batch's
+    rows are gathered, and the live K/V at the loop's mean length (ctx+1 .. ctx+STEPS tokens) in
+    the layers' cache dtype."""
     c = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.embed.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not table)
+    rows = batch * table.shape[1] * table.element_size()
     itemsize = ca.kv_cache_torch_dtype(model.layers[0].attn.impl.kv_cache_dtype, torch.bfloat16).itemsize
-    kv = 2 * batch * (ctx + STEPS // 2) * c.num_layers * c.num_kv_heads * c.head_size * itemsize
-    return weights + kv
+    kv = 2 * batch * (ctx + (STEPS + 1) / 2) * c.num_layers * c.num_kv_heads * c.head_size * itemsize
+    return int(weights + rows + kv)
 
 
 def fits(model: Llama, batch: int, ctx: int) -> bool:
