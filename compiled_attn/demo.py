@@ -105,17 +105,12 @@ def demo_config(cuda: bool) -> LlamaConfig:
                        num_kv_heads=2)
 
 
-def demo_on_cuda(tp: int) -> bool:
-    """Where the demo runs: CUDA when there is a GPU per process, else CPU (gloo for tp > 1)."""
-    return torch.cuda.is_available() and torch.cuda.device_count() >= tp
-
-
 def check_demo_args(*, steps: int, num_requests: int = 6, backend_name: str | None = None, tp: int = 1) -> None:
     """ValueError (or the registry's error for a backend name) for arguments the demo would fail
     on only after running: no decode step to time, more tokens than its cache holds, or a `tp`
     that does not split the model's heads, intermediate size and vocabulary."""
     if tp > 1:
-        config = demo_config(demo_on_cuda(tp))
+        config = demo_config(distributed.default_device_type(tp) == "cuda")  # where run_ranks puts the ranks
         tpm.local_head_counts(config.num_heads, config.num_kv_heads, tp)
         for name in ("intermediate_size", "vocab_size"):
             tpm.check_divisible(name, getattr(config, name), tp)

@@ -28,6 +28,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def default_device_type(world_size: int) -> str:
+    """Where `run_ranks` puts `world_size` ranks by default: "cuda" when there is a GPU for each,
+    else "cpu"."""
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device_type: str | None = None) -> list[Any]:
     """Run `fn(group, device, *args)` on `world_size` spawned processes and return their results
     (by rank; they must pickle). `fn` must be importable (module level).
@@ -38,7 +44,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device_type: 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
+        device_type = default_device_type(world_size)
     if device_type == "cuda" and torch.cuda.device_count() < world_size:
         raise ValueError(f"{world_size} ranks on CUDA need {world_size} GPUs, found {torch.cuda.device_count()}")
     results = mp.get_context("spawn").SimpleQueue()
@@ -99,11 +105,8 @@ def check_capture_sizes_agree(sizes: Sequence[int], group: dist.ProcessGroup | N
     exchanges the lists with `all_gather_object` (host objects; on NCCL the current CUDA device
     must be this rank's).
     """
-    if group is None or dist.get_world_size(group) == 1:
-        return
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, list(sizes), group=group)
-    if any(s != gathered[0] for s in gathered):
+    gathered = _gathered(list(sizes), group)
+    if gathered is not None and any(s != gathered[0] for s in gathered):
         per_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(gathered))
         raise ValueError(f"ranks disagree on the {what} ({per_rank}); pass the same sizes on all")
 
@@ -113,10 +116,9 @@ def failed_on_any_rank(failed: dict[str, str], group: dist.ProcessGroup | None) 
     named as such), the same names on every rank: every rank must capture and replay the same
     candidates, since each graph holds collectives that pair with the other ranks'. Without a
     group, or on one rank, `failed` itself."""
-    if group is None or dist.get_world_size(group) == 1:
+    gathered = _gathered(failed, group)
+    if gathered is None:
         return failed
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, failed, group=group)
     merged = dict(failed)
     for rank, errors in enumerate(gathered):
         for name, error in errors.items():
@@ -130,14 +132,23 @@ def slowest_rank_ms(replay_ms: dict[str, float], group: dist.ProcessGroup | None
     every rank gets the same dict, so a pick from it is the same on every rank. The ranks must
     have timed the same candidates (`failed_on_any_rank`); RuntimeError on every rank if not.
     Without a group, or on one rank, `replay_ms` itself."""
-    if group is None or dist.get_world_size(group) == 1:
+    gathered = _gathered(replay_ms, group)
+    if gathered is None:
         return replay_ms
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, replay_ms, group=group)
     if any(ms.keys() != gathered[0].keys() for ms in gathered):
         per_rank = ", ".join(f"rank {r}: {sorted(ms)}" for r, ms in enumerate(gathered))
         raise RuntimeError(f"the ranks timed different batch-1 compiles ({per_rank})")
     return {name: max(ms[name] for ms in gathered) for name in gathered[0]}
+
+
+def _gathered(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
+    """Every rank's `obj`, by rank (`all_gather_object`: host objects; on NCCL the current CUDA
+    device must be this rank's); None without a group or with one rank (nothing to agree on)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def capture_sharded(runner: Any, group: dist.ProcessGroup | None) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import reprlib
 from collections import deque
 from collections.abc import Mapping, Sequence
 
@@ -110,11 +111,6 @@ def eos_ids(eos_token_id: object) -> frozenset[int]:
     except TypeError:  # a scalar
         many = [eos_token_id]
     return frozenset(as_int("eos_token_id", t, minimum=0) for t in many)
-
-
-def _describe(value: object) -> str:
-    shape = getattr(value, "shape", None)
-    return f"{type(value).__name__}{'' if shape is None else tuple(shape)}: {str(value)[:60]}"
 
 
 @dataclasses.dataclass
@@ -256,7 +252,7 @@ class Scheduler:
         if tokens.ndim == 1 and not tokens.size:
             raise ValueError("a prompt needs at least one token")
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or tokens.min() < 0:
-            raise ValueError(f"a prompt is a sequence of token ids (ints >= 0), got {_describe(prompt)}")
+            raise ValueError(f"a prompt is a sequence of token ids (ints >= 0), got {reprlib.repr(prompt)}")
         longest = tokens.size + max_new_tokens - 1  # the last token is sampled, never fed
         reserved = {g: self._most_blocks(g, longest, tokens.size) for g in self.windows}
         for g, need in reserved.items():

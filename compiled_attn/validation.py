@@ -936,18 +936,18 @@ def check_graph_step(md: Any, spec: AttentionSpec, backend_name: str, batch_size
         if host is None or (md.is_uploaded(name) and tuple(host.shape) != tuple(getattr(md, name).shape)):
             raise ValueError(f"{backend_name} graphs replay metadata from {backend_name}'s builder (its {name} "
                              "with the host copy they were made from)")
+        if host.flags.writeable or not own:  # the builder freezes the tables it checked with its lengths
+            rolled = md.rolled_blocks if name == "block_tables" else None
+            check_table_array(host, lens, spec.block_size, spec.num_blocks, name, rolled)  # rows: one per request
         checked = getattr(md, f"{name}_checked", None)
-        if not own and checked is not None:  # replaced lengths: within the entries build() checked
+        if not own and checked is not None:  # replaced lengths: within the entries build() checked, the rest pads
             need = -(-np.asarray(lens, dtype=np.int64) // spec.block_size)
-            over = np.nonzero(need > checked)[0] if need.shape == checked.shape else np.arange(need.size)
+            over = np.nonzero(need > checked)[0]
             if over.size:
                 i = int(over[0])
                 raise ValueError(f"{name}: request {i} of {int(np.asarray(lens)[i])} tokens needs {int(need[i])} "
-                                 f"blocks, but its row holds the {int(checked[i]) if i < checked.size else 0} that "
-                                 "build() checked (metadata copied with other lengths): build the step again")
-        if host.flags.writeable or not own:  # the builder freezes the tables it checked with its lengths
-            rolled = md.rolled_blocks if name == "block_tables" else None
-            check_table_array(host, lens, spec.block_size, spec.num_blocks, name, rolled)
+                                 f"blocks, but its row holds the {int(checked[i])} that build() checked (metadata "
+                                 "copied with other lengths): build the step again")
 
 
 # ---------------------------------------------------------------------------------------------
