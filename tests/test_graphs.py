@@ -1385,10 +1385,8 @@ def test_runner_compile_serves_greedy_tokens_like_eager(name, kept, monkeypatch)
     ref = Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec)), backend_name=name)
     eng = Engine(spec, runner.run, backend_name=name)
 
-    def next_step(i: int, step: dict) -> dict:
-        return dict(list(step.items())[:1]) if i == 8 else step  # from step 9, batch 1: the static graph
-
-    assert greedy_agreement(ref, eng, prompts(3, seed=5, vocab=GPU_CONFIG.vocab_size), 16, next_step) >= 0.9
+    three = prompts(3, seed=5, vocab=GPU_CONFIG.vocab_size)
+    assert greedy_agreement(ref, eng, three, 16, first_request_after(8)) >= 0.9  # from step 9, batch 1
     assert runner.counts["graph"] == 15
     # a one-token prompt (eager, the kept compile), then its decode (the batch-1 graph)
     ran.clear()
@@ -1421,12 +1419,15 @@ def test_runner_compile_without_the_cublas_candidate_serves_greedy_tokens_like_e
     ref = Engine(spec, direct(model, allocate_kv_caches(GPU_CONFIG, backend, spec)), backend_name=name)
     eng = Engine(spec, runner.run, backend_name=name)
 
-    def next_step(i: int, step: dict) -> dict:
-        return dict(list(step.items())[:1]) if i == 4 else step  # from step 5, batch 1: the static graph
-
-    assert greedy_agreement(ref, eng, prompts(2, seed=6, vocab=GPU_CONFIG.vocab_size), 8, next_step) >= 0.9
+    two = prompts(2, seed=6, vocab=GPU_CONFIG.vocab_size)
+    assert greedy_agreement(ref, eng, two, 8, first_request_after(4)) >= 0.9  # from step 5, batch 1
     assert runner.counts["graph"] == 7
     torch._dynamo.reset()
+
+
+def first_request_after(k: int) -> Callable[[int, dict], dict]:
+    """`greedy_agreement`'s next_step: after step k the first request alone (batch 1's static graph)."""
+    return lambda i, step: dict(list(step.items())[:1]) if i == k else step
 
 
 def greedy_agreement(ref: Engine, eng: Engine, step: dict, steps: int,

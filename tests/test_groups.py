@@ -118,13 +118,12 @@ def test_xformers_groups_build_their_own_window_starts():
     assert XFormersBackend.get_builder_cls()(specs["local"], rolling_tables=True).rolling_tables
 
 
-def test_grouped_state_serves_a_runner_whose_groups_differ():
-    """Two groups of one model through CUDAGraphRunner's padded static-buffer step (CPU: no capture):
-    decode outputs equal the eager step's."""
-    specs = {"full": spec_of(max_seq_len_to_capture=64), "window": spec_of(sliding_window=5, max_seq_len_to_capture=64)}
+def grouped_model(specs: dict[str, ca.AttentionSpec], seed: int):
+    """(model, caches): one TORCH_SDPA layer per group of `specs` over one embedding and projection,
+    random weights and caches from `seed`, the layers' outputs summed."""
     layers = {name: ca.Attention(4, 64, 0.125, num_kv_heads=2, sliding_window=s.sliding_window,
                                  backend="TORCH_SDPA", group=name) for name, s in specs.items()}
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     wq = torch.randn(64, 4 * 64, generator=g) * 0.1
     wkv = torch.randn(64, 2 * 64, generator=g) * 0.1
     table = torch.randn(16, 64, generator=g)  # random rows: a step that mixed up its token ids would differ
@@ -135,6 +134,14 @@ def test_grouped_state_serves_a_runner_whose_groups_differ():
         return sum(layer(q, kv, kv, cache) for layer, cache in zip(layers.values(), kv_caches, strict=True))
 
     caches = [torch.randn(SDPA.get_kv_cache_shape(32, 16, 2, 64), generator=g) for _ in specs]
+    return model, caches
+
+
+def test_grouped_state_serves_a_runner_whose_groups_differ():
+    """Two groups of one model through CUDAGraphRunner's padded static-buffer step (CPU: no capture):
+    decode outputs equal the eager step's."""
+    specs = {"full": spec_of(max_seq_len_to_capture=64), "window": spec_of(sliding_window=5, max_seq_len_to_capture=64)}
+    model, caches = grouped_model(specs, seed=0)
     state = GroupedState({name: SDPA.get_state_cls()(s) for name, s in specs.items()})
     runner = CUDAGraphRunner(model, SDPA, specs["full"], caches, state, capture_sizes=[1, 4], use_cuda_graphs=False,
                              progress=False)
@@ -186,18 +193,7 @@ def test_grouped_state_captures_the_widths_its_groups_share():
         state = GroupedState({"full": FullWidthOnlyState(specs["full"]),
                               "window": SDPA.get_state_cls()(specs["window"])})
     assert state.graph_table_widths() == (64,)
-    layers = {name: ca.Attention(4, 64, 0.125, num_kv_heads=2, sliding_window=s.sliding_window,
-                                 backend="TORCH_SDPA", group=name) for name, s in specs.items()}
-    g = torch.Generator().manual_seed(1)
-    wq, wkv = torch.randn(64, 4 * 64, generator=g) * 0.1, torch.randn(64, 2 * 64, generator=g) * 0.1
-    table = torch.randn(16, 64, generator=g)
-
-    def model(input_ids, positions, kv_caches):
-        x = torch.nn.functional.embedding(input_ids, table) * (1 + positions[:, None] / 32)
-        q, kv = x @ wq, x @ wkv
-        return sum(layer(q, kv, kv, cache) for layer, cache in zip(layers.values(), kv_caches, strict=True))
-
-    caches = [torch.randn(SDPA.get_kv_cache_shape(32, 16, 2, 64), generator=g) for _ in specs]
+    model, caches = grouped_model(specs, seed=1)
     runner = CUDAGraphRunner(model, SDPA, specs["full"], caches, state, capture_sizes=[2], use_cuda_graphs=False,
                              progress=False)
     with warnings.catch_warnings():
