@@ -129,8 +129,8 @@ fi
 if [[ " $PARTS " == *" grid "* ]]; then
   # The decode loop's grid points (GRID_POINTS, default one of the H200 points not measured on the
   # current tree: a point takes ~250 s, so one or two fit a device call) one side per process, so
-  # that a slow peer cannot starve ours of the call: the peer the best of two compiles
-  # (GRID_PEER_TIMEOUT: ~170 s on an H200), ours one (GRID_OURS_TIMEOUT: ~70 s a variant;
+  # that a slow peer cannot starve ours of the call: the peer the best of GRID_PEER_COMPILES (1)
+  # compiles per SDPA choice, two choices (GRID_PEER_TIMEOUT: ~170 s on an H200), ours one (GRID_OURS_TIMEOUT: ~70 s a variant;
   # GRID_OURS_ARGS adds arguments, e.g. "--variant compile --variant fp8").
   # GRID_ORDER="ours peer" runs our side first: the side that runs second has run GEMMs 2-5 %
   # slower in both sessions' profiles (one process, the peer first), so the order is a suspect.
@@ -138,7 +138,7 @@ if [[ " $PARTS " == *" grid "* ]]; then
     for side in ${GRID_ORDER:-peer ours}; do
       case "$side" in
         peer) timeout -k 30 "${GRID_PEER_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
-                --backend FLASHINFER --side peer --peer-compiles 2 > "$OUT/grid-$point-peer.log" 2>&1 || status=1 ;;
+                --backend FLASHINFER --side peer --peer-compiles "${GRID_PEER_COMPILES:-1}" > "$OUT/grid-$point-peer.log" 2>&1 || status=1 ;;
         ours) timeout -k 30 "${GRID_OURS_TIMEOUT:-150}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
                 --backend FLASHINFER --side ours --ours-compiles "${GRID_OURS_COMPILES:-1}" ${GRID_OURS_ARGS:-} \
                 > "$OUT/grid-$point-ours.log" 2>&1 || status=1 ;;

@@ -271,14 +271,38 @@ def test_decode_loop_rows_split_setup_from_timed_seconds(monkeypatch):
 
     monkeypatch.setattr(dl, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(dl, "peer_loop", lambda model, batch, ctx: fake_loop)
+    monkeypatch.setattr(dl, "peer_loop", lambda model, batch, ctx, sdpa: fake_loop)
     monkeypatch.setattr(dl, "nominal_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(dl, "PEER_SDPA", {"math": None})
     model = build_model(TINY_LOOP, seed=0, backend="TORCH_SDPA")
     row = dl.measure_peer(model, batch=2, ctx=16, compiles=1, repeats=3)
     assert calls == [False] + [False] * 3 + [True] * 3  # one warm-up, then pipelined and synced loops
     assert row["setup s"] == 0.3 and row["timed s"] == 0.2  # six timed loops: 0.24 s, rounded
     assert row["ms/step"] == pytest.approx(40.0 / dl.STEPS)  # the timed loops' ms a step, not the warm-up's
     assert row["ms/step synced"] == pytest.approx(40.0 / dl.STEPS)
+
+
+def test_decode_loop_peer_reports_its_faster_sdpa_choice(monkeypatch):
+    """The peer compiles each SDPA choice `compiles` times and reports the fastest draw of all,
+    naming its choice: a ratio is to the stronger peer, not to gpt-fast's pinned kernel alone."""
+    step_ms = {"math": [9.0, 8.0], "dispatch": [6.0, 7.0]}
+    built = []
+
+    def fake_peer_loop(model, batch, ctx, sdpa):
+        ms = step_ms[sdpa][sum(b == sdpa for b in built)]
+        built.append(sdpa)
+        return lambda steps, sync_each: ms
+
+    monkeypatch.setattr(dl, "peer_loop", fake_peer_loop)
+    monkeypatch.setattr(dl, "warm_up_seconds", lambda loop: None)
+    monkeypatch.setattr(dl, "loop_times", lambda loop, repeats, warm_up: (loop(0, False), loop(0, True) + 0.5))
+    monkeypatch.setattr(dl, "nominal_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    model = build_model(TINY_LOOP, seed=0, backend="TORCH_SDPA")
+    row = dl.measure_peer(model, batch=2, ctx=16, compiles=2, repeats=1)
+    assert built == ["math", "math", "dispatch", "dispatch"]
+    assert row["peer sdpa"] == "dispatch" and row["ms/step"] == 6.0 and row["ms/step synced"] == 6.5
+    assert row["peer compiles ms"] == {"math": [9.0, 8.0], "dispatch": [6.0, 7.0]}
 
 
 @pytest.mark.parametrize("sides", [("peer", "ours"), ("ours",), ("peer",)])
