@@ -289,6 +289,9 @@ def test_decode_loop_peer_reports_its_faster_sdpa_choice(monkeypatch):
     built = []
 
     def fake_peer_loop(model, batch, ctx, sdpa):
+        # a cache hit across choices would replay the other choice's lowering (PyTorch issue 185449)
+        assert not torch._functorch.config.enable_autograd_cache
+        assert torch._inductor.config.force_disable_caches  # two draws a choice: fresh compiles
         ms = step_ms[sdpa][sum(b == sdpa for b in built)]
         built.append(sdpa)
         return lambda steps, sync_each: ms

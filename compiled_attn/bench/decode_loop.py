@@ -320,9 +320,11 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
     time goes)."""
     times, seconds = {sdpa: [] for sdpa in PEER_SDPA}, {"setup s": 0.0, "timed s": 0.0}
     keep_tuned_configs()  # as ours (the runner's compile): a warm cache's tuning is reused on torch 2.11
-    # caches off for every choice's draws: a cache key need not see the SDPA choice, so a hit could
-    # replay the other choice's compile
-    with torch._inductor.config.patch({**PEER_INDUCTOR, **fresh_draws(compiles * len(PEER_SDPA))}):
+    # AOTAutograd's cache key leaves out the SDPA choice (PyTorch issue 185449; torch 2.11 and 2.13
+    # alike), so the second choice's compile would replay the first's lowering: that cache is off
+    # for the peer. Inductor's own caches key the lowered graph and stay on unless draws are asked.
+    with torch._inductor.config.patch({**PEER_INDUCTOR, **fresh_draws(compiles)}), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
         for sdpa, draws in times.items():
             for _ in range(compiles):
                 start = time.perf_counter()
