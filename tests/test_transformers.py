@@ -2,8 +2,9 @@
 `model.generate(do_sample=False)` under its eager attention and per-step logits agree, for Llama,
 Qwen2 (window on some layers), Mistral (window shorter than the prompts) and Gemma2 (alternating
 windows, soft-cap, query_pre_attn_scalar); dropping a window, the cap or the scale must break the
-agreement (negative controls). CPU: fp32, TORCH_SDPA, plus FLASHINFER / XFORMERS with float64
-stand-in kernels; GPU (bf16): every backend that serves each model."""
+agreement (negative controls). CPU: the fp32 model on TORCH_SDPA, plus FLASHINFER / XFORMERS with
+float64 stand-in kernels, against transformers in float64; GPU (bf16): every backend that serves each
+model, against transformers in float64."""
 
 from __future__ import annotations
 
@@ -53,24 +54,24 @@ def transformers_reference(ref: torch.nn.Module, prompts=PROMPTS, new_tokens=NEW
         out = ref.generate(torch.tensor([p], device=ref.device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                            do_sample=False, eos_token_id=None, pad_token_id=0)
         tokens.append(out[0, len(p):].tolist())
-        logits.append(ref(out).logits[0, len(p) - 1 : -1].float().cpu())
+        logits.append(ref(out).logits[0, len(p) - 1 : -1].cpu())
     return tokens, logits
 
 
 def max_logit_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True))
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
 @pytest.fixture(scope="module", params=hf_random.FAMILIES)
 def family(request):
     """(family, compiled_attn model, its eager twin, transformers' greedy tokens and logits)."""
     model = hf_random.random_model(hf_random.random_config(request.param), seed=1)
-    ref = hf_random.eager_twin(model)
+    ref = hf_random.eager_twin(model, torch.float64)
     return request.param, model, ref, transformers_reference(ref)
 
 
 # ---------------------------------------------------------------------------------------------
-# CPU: what the engine reads, and fp32 agreement with transformers
+# CPU: what the engine reads, and the fp32 model's agreement with transformers in float64
 
 
 def test_register_makes_the_implementation_valid_and_it_runs_only_in_an_engine():
@@ -241,7 +242,7 @@ def test_backend_host_paths_match_transformers_with_stand_in_kernels(stand_in_ke
     config = hf_random.random_config(family_name, "small", num_hidden_layers=3, sliding_window=6)
     model = hf_random.random_model(config, seed=2)
     prompts = [[(7 * i + j) % 1000 + 1 for j in range(n)] for i, n in enumerate((70, 9, 75))]  # 70+: a 64-block rolls
-    ref_tokens, ref_logits = transformers_reference(hf_random.eager_twin(model), prompts, 4)
+    ref_tokens, ref_logits = transformers_reference(hf_random.eager_twin(model, torch.float64), prompts, 4)
     torch._dynamo.reset()
     counters.clear()
     engine = ca_hf.PagedEngine(model, block_size=block_size, num_blocks=24, backend=backend, compile=compile,
@@ -255,7 +256,7 @@ def test_backend_host_paths_match_transformers_with_stand_in_kernels(stand_in_ke
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU (bf16): every backend that serves the model, against transformers' eager attention in fp32
+# GPU (bf16): every backend that serves the model, against transformers' eager attention in float64
 
 
 def gpu_cases():
@@ -268,9 +269,9 @@ def gpu_cases():
 
 
 @pytest.mark.parametrize(("family_name", "backend"), list(gpu_cases()))
-def test_gpu_bf16_matches_transformers_fp32_teacher_forced(family_name, backend):
+def test_gpu_bf16_matches_transformers_float64_teacher_forced(family_name, backend):
     """The product path (compiled, decode steps replayed as CUDA graphs, prefills and chunks
-    eager), teacher-forced against the fp32 model under transformers' eager attention."""
+    eager), teacher-forced against the float64 model under transformers' eager attention."""
     cls = ca.registry.BACKEND_CLASSES()[backend]
     if cls.unavailable_reason() is not None:
         pytest.skip(f"{backend}: {cls.unavailable_reason()}")
@@ -280,7 +281,7 @@ def test_gpu_bf16_matches_transformers_fp32_teacher_forced(family_name, backend)
     block_size = 64 if backend == "XFORMERS" else 16
     config = hf_random.random_config(family_name, "small", sliding_window=40)
     model = hf_random.random_model(config, dtype=torch.bfloat16, device="cuda", seed=3)
-    ref = hf_random.eager_twin(model, torch.float32)
+    ref = hf_random.eager_twin(model, torch.float64)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in (100, 7, 57, 140, 33)]
     engine = ca_hf.PagedEngine(model, block_size=block_size, num_blocks=64, backend=backend, compile=True,
@@ -288,8 +289,8 @@ def test_gpu_bf16_matches_transformers_fp32_teacher_forced(family_name, backend)
                                capture_sizes=[1, 2, 4, 8], max_seq_len_to_capture=256)
     tokens, logits = serve(engine, prompts, 24, late=2)
     for p, t, lg in zip(prompts, tokens, logits, strict=True):
-        ref_logits = ref(torch.tensor([p + t], device="cuda")).logits[0, len(p) - 1 : -1].float().cpu()
-        err = ((lg - ref_logits).norm() / ref_logits.norm()).item()
+        ref_logits = ref(torch.tensor([p + t], device="cuda")).logits[0, len(p) - 1 : -1].cpu()
+        err = ((lg.double() - ref_logits).norm() / ref_logits.norm()).item()
         assert err <= 3e-2, (family_name, backend, err)
     assert engine.runner.counts["graph"] > 0
 
