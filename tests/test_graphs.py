@@ -1221,7 +1221,11 @@ def test_graph_steps_queued_behind_a_busy_gpu_each_read_their_own_metadata(gpu):
         ref.copy_(cache.normal_())  # the steps read keys nobody wrote: random, not torch.empty's garbage (NaN)
     torch.cuda.synchronize()
     torch.cuda._sleep(int(1e8))
-    graphed = [gpu.runner.run(md, ids, pos) for md, ids, pos in steps]
+    slept = torch.cuda.Event()
+    slept.record()
+    graphed = [gpu.runner.run(*steps[0])]
+    assert not slept.query(), "the sleep ended before the first step was queued: nothing here waited"
+    graphed += [gpu.runner.run(md, ids, pos) for md, ids, pos in steps[1:]]
     for i, (md, ids, pos) in enumerate(steps):
         with ca.set_forward_context(md):
             want = gpu.model(ids, pos, gpu.ref_caches)
