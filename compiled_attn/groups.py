@@ -11,6 +11,7 @@ so `CUDAGraphRunner` captures such a model with no change: it sees one metadata 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from collections.abc import Iterator, Mapping
@@ -190,10 +191,8 @@ class GroupedState(AttentionState):
 
     def graph_clone(self, batch_size: int, *, table_width: int | None = None) -> GroupedState:
         kw = {} if table_width is None else {"table_width": table_width}
-        clone = object.__new__(GroupedState)  # the widths were checked (and warned of) for this state
-        AttentionState.__init__(clone, self.spec)
+        clone = copy.copy(self)  # a copy, not a new State: the widths were checked (and warned of) once
         clone.states = {g: s.graph_clone(batch_size, **kw) for g, s in self.states.items()}
-        clone._widths = self._widths
         return clone
 
     def get_graph_input_buffers(self, attn_metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
