@@ -273,9 +273,8 @@ def test_decode_loop_rows_split_setup_from_timed_seconds(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(dl, "peer_loop", lambda model, batch, ctx, sdpa: fake_loop)
     monkeypatch.setattr(dl, "nominal_bandwidth", lambda: 1e12)
-    monkeypatch.setattr(dl, "PEER_SDPA", {"math": None})
     model = build_model(TINY_LOOP, seed=0, backend="TORCH_SDPA")
-    row = dl.measure_peer(model, batch=2, ctx=16, compiles=1, repeats=3)
+    row = dl.measure_peer(model, batch=2, ctx=16, compiles=1, repeats=3, sdpa=("math",))
     assert calls == [False] + [False] * 3 + [True] * 3  # one warm-up, then pipelined and synced loops
     assert row["setup s"] == 0.3 and row["timed s"] == 0.2  # six timed loops: 0.24 s, rounded
     assert row["ms/step"] == pytest.approx(40.0 / dl.STEPS)  # the timed loops' ms a step, not the warm-up's
@@ -313,7 +312,7 @@ def test_decode_loop_measures_the_sides_it_is_told(monkeypatch, sides):
     calls = []
     monkeypatch.setattr(dl, "build_8b", lambda name, kv_cache_dtype="auto": calls.append(f"build {name}") or name)
     monkeypatch.setattr(dl, "fits", lambda model, batch, ctx: True)
-    monkeypatch.setattr(dl, "measure_peer", lambda model, b, c, compiles, repeats: calls.append("peer") or
+    monkeypatch.setattr(dl, "measure_peer", lambda model, b, c, compiles, repeats, sdpa: calls.append("peer") or
                         {"batch": b, "ctx": c, "side": "peer", "ms/step": 4.0})
     monkeypatch.setattr(dl, "measure_ours", lambda model, b, c, variant, repeats, compiles: calls.append(model) or
                         {"batch": b, "ctx": c, "side": "ours", "ms/step": 5.0})
@@ -328,6 +327,22 @@ def test_decode_loop_measures_the_sides_it_is_told(monkeypatch, sides):
     assert all(r.get("vs peer") == (0.8 if peer else None) for r in rows if r["side"] == "ours")
     with pytest.raises(ValueError, match="sides must be"):
         dl.run(points=((8, 1024),), sides=("theirs",))
+
+
+@pytest.mark.parametrize(("quick", "asked", "want"), [
+    (False, None, ("math", "dispatch")), (True, None, ("dispatch",)), (True, ("math",), ("math",))])
+def test_decode_loop_peer_sdpa_choices(monkeypatch, quick, asked, want):
+    """The full grid's peer compiles every SDPA choice, `--quick`'s the dispatch alone (the faster
+    where both were measured), unless told; an unknown choice is refused before any build."""
+    got = []
+    monkeypatch.setattr(dl, "build_8b", lambda name, kv_cache_dtype="auto": name)
+    monkeypatch.setattr(dl, "fits", lambda model, batch, ctx: True)
+    monkeypatch.setattr(dl, "measure_peer", lambda model, b, c, compiles, repeats, sdpa: got.append(sdpa) or
+                        {"batch": b, "ctx": c, "side": "peer", "ms/step": 4.0})
+    dl.run(quick, backends=("TORCH_SDPA",), points=((1, 64),), sides=("peer",), peer_sdpa=asked)
+    assert got == [want]
+    with pytest.raises(ValueError, match="peer_sdpa must be"):
+        dl.run(quick, backends=("TORCH_SDPA",), points=((1, 64),), sides=("peer",), peer_sdpa=("flash",))
 
 
 def test_overhead_copy_rows_time_each_copy_form_and_build():

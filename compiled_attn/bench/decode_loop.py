@@ -10,7 +10,8 @@ random weights), every request at `ctx` cached tokens when the loop starts, `STE
   `input_pos += 1` and the token fed straight back on the device. gpt-fast pins the math SDPA,
   which Inductor fuses; at 64x1024 on an H200 it made the peer 11.8 ms a step, where the peer
   on PyTorch's own SDPA dispatch had run 7.2 (BENCHMARKS.md). The peer compiles both
-  (`PEER_SDPA`) and reports its best, so a ratio is always to the stronger of the two.
+  (`PEER_SDPA`) and reports its best, so a ratio is always to the stronger of the two
+  (`--quick`: the dispatch alone, `QUICK_PEER_SDPA`).
 - **ours**: each step `builder.build(...)` for the grown sequences (shuffled block tables, the
   last block filling up), positions copied from the host, `runner.run(...)`, argmax on the
   device. `CUDAGraphRunner(compile=True)` compiles the eager model (see its docstring).
@@ -25,7 +26,7 @@ with a synchronize after every step ("synced", the latency an interactive user s
 (weight bytes + live KV bytes read) / step time / nominal HBM bandwidth.
 
     python -m compiled_attn.bench.decode_loop [--quick] [--point 1x1024 ...] [--backend FLASHINFER ...]
-        [--side peer|ours]
+        [--side peer|ours] [--peer-sdpa math|dispatch ...]
 """
 
 from __future__ import annotations
@@ -135,6 +136,9 @@ def peer_decode_one_token(peer: GptFastDecoder, x: torch.Tensor, input_pos: torc
 
 # the peer's SDPA choices: gpt-fast's pinned math kernel, and PyTorch's own dispatch
 PEER_SDPA = {"math": [SDPBackend.MATH], "dispatch": None}
+# `--quick` compiles the dispatch alone: the faster choice where both were measured (64x1024 on an
+# H200: 7.18 against 11.82 ms a step), and the one issue 13's reference figures match
+QUICK_PEER_SDPA = ("dispatch",)
 
 
 def peer_loop(model: Llama, batch: int, ctx: int, sdpa: str = "math") -> Callable[[int, bool], torch.Tensor]:
@@ -313,22 +317,24 @@ def fresh_draws(compiles: int) -> dict:
     return {"force_disable_caches": True} if compiles > 1 else {}
 
 
-def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int = REPEATS) -> dict:
-    """The best of `compiles` fresh peer compiles per `PEER_SDPA` choice (each timed pipelined and
-    synced); `peer sdpa` names the winner's choice. `setup s`: the wall seconds of the draws'
+def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int = REPEATS,
+                 sdpa: tuple[str, ...] = tuple(PEER_SDPA)) -> dict:
+    """The best of `compiles` fresh peer compiles per SDPA choice in `sdpa` (keys of PEER_SDPA;
+    each timed pipelined and synced); `peer sdpa` names the winner's choice. `setup s`: the wall seconds of the draws'
     builds, compiles and first loops; `timed s`: of their timed loops (where a `--quick` run's
     time goes)."""
-    times, seconds = {sdpa: [] for sdpa in PEER_SDPA}, {"setup s": 0.0, "timed s": 0.0}
+    times, seconds = {choice: [] for choice in sdpa}, {"setup s": 0.0, "timed s": 0.0}
     keep_tuned_configs()  # as ours (the runner's compile): a warm cache's tuning is reused on torch 2.11
     # AOTAutograd's cache key leaves out the SDPA choice (PyTorch issue 185449; torch 2.11 and 2.13
-    # alike), so the second choice's compile would replay the first's lowering: that cache is off
-    # for the peer. Inductor's own caches key the lowered graph and stay on unless draws are asked.
+    # alike), so a compile would replay the lowering of another choice compiled before, in this
+    # process or any earlier one: that cache is off for the peer. Inductor's own caches key the
+    # lowered graph and stay on unless draws are asked.
     with torch._inductor.config.patch({**PEER_INDUCTOR, **fresh_draws(compiles)}), \
             torch._functorch.config.patch(enable_autograd_cache=False):
-        for sdpa, draws in times.items():
+        for choice, draws in times.items():
             for _ in range(compiles):
                 start = time.perf_counter()
-                loop = peer_loop(model, batch, ctx, sdpa)
+                loop = peer_loop(model, batch, ctx, choice)
                 warm_up_seconds(loop)
                 warm = time.perf_counter()
                 draws.append(loop_times(loop, repeats, warm_up=False))
@@ -336,8 +342,8 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
                 seconds["timed s"] += time.perf_counter() - warm
                 del loop
                 torch.cuda.empty_cache()
-    best, sdpa = min((t, sdpa) for sdpa, draws in times.items() for t in draws)
-    return {**_row(model, batch, ctx, "peer (gpt-fast)", *best), "peer sdpa": sdpa,
+    best, choice = min((t, choice) for choice, draws in times.items() for t in draws)
+    return {**_row(model, batch, ctx, "peer (gpt-fast)", *best), "peer sdpa": choice,
             "peer compiles ms": {s: [round(t[0], 3) for t in draws] for s, draws in times.items()},
             **{k: round(s, 1) for k, s in seconds.items()}}
 
@@ -410,8 +416,10 @@ def build_8b(backend: str, kv_cache_dtype: str = "auto") -> Llama:
 def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
         points: tuple[tuple[int, int], ...] | None = None, peer_compiles: int | None = None,
         variants: tuple[str, ...] = ("compile",), on_row: Callable[[dict], None] = lambda row: None,
-        ours_compiles: int = 1, sides: tuple[str, ...] = SIDES) -> list[dict]:
-    """Rows per (batch, ctx): the peer (with the first available backend's model), then ours per
+        ours_compiles: int = 1, sides: tuple[str, ...] = SIDES, peer_sdpa: tuple[str, ...] | None = None
+        ) -> list[dict]:
+    """Rows per (batch, ctx): the peer (with the first available backend's model; its SDPA
+    choices `peer_sdpa`, default all of PEER_SDPA, QUICK_PEER_SDPA when quick), then ours per
     backend and variant (quick: the first available backend only, fewer timed loops, one peer
     compile), each side the best of its compiles (`fresh_draws`); the full grid (no `points`, not
     quick) ends with the fp8 rows at FP8_POINTS (the "fp8" variant measures them at given points).
@@ -425,6 +433,9 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
     fp8_at_end = points is None and not quick and "ours" in sides
     points = points or (QUICK_POINTS if quick else GRID)
     peer_compiles = peer_compiles or (1 if quick else 2)
+    peer_sdpa = peer_sdpa or (QUICK_PEER_SDPA if quick else tuple(PEER_SDPA))
+    if unknown_sdpa := set(peer_sdpa) - set(PEER_SDPA):
+        raise ValueError(f"peer_sdpa must be some of {tuple(PEER_SDPA)}, got {sorted(unknown_sdpa)}")
     repeats = QUICK_REPEATS if quick else REPEATS
     rows, peer_ms = [], {}
 
@@ -445,7 +456,7 @@ def run(quick: bool = False, backends: tuple[str, ...] = BACKENDS,
                 add({"card": card_name(), "batch": batch, "ctx": ctx, "side": "skipped: KV does not fit"})
                 continue
             if with_peer:
-                add(measure_peer(model, batch, ctx, peer_compiles, repeats))
+                add(measure_peer(model, batch, ctx, peer_compiles, repeats, peer_sdpa))
                 peer_ms[batch, ctx] = rows[-1]["ms/step"]
             for variant in (v for v in variants if VARIANT_BACKEND.get(v, name) == name and "ours" in sides):
                 # "fp8": the model with e4m3 layers and caches, against the bf16 peer
@@ -486,6 +497,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", action="append", default=None)
     parser.add_argument("--point", type=point, action="append", metavar="BxCTX", help="e.g. 64x1024 (repeatable)")
     parser.add_argument("--peer-compiles", type=int, default=None, help="per SDPA choice; default 2 (--quick: 1)")
+    parser.add_argument("--peer-sdpa", action="append", choices=tuple(PEER_SDPA), default=None,
+                        help="the peer's SDPA choice (repeatable; default both, --quick: dispatch)")
     parser.add_argument("--ours-compiles", type=int, default=1)
     parser.add_argument("--variant", action="append", choices=VARIANTS, default=None)
     parser.add_argument("--side", action="append", choices=SIDES, default=None,
@@ -494,7 +507,8 @@ def main(argv: list[str] | None = None) -> None:
     points = tuple(args.point) if args.point else None
     print_table(run(args.quick, tuple(args.backend or BACKENDS), points, args.peer_compiles,
                     tuple(args.variant or ("compile",)), on_row=lambda row: print(row, flush=True),
-                    ours_compiles=args.ours_compiles, sides=tuple(args.side or SIDES)))
+                    ours_compiles=args.ours_compiles, sides=tuple(args.side or SIDES),
+                    peer_sdpa=tuple(args.peer_sdpa or ()) or None))
 
 
 if __name__ == "__main__":
