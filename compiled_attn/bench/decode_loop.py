@@ -8,8 +8,9 @@ random weights), every request at `ctx` cached tokens when the loop starts, `STE
   `input_pos`, SDPA with the causal mask's boolean row and `enable_gqa=True`; the step and its
   argmax compiled with `mode="reduce-overhead", fullgraph=True` under coordinate-descent tuning;
   `input_pos += 1` and the token fed straight back on the device. gpt-fast pins the math SDPA,
-  which Inductor fuses; at 64x1024 on an H200 it made the peer 11.8 ms a step, where the peer
-  on PyTorch's own SDPA dispatch had run 7.2 (BENCHMARKS.md). The peer compiles both
+  which Inductor decomposes and fuses; at 64x1024 on an H200 the peer ran 11.82 ms a step with
+  it and 7.18 with PyTorch's own SDPA dispatch (one device call; BENCHMARKS.md, thirty-second
+  session). The peer compiles both
   (`PEER_SDPA`) and reports its best, so a ratio is always to the stronger of the two
   (`--quick`: the dispatch alone, `QUICK_PEER_SDPA`).
 - **ours**: each step `builder.build(...)` for the grown sequences (shuffled block tables, the
