@@ -503,7 +503,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
                 "attention, cross_block_tables) in build()"
             )
         backend_fields = self.add_backend_fields(seq_lens, query_lens, num_prefills, cross.get("encoder_seq_lens"),
-                                                 table, ids)
+                                                 table, ids, tables.get("cross_block_tables"))
         uploads = {name: a for name, a in backend_fields.items() if isinstance(a, np.ndarray)}
         if not uploads.keys() <= _device_field_names(self.metadata_cls):
             raise TypeError(f"{self.metadata_cls.__name__} must declare its uploaded fields "
@@ -618,11 +618,13 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         encoder_seq_lens: list[int] | None,
         block_table: np.ndarray,
         block_ids: np.ndarray,
+        cross_block_table: np.ndarray | None,
     ) -> dict[str, Any]:
         """Host work for the backend's own metadata fields, by name. A numpy array (int32 / int64)
         is a device field, declared `DeviceField(None)` on `metadata_cls`: it reaches the device in
         the step's one copy with the common fields.
         block_table: the step's checked host table [num_seqs, width]; block_ids: the ids its
-        requests read, flat in request order (`CommonMetadata.needed_block_ids`)."""
+        requests read, flat in request order (`CommonMetadata.needed_block_ids`);
+        cross_block_table: the checked host table of the encoder's blocks (cross attention), or None."""
         return {}
 

@@ -37,9 +37,7 @@ def make_spec(device: str = "cpu", **overrides) -> ca.AttentionSpec:
 def host_metadata(spec: ca.AttentionSpec, seq_lens, query_lens, tables, **kw) -> XFormersMetadata:
     """Common fields plus xFormers' gathers, without the bias objects (which need xformers)."""
     builder = XFormersBackend.get_builder_cls()(spec)
-    md = CommonMetadataBuilder.build(builder, seq_lens, query_lens, tables, **kw)
-    builder.add_gather_fields(md)
-    return md
+    return CommonMetadataBuilder.build(builder, seq_lens, query_lens, tables, **kw)
 
 
 # ---------------------------------------------------------------- CPU: capabilities, host logic
@@ -105,6 +103,28 @@ def test_alibi_slots_cover_each_request_in_order():
     spec = make_spec(alibi_slopes=torch.ones(8))
     md = host_metadata(spec, [3, 2], [3, 1], [[4], [6]])
     assert md.alibi_kv_slots.tolist() == [256, 257, 258, 384, 385]
+
+
+@pytest.mark.parametrize("options", [{"sliding_window": 50}, {"alibi_slopes": torch.linspace(0.1, 1.0, 8)}])
+def test_a_step_with_prefills_uploads_its_gathers_in_the_one_copy(monkeypatch, options):
+    """xFormers' own fields (decode rows, gathered-key starts and slots, window starts, ALiBi
+    slots) reach the device in the step's one copy with the common fields: one `upload` call."""
+    pytest.importorskip("xformers.ops.fmha")
+    calls, real = [], ca.metadata.upload
+    monkeypatch.setattr(ca.metadata, "upload", lambda arrays, dev: calls.append(list(arrays)) or real(arrays, dev))
+    md = XFormersBackend.get_builder_cls()(make_spec(**options)).build([70, 3, 90], [6, 3, 1], [[5, 9], [2], [7, 8]])
+    assert len(calls) == 1 and {"decode_q_start", "prefill_k_start", "prefill_kv_slots"} <= set(calls[0])
+    assert md.decode_q_start.tolist() == [0, 1] and md.prefill_k_start.tolist() == [0, 70, 73]
+    if "sliding_window" in options:
+        assert md.decode_window_starts.tolist() == [40, 0]
+    else:
+        assert md.alibi_kv_slots.numel() == 70 + 3 + 90
+
+
+def test_a_decode_only_step_reads_its_query_rows_from_query_start_loc():
+    pytest.importorskip("xformers.ops.fmha")
+    md = XFormersBackend.get_builder_cls()(make_spec()).build([9, 130], [1, 1], [[3], [4, 5, 6]])
+    assert md.decode_q_start is md.query_start_loc and md.decode_q_start.tolist() == [0, 1, 2]
 
 
 def test_fake_kernel_under_fake_mode_on_cuda():

@@ -552,6 +552,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
         encoder_seq_lens: list[int] | None,
         block_table: np.ndarray,
         block_ids: np.ndarray,
+        cross_block_table: np.ndarray | None,
     ) -> dict[str, Any]:
         """The page list (`paged_kv_indices`: every request's pages in order), uploaded with the
         common fields. When every table entry is live (full tables: what a decode batch of one

@@ -102,6 +102,7 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
         encoder_seq_lens: list[int] | None,
         block_table: np.ndarray,
         block_ids: np.ndarray,
+        cross_block_table: np.ndarray | None,
     ) -> dict[str, Any]:
         groups = {}
         if num_prefills:

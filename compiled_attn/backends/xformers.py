@@ -30,7 +30,14 @@ import torch
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionType
 from compiled_attn.backends.common import CommonImpl
 from compiled_attn.graph_state import SCRATCH_BLOCK, GraphState
-from compiled_attn.metadata import CACHELESS_TYPES, CommonMetadata, CommonMetadataBuilder, prefix_sums, slots_for
+from compiled_attn.metadata import (
+    CACHELESS_TYPES,
+    CommonMetadata,
+    CommonMetadataBuilder,
+    DeviceField,
+    prefix_sums,
+    slots_for,
+)
 from compiled_attn.ops import xformers as _ops
 
 NAME = "XFORMERS"
@@ -99,6 +106,10 @@ class XFormersMetadata(CommonMetadata):
                           step's key/value directly, else over K/V gathered from the cache
     prefill_kv_slots:     int64 [sum of prefill seq_lens], cache slots of every prefill token
                           (only when not prefill_fresh)
+    prefill_k_start:      int32 [num_prefills + 1], where each prefill's gathered keys start
+                          (only when not prefill_fresh)
+    decode_q_start:       int32 [num_decodes + 1], where each decode's query row starts among the
+                          decodes (query_start_loc itself when the step has no prefills)
     decode_window_starts: int32 [num_decodes + 1], first key each decode sees (sliding window)
     alibi_kv_slots / alibi_cross_slots: int64 cache slots of every request's keys / encoder keys,
                           in request order (ALiBi only)
@@ -107,11 +118,19 @@ class XFormersMetadata(CommonMetadata):
     """
 
     prefill_fresh: bool = True
-    prefill_kv_slots: torch.Tensor | None = None
-    decode_window_starts: torch.Tensor | None = None
-    alibi_kv_slots: torch.Tensor | None = None
-    alibi_cross_slots: torch.Tensor | None = None
+    # uploaded with the common fields, in the step's one copy (`add_backend_fields`)
+    prefill_kv_slots: torch.Tensor | None = DeviceField(None)
+    prefill_k_start: torch.Tensor | None = DeviceField(None)
+    decode_q_start: torch.Tensor | None = DeviceField(None)
+    decode_window_starts: torch.Tensor | None = DeviceField(None)
+    alibi_kv_slots: torch.Tensor | None = DeviceField(None)
+    alibi_cross_slots: torch.Tensor | None = DeviceField(None)
     biases: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def after_upload(self) -> None:
+        # still unset: the step has no prefills, so every query is a decode's one token
+        if "decode_q_start" not in self.__dict__:
+            self.decode_q_start = self.query_start_loc
 
     def bias(self, role: str) -> Any:
         """The bias object for `role`; ValueError when this metadata was built without its inputs."""
@@ -205,41 +224,45 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
         cross_block_tables: list[list[int]] | None = None,
     ) -> XFormersMetadata:
         md = super().build(seq_lens, query_lens, block_tables, encoder_seq_lens, cross_block_tables)
+        if not md.has("decode_q_start"):  # no prefills: query_start_loc serves (`after_upload`)
+            md._derive_at_upload("decode_q_start")
         md.upload_pending()  # now, not at a first read: the bias objects below hold the device fields
-        self.add_gather_fields(md)
         md.biases = build_biases(md)
         return md
 
-    def add_gather_fields(self, md: XFormersMetadata) -> None:
-        """Host work for the fields xFormers' kernels need beyond the common ones, in one copy of
-        their own (none for a decode-only step without a window or ALiBi)."""
-        spec, p, bs = self.spec, md.num_prefills, self.spec.block_size
+    def add_backend_fields(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        num_prefills: int,
+        encoder_seq_lens: list[int] | None,
+        block_table: np.ndarray,
+        block_ids: np.ndarray,
+        cross_block_table: np.ndarray | None,
+    ) -> dict[str, Any]:
+        """The gathers xFormers' kernels need beyond the common fields, uploaded in the step's one
+        copy with them (none for a decode-only step without a window or ALiBi)."""
+        spec, p, bs = self.spec, num_prefills, self.spec.block_size
         uses_cache = spec.attn_type not in CACHELESS_TYPES
-        pre_seq, pre_q = md.seq_lens[:p], md.query_lens[:p]
-        md.prefill_fresh = all(s == q for s, q in zip(pre_seq, pre_q, strict=True))
-        int32_parts: dict[str, np.ndarray] = {}
+        pre_seq, pre_q = seq_lens[:p], query_lens[:p]
+        fresh = all(s == q for s, q in zip(pre_seq, pre_q, strict=True))
+        fields: dict[str, Any] = {"prefill_fresh": fresh}
         if p:  # without prefills every query is a decode's one token: query_start_loc is 0..n already
-            int32_parts["decode_q_start"] = np.arange(md.num_decodes + 1, dtype=np.int32)
-        if not md.prefill_fresh:
-            int32_parts["prefill_k_start"] = prefix_sums(pre_seq)
-        int64_parts: dict[str, np.ndarray] = {}
-        if uses_cache and not md.prefill_fresh:
-            int64_parts["prefill_kv_slots"] = slots_for(md.block_tables_host[:p], [0] * p, pre_seq, bs)
-        if spec.sliding_window and md.num_decodes:
-            starts = window_starts(np.asarray(md.seq_lens[p:], dtype=np.int64), spec.sliding_window)
-            int32_parts["decode_window_starts"] = np.append(starts, 0).astype(np.int32)
+            fields["decode_q_start"] = np.arange(len(seq_lens) - p + 1, dtype=np.int32)
+        if not fresh:
+            fields["prefill_k_start"] = prefix_sums(pre_seq)
+            if uses_cache:
+                fields["prefill_kv_slots"] = slots_for(block_table[:p], [0] * p, pre_seq, bs)
+        if spec.sliding_window and len(seq_lens) > p:
+            starts = window_starts(np.asarray(seq_lens[p:], dtype=np.int64), spec.sliding_window)
+            fields["decode_window_starts"] = np.append(starts, 0).astype(np.int32)
         if spec.alibi_slopes is not None:
             if uses_cache:
-                n = len(md.seq_lens)
-                int64_parts["alibi_kv_slots"] = slots_for(md.block_tables_host, [0] * n, md.seq_lens, bs)
-            if md.cross_block_tables_host is not None:
-                enc = md.encoder_seq_lens
-                int64_parts["alibi_cross_slots"] = slots_for(md.cross_block_tables_host, [0] * len(enc), enc, bs)
-        tensors = self._to_device(int32_parts, int64_parts, {})
-        md._decode_q_start = tensors.pop("decode_q_start", md.query_start_loc)
-        md._prefill_k_start = tensors.pop("prefill_k_start", None)
-        for name, t in tensors.items():
-            setattr(md, name, t)
+                fields["alibi_kv_slots"] = slots_for(block_table, [0] * len(seq_lens), seq_lens, bs)
+            if cross_block_table is not None:
+                enc = encoder_seq_lens
+                fields["alibi_cross_slots"] = slots_for(cross_block_table, [0] * len(enc), enc, bs)
+        return fields
 
 
 def build_biases(md: XFormersMetadata) -> dict[str, Any]:
@@ -254,7 +277,7 @@ def build_biases(md: XFormersMetadata) -> dict[str, Any]:
             bias = ab.BlockDiagonalCausalMask(q_seqinfo=q_info, k_seqinfo=q_info)
             out["prefill"] = bias.make_local_attention(window) if window else bias
         else:
-            k_info = seqinfo(md._prefill_k_start, md.seq_lens[:p])
+            k_info = seqinfo(md.prefill_k_start, md.seq_lens[:p])
             if window:
                 bias = ab.BlockDiagonalMask(q_seqinfo=q_info, k_seqinfo=k_info)
                 out["prefill"] = bias.make_local_attention_from_bottomright(window)
@@ -262,7 +285,7 @@ def build_biases(md: XFormersMetadata) -> dict[str, Any]:
                 out["prefill"] = ab.BlockDiagonalCausalFromBottomRightMask(q_seqinfo=q_info, k_seqinfo=k_info)
     if md.num_decodes and uses_cache:
         out["decode"] = decode_bias(
-            md._decode_q_start, md.seq_lens_tensor[p:], md.block_tables[p:], md.block_size,
+            md.decode_q_start, md.seq_lens_tensor[p:], md.block_tables[p:], md.block_size,
             causal=True, window_starts=md.decode_window_starts,
         )
     if md.num_decodes == 0:
@@ -278,7 +301,7 @@ def build_biases(md: XFormersMetadata) -> dict[str, Any]:
                 out["cross_prefill"] = ab.BlockDiagonalMask(q_seqinfo=q_info, k_seqinfo=pre_enc)
             if md.num_decodes:
                 out["cross_decode"] = decode_bias(
-                    md._decode_q_start, md.encoder_seq_lens_tensor[p:], md.cross_block_tables[p:],
+                    md.decode_q_start, md.encoder_seq_lens_tensor[p:], md.cross_block_tables[p:],
                     md.block_size, causal=False,
                 )
     return out
@@ -331,15 +354,15 @@ class XFormersState(GraphState):
 
     def add_graph_fields(self, md: XFormersMetadata, batch_size: int) -> None:
         b, n = self._buffers, batch_size
-        md._decode_q_start = md.query_start_loc
+        md.decode_q_start = md.query_start_loc
         if "decode_window_starts" in b:
             md.decode_window_starts = b["decode_window_starts"][: n + 1]
-        md.biases = {"decode": decode_bias(md._decode_q_start, md.seq_lens_tensor, md.block_tables, md.block_size,
+        md.biases = {"decode": decode_bias(md.decode_q_start, md.seq_lens_tensor, md.block_tables, md.block_size,
                                            causal=True, window_starts=md.decode_window_starts)}
         if "cross_block_tables" in b:
             md.encoder_seq_lens = [1] * n
             md.max_encoder_seq_len = 1
             md.encoder_seq_lens_tensor = b["encoder_seq_lens_tensor"][:n]
             md.cross_block_tables = b["cross_block_tables"][:n]
-            md.biases["cross_decode"] = decode_bias(md._decode_q_start, md.encoder_seq_lens_tensor,
+            md.biases["cross_decode"] = decode_bias(md.decode_q_start, md.encoder_seq_lens_tensor,
                                                     md.cross_block_tables, md.block_size, causal=False)
