@@ -132,7 +132,8 @@ def copy_rows(iters: int, device: str = "cuda", batch: int = 64, ctx: int = 1024
     table = rng.permutation(batch * width).reshape(batch, width).astype(np.int32)
     seq_lens, query_lens = ctx + 1 - rng.integers(0, 16, batch), np.ones(batch, dtype=np.int64)  # staggered
     md = builders[0].build(seq_lens, query_lens, table)
-    arrays = {**md.host_arrays(), "block_tables": md.block_tables_host,
+    # the builder froze its table (read-only); torch.from_numpy warns on those, so a writable copy
+    arrays = {**md.host_arrays(), "block_tables": md.block_tables_host.copy(),
               "paged_kv_indices": md.needed_block_ids().astype(np.int32)}
     target = torch.device(device)
     rows = []
