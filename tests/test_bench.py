@@ -271,14 +271,26 @@ def test_decode_loop_rows_split_setup_from_timed_seconds(monkeypatch):
 
     monkeypatch.setattr(dl, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(dl, "peer_loop", lambda model, batch, ctx, sdpa: fake_loop)
+    def peer_loop(model, batch, ctx, sdpa):
+        # one draw: Inductor's caches stay on (a warm --quick), AOTAutograd's is off all the same
+        # (its key leaves out the SDPA choice, and its entries outlive the process)
+        assert not torch._functorch.config.enable_autograd_cache
+        assert not torch._inductor.config.force_disable_caches
+        return fake_loop
+
+    monkeypatch.setattr(dl, "peer_loop", peer_loop)
     monkeypatch.setattr(dl, "nominal_bandwidth", lambda: 1e12)
+    monkeypatch.delenv(dl.AUTOGRAD_CACHE_ENV, raising=False)
     model = build_model(TINY_LOOP, seed=0, backend="TORCH_SDPA")
     row = dl.measure_peer(model, batch=2, ctx=16, compiles=1, repeats=3, sdpa=("math",))
     assert calls == [False] + [False] * 3 + [True] * 3  # one warm-up, then pipelined and synced loops
     assert row["setup s"] == 0.3 and row["timed s"] == 0.2  # six timed loops: 0.24 s, rounded
     assert row["ms/step"] == pytest.approx(40.0 / dl.STEPS)  # the timed loops' ms a step, not the warm-up's
     assert row["ms/step synced"] == pytest.approx(40.0 / dl.STEPS)
+    monkeypatch.setenv(dl.AUTOGRAD_CACHE_ENV, "1")  # torch's override would undo the peer's patch
+    with pytest.raises(RuntimeError, match="unset it for the peer"):
+        dl.measure_peer(model, batch=2, ctx=16, compiles=1, repeats=3, sdpa=("math",))
+    assert len(calls) == 7  # refused before any compile
 
 
 def test_decode_loop_peer_reports_its_faster_sdpa_choice(monkeypatch):
@@ -334,15 +346,16 @@ def test_decode_loop_measures_the_sides_it_is_told(monkeypatch, sides):
 def test_decode_loop_peer_sdpa_choices(monkeypatch, quick, asked, want):
     """The full grid's peer compiles every SDPA choice, `--quick`'s the dispatch alone (the faster
     where both were measured), unless told; an unknown choice is refused before any build."""
-    got = []
-    monkeypatch.setattr(dl, "build_8b", lambda name, kv_cache_dtype="auto": name)
+    got, built = [], []
+    monkeypatch.setattr(dl, "build_8b", lambda name, kv_cache_dtype="auto": built.append(name) or name)
     monkeypatch.setattr(dl, "fits", lambda model, batch, ctx: True)
     monkeypatch.setattr(dl, "measure_peer", lambda model, b, c, compiles, repeats, sdpa: got.append(sdpa) or
                         {"batch": b, "ctx": c, "side": "peer", "ms/step": 4.0})
     dl.run(quick, backends=("TORCH_SDPA",), points=((1, 64),), sides=("peer",), peer_sdpa=asked)
-    assert got == [want]
+    assert got == [want] and built == ["TORCH_SDPA"]
     with pytest.raises(ValueError, match="peer_sdpa must be"):
         dl.run(quick, backends=("TORCH_SDPA",), points=((1, 64),), sides=("peer",), peer_sdpa=("flash",))
+    assert built == ["TORCH_SDPA"]
 
 
 def test_overhead_copy_rows_time_each_copy_form_and_build():

@@ -105,6 +105,13 @@ def test_alibi_slots_cover_each_request_in_order():
     assert md.alibi_kv_slots.tolist() == [256, 257, 258, 384, 385]
 
 
+def test_alibi_cross_slots_cover_each_requests_encoder_keys_in_order():
+    spec = make_spec(attn_type=T.ENCODER_DECODER, alibi_slopes=torch.ones(8))
+    md = host_metadata(spec, [3, 5], [3, 1], [[4], [6]], encoder_seq_lens=[2, 66], cross_block_tables=[[9], [1, 7]])
+    assert md.alibi_cross_slots.tolist() == [9 * 64, 9 * 64 + 1, *range(64, 128), 7 * 64, 7 * 64 + 1]
+    assert md.alibi_kv_slots.tolist() == [256, 257, 258, *range(384, 389)]
+
+
 @pytest.mark.parametrize("options", [{"sliding_window": 50}, {"alibi_slopes": torch.linspace(0.1, 1.0, 8)}])
 def test_a_step_with_prefills_uploads_its_gathers_in_the_one_copy(monkeypatch, options):
     """xFormers' own fields (decode rows, gathered-key starts and slots, window starts, ALiBi

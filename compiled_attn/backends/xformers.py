@@ -128,8 +128,7 @@ class XFormersMetadata(CommonMetadata):
     biases: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def after_upload(self) -> None:
-        # still unset: the step has no prefills, so every query is a decode's one token
-        if "decode_q_start" not in self.__dict__:
+        if self.decode_q_start is None:  # no prefills: every query is a decode's one token
             self.decode_q_start = self.query_start_loc
 
     def bias(self, role: str) -> Any:
@@ -224,8 +223,6 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
         cross_block_tables: list[list[int]] | None = None,
     ) -> XFormersMetadata:
         md = super().build(seq_lens, query_lens, block_tables, encoder_seq_lens, cross_block_tables)
-        if not md.has("decode_q_start"):  # no prefills: query_start_loc serves (`after_upload`)
-            md._derive_at_upload("decode_q_start")
         md.upload_pending()  # now, not at a first read: the bias objects below hold the device fields
         md.biases = build_biases(md)
         return md
