@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -379,3 +380,29 @@ def test_bytes_per_step_counts_the_embedding_rows_gathered_not_the_table():
     want = everything - table.numel() * table.element_size() + batch * c.hidden_size * table.element_size() + kv
     assert dl.bytes_per_step(model, batch, ctx) == int(want)
     assert table.numel() > batch * c.hidden_size  # the table is more than the rows read
+
+
+@pytest.mark.parametrize("fed", [False, True])
+def test_decode_loop_feeds_tokens_back_without_positions_when_the_runner_derives_them(monkeypatch, fed):
+    """The "feedback" variant's loop: no positions made, each step's returned rows passed straight
+    back (copy_output=False) and copied only to be kept; the plain loop passes positions."""
+    calls, buffer = [], torch.zeros(2, dtype=torch.int64)
+
+    class Runner:
+        feed_back_tokens = fed
+
+        def run(self, md, tokens, positions=None, *, copy_output=True):
+            calls.append((tokens.data_ptr() == buffer.data_ptr(), positions is None, copy_output))
+            buffer.copy_(tokens + 1)
+            return buffer if not copy_output else buffer.clone()
+
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: self)  # the plain loop's positions: no CUDA here
+    loop = object.__new__(dl.PagedLoop)
+    loop.batch, loop.ctx, loop.runner, loop.first = 2, 16, Runner(), torch.tensor([3, 5])
+    loop.builder = ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(
+        TINY_LOOP.attention_spec(block_size=16, num_blocks=8, dtype=torch.float32, device="cpu"))
+    loop.tables, loop.query_lens = np.arange(8, dtype=np.int32).reshape(2, 4), np.ones(2, dtype=np.int64)
+    out = loop.loop(3, sync_each=False)
+    assert out.tolist() == [[4, 5, 6], [6, 7, 8]]  # each step's tokens kept, though fed back in place
+    assert calls == ([(False, True, False), (True, True, False), (True, True, False)] if fed
+                     else [(False, False, True)] * 3)

@@ -36,6 +36,7 @@ from compiled_attn.graphs import (
 )
 from compiled_attn.graphs import compiler as compiler_module
 from compiled_attn.graphs import pick_batch_size as pick
+from compiled_attn.graphs import runner as runner_module
 from compiled_attn.graphs.buckets import capture_widths_for, fill_padded
 from compiled_attn.graphs.compiler import COMPILE_OPTIONS, ONE_TOKEN_COMPILES, RunnerCompiler
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
@@ -617,7 +618,6 @@ class RecordingInductor:
 def test_batch_one_keeps_the_compile_whose_graph_replays_fastest(tiny_model, monkeypatch):
     """The pick of batch 1's compile: the one whose graph replays fastest in three alternating rounds
     (on CPU with stand-in graphs and timings). Without graphs there is no pick."""
-    from compiled_attn.graphs import runner as runner_module
 
     spec = cpu_spec()
     runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2], max_batch_size=2,
@@ -1450,3 +1450,122 @@ def greedy_agreement(ref: Engine, eng: Engine, step: dict, steps: int,
         total += len(want)
         step = next_step(i, {k: [tok] for k, tok in zip(step, want.tolist(), strict=True)})
     return agree / total
+
+
+# -------------------------------------------------------------------------------------------
+# feed_back_tokens: positions from the metadata, the tokens fed back in place (CPU, no graphs)
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
+def test_fed_back_tokens_decode_as_the_model_does_with_explicit_positions(tiny_model, monkeypatch):
+    """feed_back_tokens: `run(md, ids)` takes no positions. A prefill (eager, positions from the
+    host), then decodes through the static graph step, each passing the rows the last one
+    returned straight back (no copy), and a decode whose first request has left (its leading
+    rows): the tokens and caches of the model called step by step with explicit positions."""
+    spec = cpu_spec()
+    caches, ref_caches = random_caches(spec, 0), random_caches(spec, 0)
+    runner = static_runner(tiny_model, spec, caches, capture_sizes=[4], max_batch_size=4, postprocess=greedy_ids,
+                           feed_back_tokens=True)
+    copies = []
+    monkeypatch.setattr(runner_module, "fill_padded", lambda *a: copies.append(a[1]) or fill_padded(*a))
+    builder, tables = sdpa_builder(spec), [list(range(1 + 6 * i, 7 + 6 * i)) for i in range(3)]
+    gen = torch.Generator().manual_seed(3)
+    prompt_lens = [7, 3, 12]
+    ids = torch.randint(TINY.vocab_size, (sum(prompt_lens),), generator=gen)
+    md = builder.build(prompt_lens, prompt_lens, tables)
+    tokens = runner.run(md, ids, copy_output=False)
+    want = direct(tiny_model, ref_caches)(md, ids, torch.cat([torch.arange(n) for n in prompt_lens])).argmax(-1)
+    assert torch.equal(tokens, want)
+    tokens, seq_lens = tokens[torch.tensor(prompt_lens).cumsum(0) - 1], list(prompt_lens)  # last rows: a new tensor
+    for step in range(5):
+        seq_lens = [s + 1 for s in seq_lens]
+        if step == 3:  # the first request leaves: the survivors' tokens are not the leading rows
+            seq_lens, tables, tokens = seq_lens[1:], tables[1:], tokens[1:].clone()
+        md = builder.build(seq_lens, [1] * len(seq_lens), tables)
+        want = direct(tiny_model, ref_caches)(md, tokens, torch.tensor(seq_lens) - 1).argmax(-1)
+        copied = len(copies)
+        fed = runner.run(md, tokens, copy_output=False)
+        in_place = tokens.data_ptr() == runner._input_ids.data_ptr()
+        assert len(copies) == copied + (not in_place), step
+        assert torch.equal(fed, want) and fed.data_ptr() == runner._input_ids.data_ptr(), step
+        assert torch.equal(runner._input_ids[len(seq_lens):], torch.zeros(4 - len(seq_lens), dtype=torch.int64))
+        tokens = fed
+    assert runner.counts["graph"] == 5 and runner.counts["eager_prefill"] == 1
+    assert sum(1 for c in copies) == 2  # the prefill's last rows and the survivors' clone; the rest in place
+    for a, b in zip(caches, ref_caches, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fed_back_tokens_leading_rows_of_the_last_step_need_no_copy(tiny_model, monkeypatch):
+    """When later requests leave, the first rows of the last step's tokens are fed back as they are."""
+    spec = cpu_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[4], max_batch_size=4,
+                           postprocess=greedy_ids, feed_back_tokens=True)
+    copies = []
+    monkeypatch.setattr(runner_module, "fill_padded", lambda *a: copies.append(1) or fill_padded(*a))
+    tokens = runner.run(decode_md(spec, [5, 9, 14]), torch.tensor([3, 1, 4]), copy_output=False)
+    runner.run(decode_md(spec, [6, 10]), tokens[:2], copy_output=False)
+    assert copies == [1]  # only the first step's ids were copied
+
+
+def test_fed_back_tokens_refuse_positions_and_others_require_them(tiny_model):
+    spec = cpu_spec()
+    fed = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1], postprocess=greedy_ids,
+                        feed_back_tokens=True)
+    plain = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1])
+    md, ids = decode_md(spec, [5]), torch.tensor([3])
+    with pytest.raises(ValueError, match="without positions"):
+        fed.run(md, ids, torch.tensor([4]))
+    with pytest.raises(ValueError, match="feed_back_tokens=True"):
+        plain.run(md, ids)
+    logits = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1], feed_back_tokens=True)
+    with pytest.raises(ValueError, match="next token ids"):
+        logits.run(md, ids)
+    with pytest.raises(NotImplementedError, match="DECODER"):
+        CUDAGraphRunner(tiny_model, ca.get_attn_backend(SDPA), cpu_spec(attn_type=ca.AttentionType.ENCODER_DECODER),
+                        random_caches(spec, 0), use_cuda_graphs=False, feed_back_tokens=True)
+
+
+def test_token_positions_follow_each_requests_context():
+    md = sdpa_builder(cpu_spec()).build([9, 6, 4], [3, 6, 1], [[1, 2, 3], [4, 5], [6]])  # prefills, then a decode
+    assert runner_module.token_positions(md, torch.device("cpu")).tolist() == [6, 7, 8, 0, 1, 2, 3, 4, 5, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["TORCH_SDPA", "FLASHINFER", "XFORMERS"])
+def test_fed_back_tokens_replay_the_tokens_of_explicit_positions(name):
+    """The decode graphs of a feed_back_tokens runner (positions from the State's lengths, the
+    tokens written to the input buffer and fed back in place, the first request leaving midway)
+    give the tokens a plain runner's graphs give with explicit positions, bit for bit: the same
+    kernels on the same inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    spec = gpu_spec(name)
+    backend = gpu_backend(name, spec)
+    model = build_model(GPU_CONFIG, seed=0, backend=name, dtype=torch.bfloat16, device="cuda")
+    runners = []
+    for fed in (False, True):
+        torch.manual_seed(1)  # both runners' caches hold the same random K/V
+        caches = [c.normal_() for c in allocate_kv_caches(GPU_CONFIG, backend, spec)]
+        runners.append(CUDAGraphRunner(model, backend, spec, caches, capture_sizes=[4], max_batch_size=4,
+                                       progress=False, postprocess=greedy_ids, feed_back_tokens=fed))
+        runners[-1].capture()
+    plain, fed = runners
+    rng = random.Random(2)
+    seq_lens = [rng.randint(2, GPU_MAX_LEN // 2) for _ in range(3)]
+    per_request = GPU_MAX_LEN // spec.block_size
+    tables = [list(range(1 + i * per_request, 1 + (i + 1) * per_request)) for i in range(3)]
+    want = got = torch.randint(GPU_CONFIG.vocab_size, (3,), device="cuda")
+    for step in range(8):
+        if step == 4:  # the first request leaves
+            seq_lens, tables, want, got = seq_lens[1:], tables[1:], want[1:], got[1:].clone()
+        md = backend.get_builder_cls()(spec).build(seq_lens, [1] * len(seq_lens), tables)
+        want = plain.run(md, want, torch.tensor(seq_lens, device="cuda") - 1)
+        got = fed.run(md, got, copy_output=False)
+        assert torch.equal(got, want), step
+        assert got.data_ptr() == fed._input_ids.data_ptr()
+        seq_lens = [s + 1 for s in seq_lens]
+    assert plain.counts["graph"] == fed.counts["graph"] == 8

@@ -203,15 +203,21 @@ class PagedLoop:
         self.runner.capture()
         self.first = torch.randint(config.vocab_size, (batch,), device="cuda")
 
-    def inputs(self, seq_len: int) -> tuple[ca.AttentionMetadata, torch.Tensor]:
-        """The metadata and positions of a step for every request at `seq_len` tokens."""
+    def inputs(self, seq_len: int) -> tuple[ca.AttentionMetadata, torch.Tensor | None]:
+        """The metadata and positions of a step for every request at `seq_len` tokens (positions
+        None where the runner derives them: feed_back_tokens)."""
         md = self.builder.build(np.full(self.batch, seq_len), self.query_lens, self.tables)
+        if self.runner.feed_back_tokens:
+            return md, None
         positions = torch.from_numpy(np.full(self.batch, seq_len - 1, dtype=np.int64)).to("cuda", non_blocking=True)
         return md, positions
 
     def step(self, tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """One decode step for every request at `seq_len` tokens (the last one is `tokens`)."""
+        """One decode step for every request at `seq_len` tokens (the last one is `tokens`). With
+        feed_back_tokens the returned tokens are the runner's input rows, fed back in place."""
         md, positions = self.inputs(seq_len)
+        if self.runner.feed_back_tokens:
+            return self.runner.run(md, tokens, copy_output=False)
         return self.runner.run(md, tokens, positions)
 
     def host_us(self, steps: int = STEPS) -> dict[str, float]:
@@ -233,7 +239,8 @@ class PagedLoop:
                 t0 = time.perf_counter()
                 md, positions = self.inputs(self.ctx + 1 + i)
                 t1 = time.perf_counter()
-                cur = self.runner.run(md, cur, positions)
+                cur = (self.runner.run(md, cur, copy_output=False) if positions is None
+                       else self.runner.run(md, cur, positions))
                 t2 = time.perf_counter()
                 torch.cuda.synchronize()
                 build.append(t1 - t0)
@@ -247,7 +254,9 @@ class PagedLoop:
         cur, out = self.first, []
         for i in range(steps):
             cur = self.step(cur, self.ctx + 1 + i)
-            out.append(cur)
+            # fed back, the tokens are rows the next step rewrites: a copy to keep (the plain
+            # runner's run() makes the same copy itself)
+            out.append(cur.clone() if self.runner.feed_back_tokens else cur)
             if sync_each:
                 torch.cuda.synchronize()
         return torch.stack(out, dim=1)
@@ -356,7 +365,7 @@ def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int
 
 
 VARIANTS = ("compile", "dynamic", "fp8", "fp8-flashinfer", "flashinfer-decode", "cudnn-decode", "triton-decode",
-            "gather-decode")
+            "gather-decode", "feedback")
 # the environment each variant's States are made under
 VARIANT_ENV = {"flashinfer-decode": {FLASHINFER_GRAPH_DECODE_ENV: "flashinfer"},
                "cudnn-decode": {FLASHINFER_GRAPH_DECODE_ENV: "cudnn"},
@@ -376,9 +385,11 @@ def paged_loop(model: Llama, batch: int, ctx: int, variant: str = "compile") -> 
     "flashinfer-decode" / "cudnn-decode" / "triton-decode": compile, with FLASHINFER's
     graphed decode on that kernel (`graph_decode_kernel`; "compile" takes its rule);
     "gather-decode": compile, with TORCH_SDPA's graphed decode gathering each row's table where it
-    would read the pages through FlexAttention (`torch_sdpa.graph_decode_kernel`)."""
+    would read the pages through FlexAttention (`torch_sdpa.graph_decode_kernel`); "feedback":
+    compile, with `feed_back_tokens=True` (no positions made or copied, the tokens fed back in
+    place: a graph step launches its replay and nothing else)."""
     backend = model.layers[0].attn.backend
-    kw = {"compile": variant != "dynamic"}
+    kw = {"compile": variant != "dynamic", "feed_back_tokens": variant == "feedback"}
     step_model = model if variant != "dynamic" else torch.compile(model, fullgraph=True, dynamic=True)
     kv_cache_dtype = model.layers[0].attn.impl.kv_cache_dtype
     with unittest.mock.patch.dict(os.environ, VARIANT_ENV.get(variant, {})):  # read as the runner's States are made

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -50,6 +51,7 @@ from compiled_attn.graphs.compiler import (
     RunnerCompiler,
 )
 from compiled_attn.graphs.piecewise import PIECE_COMPILERS, PiecewiseGraphs
+from compiled_attn.groups import GroupedMetadata
 from compiled_attn.inductor_cache import keep_tuned_configs
 from compiled_attn.validation import as_int, check_cache_list
 
@@ -136,6 +138,15 @@ class CUDAGraphRunner:
         piecewise_sizes: token buckets, default `DEFAULT_PIECEWISE_SIZES` (1 .. 512).
         piece_compiler: "inductor" (default) or "eager" (the FX pieces as traced: fast to build,
             to test the splitting and padding).
+        feed_back_tokens: for a decode loop that feeds each step's tokens back: `postprocess`
+            returns the next token ids (int64 [num_tokens]) and the spec is DECODER. `run(md,
+            input_ids)` then takes no positions: a token's is its index in its sequence,
+            seq_len - query_len + i (what a RoPE model's caller passes), derived by the runner,
+            inside the decode graphs from the State's static lengths and on the host for other
+            steps. The decode graphs write their tokens into the static input-id buffer (pad
+            rows 0), so `run(..., copy_output=False)` returns rows of it, and passing those back
+            as the next step's input_ids (the same tensor, or its first rows once later requests
+            have left) copies nothing: a decode-graph step makes no copy before its replay.
 
     Example::
 
@@ -165,6 +176,7 @@ class CUDAGraphRunner:
         piecewise: bool = False,
         piecewise_sizes: Sequence[int] | None = None,
         piece_compiler: str = "inductor",
+        feed_back_tokens: bool = False,
     ) -> None:
         if not isinstance(spec, AttentionSpec):
             raise ValueError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
@@ -186,6 +198,9 @@ class CUDAGraphRunner:
             raise ValueError("piecewise_sizes without piecewise=True: pass piecewise=True to capture them")
         if piece_compiler not in PIECE_COMPILERS:
             raise ValueError(f"piece_compiler must be one of {PIECE_COMPILERS}, got {piece_compiler!r}")
+        if feed_back_tokens and spec.attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"feed_back_tokens serves DECODER specs (a decode graph's pad rows are the ones "
+                                      f"that write no cache), not {spec.attn_type.name}: pass positions to run()")
         if piece_compiler != "inductor" and not piecewise:
             raise ValueError(f"piece_compiler={piece_compiler!r} without piecewise=True: pass piecewise=True to "
                              "compile pieces")
@@ -234,6 +249,9 @@ class CUDAGraphRunner:
         self._input_ids = torch.zeros(top, dtype=INPUT_DTYPE, device=spec.device)
         self._positions = torch.zeros(top, dtype=INPUT_DTYPE, device=spec.device)
         self._pads_from = 0  # rows of both from here on hold zeros (`fill_padded`)
+        self.feed_back_tokens = feed_back_tokens
+        if feed_back_tokens:  # the graphs write their tokens where the next step reads its ids
+            self._output = self._input_ids
 
     # -- capture ---------------------------------------------------------------------------
 
@@ -364,6 +382,8 @@ class CUDAGraphRunner:
         torch.cuda.current_stream().wait_stream(side_stream)
         if not isinstance(warm, torch.Tensor) or warm.shape[:1] != (bs,):
             raise ValueError(f"the model must return a tensor [num_tokens, ...]; got {_describe(warm)} for {bs}")
+        if self.feed_back_tokens:
+            _check_token_ids(warm)  # before the capture, which an error inside would leave open
         if self._output is None:  # sized by the first (largest) capture
             self._output = torch.empty((bs, *warm.shape[1:]), dtype=warm.dtype, device=warm.device)
         del warm
@@ -376,7 +396,7 @@ class CUDAGraphRunner:
             # One output buffer outside the pool: each graph's own output is freed with its other
             # intermediates, so the next (smaller) capture reuses that memory. Keeping every
             # size's output alive instead held 516 of the pool's 590 MiB (35 sizes, vocab 32000).
-            self._output[:bs].copy_(self._static_step(bs))
+            self._graph_step(bs, md_bs)
         self._graph_seconds += time.perf_counter() - start
         return graph, uploads
 
@@ -395,6 +415,20 @@ class CUDAGraphRunner:
             self._one_token_stats["slowest_rank_ms"] = agreed
         logger.info("batch 1: %s", ", ".join(f"{name} {ms:.3f} ms" for name, ms in best.items()) + f"; kept {choice}")
         return choice
+
+    def _graph_step(self, bs: int, md_bs: AttentionMetadata) -> None:
+        """What a decode graph of `bs` rows runs (md_bs: its static metadata): the static step, its
+        output written to the output buffer. With feed_back_tokens the positions come first, from
+        the static lengths, and the output buffer is the input-id buffer: pad rows (slot -1, no
+        cache write) get token 0, so every row the next step may read holds a valid id."""
+        if not self.feed_back_tokens:
+            self._output[:bs].copy_(self._static_step(bs))
+            return
+        first = md_bs.first if isinstance(md_bs, GroupedMetadata) else md_bs
+        self._positions[:bs].copy_(first.seq_lens_tensor).sub_(1)  # one decode token a row: seq_len - 1
+        tokens = self._static_step(bs)
+        _check_token_ids(tokens)
+        torch.mul(tokens, md_bs.slot_mapping >= 0, out=self._output[:bs])
 
     def _static_step(self, bs: int) -> torch.Tensor:
         """The model on the first `bs` rows of the static inputs (under the caller's context)."""
@@ -421,7 +455,7 @@ class CUDAGraphRunner:
         self,
         attn_metadata: AttentionMetadata,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None = None,
         kv_caches: list[torch.Tensor] | None = None,
         *,
         copy_output: bool = True,
@@ -430,7 +464,8 @@ class CUDAGraphRunner:
         for another step whose tokens fit (with `piecewise=True`), else eager.
 
         attn_metadata: from the backend's builder; input_ids, positions: int64 [num_tokens] on
-        the spec's device; kv_caches: default the runner's (a graph step checks they are the
+        the spec's device (positions None, and required so, with feed_back_tokens: the runner
+        derives them); kv_caches: default the runner's (a graph step checks they are the
         captured tensors). Returns the model output for the step's tokens, [num_tokens, ...],
         a tensor the caller owns (a later step never overwrites it). `counts` records the path.
         copy_output=False: a decode-graph step returns rows of the runner's one output buffer
@@ -451,6 +486,8 @@ class CUDAGraphRunner:
             largest_piecewise_tokens=None if self.piecewise is None else self.piecewise.sizes[0],
         )
         self.counts[path] += 1
+        if path != GRAPH and self.feed_back_tokens:
+            positions = token_positions(md, input_ids.device)
         if path == PIECEWISE:
             self._check_caches(caches)
             return self.piecewise.run(md, input_ids, positions)
@@ -470,11 +507,20 @@ class CUDAGraphRunner:
         entry = self._captured[bs, pick_table_width(self.widths, md.max_seq_len, self.spec.block_size)]
         # the step's checks first: a refused step leaves every static buffer as it was
         entry.graph_state.prepare_graph_input_buffers(entry.input_buffers, md, **entry.prepare_kw)
-        self._pads_from = fill_padded((self._input_ids, self._positions), (input_ids, positions), self._pads_from)
+        if not self.feed_back_tokens:
+            self._pads_from = fill_padded((self._input_ids, self._positions), (input_ids, positions), self._pads_from)
+        elif _leading_rows_of(input_ids, self._input_ids):  # the last step's tokens: in place already
+            self._pads_from = max(self._pads_from, n)  # rows past n may hold tokens: pad them when a step copies
+        else:
+            self._pads_from = fill_padded((self._input_ids,), (input_ids,), self._pads_from)
         entry.graph_state.begin_forward(md)
         if entry.graph is not None:
             entry.graph.replay()
             output = entry.output
+        elif self.feed_back_tokens:  # without CUDA graphs: the graph's step, run
+            with set_forward_context(entry.metadata):
+                self._graph_step(bs, entry.metadata)
+            output = self._output[:bs]
         else:
             with set_forward_context(entry.metadata):
                 output = self._static_step(bs)
@@ -489,7 +535,15 @@ class CUDAGraphRunner:
         if not isinstance(md, AttentionMetadata) or getattr(md, "backend_name", None) != name:
             raise ValueError(f"the runner serves {name} metadata, got {type(md).__name__} from another builder")
         device = self._input_ids.device
+        if self.feed_back_tokens and positions is not None:
+            raise ValueError("this runner derives positions from the metadata (feed_back_tokens=True): call "
+                             "run(md, input_ids) without positions")
+        if not self.feed_back_tokens and positions is None:
+            raise ValueError("positions are required (int64 [num_tokens]), unless the runner derives them: "
+                             "CUDAGraphRunner(..., feed_back_tokens=True)")
         for label, t in (("input_ids", input_ids), ("positions", positions)):
+            if t is None:  # derived (feed_back_tokens)
+                continue
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{label} must be a {INPUT_DTYPE} tensor [num_tokens], got {type(t).__name__}")
             if t.dtype != INPUT_DTYPE or t.device != device or t.dim() != 1:
@@ -535,6 +589,30 @@ def _first_rows(buffer: torch.Tensor, n: int) -> torch.Tensor:
     view. Dynamo guards a view input's base, so batch 1's static graph, traced on a view, was
     traced and compiled again for the first one-token eager step (its ids no view)."""
     return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(buffer.untyped_storage(), 0, (n,), (1,))
+
+
+def _check_token_ids(step_output: torch.Tensor) -> None:
+    if (step_output.dtype, step_output.dim()) != (INPUT_DTYPE, 1):
+        raise ValueError(f"feed_back_tokens needs a postprocess that returns the next token ids, {INPUT_DTYPE} "
+                         f"[num_tokens]; got {step_output.dtype} {tuple(step_output.shape)} "
+                         "(e.g. postprocess=lambda logits: logits.argmax(-1))")
+
+
+def _leading_rows_of(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether `t` is the first t.shape[0] rows of 1-D `buffer` (a view at its start, or one made
+    by `_first_rows`): copying it there would copy nothing."""
+    return (t.data_ptr() == buffer.data_ptr() and t.dtype == buffer.dtype and t.device == buffer.device
+            and (t.shape[0] <= 1 or t.stride(0) == 1))
+
+
+def token_positions(md: AttentionMetadata, device: torch.device) -> torch.Tensor:
+    """Each token's position in its sequence, int64 [num_tokens] on `device`: request i's
+    query_lens[i] tokens sit at seq_lens[i] - query_lens[i] .. seq_lens[i] - 1, in request order."""
+    first = md.first if isinstance(md, GroupedMetadata) else md
+    seq, query = np.asarray(first.seq_lens, dtype=np.int64), np.asarray(first.query_lens, dtype=np.int64)
+    row_starts = np.cumsum(query) - query  # the first token of each request among the step's
+    positions = np.repeat(seq - query - row_starts, query) + np.arange(int(query.sum()), dtype=np.int64)
+    return torch.from_numpy(positions).to(device, non_blocking=True)
 
 
 def _replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
