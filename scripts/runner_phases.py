@@ -2,13 +2,15 @@
 run minus the replay <= 50 us at B=64), phase by phase, and whether the host's state decides it.
 
     python scripts/runner_phases.py [--points 1x1024,64x1024,64x4096] [--steps 200] [--modes synced,spun,busy]
-                                    [--outputs copy,own] [--out DIR]
+                                    [--outputs copy,own,fed] [--out DIR]
 
 The 8B shape with 2 layers (the runner's host work does not grow with layers; the graph launch
 does), FLASHINFER, the model eager (no compile: nothing here depends on the kernels), one decode
 graph of the point's batch. Each step is the decode loop's: `builder.build` from array tables,
 positions copied from the host, `runner.run`, returning a copy of the tokens (`copy`, the
-default) or the graphs' own rows (`own`: `copy_output=False`). Three ways to start a step:
+default) or the graphs' own rows (`own`: `copy_output=False`); or, on a runner made with
+`feed_back_tokens=True` (`fed`), no positions made or copied and the returned rows fed back in
+place. Three ways to start a step:
 
 - synced: right after `torch.cuda.synchronize()` (the decode loop's `host_us` column);
 - spun: after the synchronize, the host spins 2 ms in Python first (a host that was not asleep);
@@ -90,16 +92,19 @@ def point_rows(b: int, ctx: int, steps: int, modes: list[str], outputs: list[str
     caches = [c.normal_() for c in allocate_kv_caches(config, backend, spec)]
     tables = np.random.default_rng(0).permutation(b * pages).astype(np.int32).reshape(b, pages)
     builder = backend.get_builder_cls()(spec)
-    runner = CUDAGraphRunner(model, backend, spec, caches, max_batch_size=b, capture_sizes=[b], progress=False,
-                             postprocess=greedy)
-    runner.capture()
+    runners = {}
+    for fed in sorted({output == "fed" for output in outputs}):
+        runners[fed] = CUDAGraphRunner(model, backend, spec, caches, max_batch_size=b, capture_sizes=[b],
+                                       progress=False, postprocess=greedy, feed_back_tokens=fed)
+        runners[fed].capture()
     query_lens = np.ones(b, dtype=np.int64)
     tokens = torch.randint(config.vocab_size, (b,), device="cuda")
     seq_len = ctx
     rows = []
     for output, mode in itertools.product(outputs, modes):
         # no keyword for `copy`: an older tree's run() (an A/B against probe_old) has none
-        own = {"copy_output": False} if output == "own" else {}
+        own = {"copy_output": False} if output in ("own", "fed") else {}
+        runner = runners[output == "fed"]
         times.clear()
         for _ in range(steps):
             seq_len += 1
@@ -112,7 +117,8 @@ def point_rows(b: int, ctx: int, steps: int, modes: list[str], outputs: list[str
                 torch.cuda._sleep(SLEEP_CYCLES)
             start = time.perf_counter()
             md = builder.build(np.full(b, seq_len), query_lens, tables)
-            positions = torch.from_numpy(np.full(b, seq_len - 1, dtype=np.int64)).to("cuda", non_blocking=True)
+            positions = (None if output == "fed" else
+                         torch.from_numpy(np.full(b, seq_len - 1, dtype=np.int64)).to("cuda", non_blocking=True))
             built = time.perf_counter()
             tokens = runner.run(md, tokens, positions, **own)
             ran = time.perf_counter()
@@ -134,7 +140,7 @@ def main() -> None:
     parser.add_argument("--points", default="1x1024,64x1024,64x4096")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--modes", default="synced,spun,busy")
-    parser.add_argument("--outputs", default="copy,own")
+    parser.add_argument("--outputs", default="copy,own,fed")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     install()
