@@ -9,7 +9,7 @@ from compiled_attn.graphs.buckets import (
     pick_batch_size,
     pick_table_width,
 )
-from compiled_attn.graphs.runner import CUDAGraphRunner
+from compiled_attn.graphs.runner import CUDAGraphRunner, token_positions
 
 __all__ = ["DEFAULT_CAPTURE_SIZES", "DEFAULT_PIECEWISE_SIZES", "CUDAGraphRunner", "capture_sizes_for", "choose_path",
-           "pick_batch_size", "pick_table_width"]
+           "pick_batch_size", "pick_table_width", "token_positions"]
