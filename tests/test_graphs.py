@@ -1482,8 +1482,8 @@ def test_fed_back_tokens_decode_as_the_model_does_with_explicit_positions(tiny_m
     tokens, seq_lens = tokens[torch.tensor(prompt_lens).cumsum(0) - 1], list(prompt_lens)  # last rows: a new tensor
     for step in range(5):
         seq_lens = [s + 1 for s in seq_lens]
-        if step == 3:  # the first request leaves: the survivors' tokens are not the leading rows
-            seq_lens, tables, tokens = seq_lens[1:], tables[1:], tokens[1:].clone()
+        if step == 3:  # the first request leaves: the survivors' tokens are rows 1.., which overlap rows ..n-1
+            seq_lens, tables, tokens = seq_lens[1:], tables[1:], tokens[1:]
         md = builder.build(seq_lens, [1] * len(seq_lens), tables)
         want = direct(tiny_model, ref_caches)(md, tokens, torch.tensor(seq_lens) - 1).argmax(-1)
         copied = len(copies)
@@ -1494,21 +1494,31 @@ def test_fed_back_tokens_decode_as_the_model_does_with_explicit_positions(tiny_m
         assert torch.equal(runner._input_ids[len(seq_lens):], torch.zeros(4 - len(seq_lens), dtype=torch.int64))
         tokens = fed
     assert runner.counts["graph"] == 5 and runner.counts["eager_prefill"] == 1
-    assert sum(1 for c in copies) == 2  # the prefill's last rows and the survivors' clone; the rest in place
+    assert len(copies) == 2  # the prefill's last rows and the survivors' rows; the rest in place
     for a, b in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_fed_back_tokens_leading_rows_of_the_last_step_need_no_copy(tiny_model, monkeypatch):
-    """When later requests leave, the first rows of the last step's tokens are fed back as they are."""
+    """When later requests leave, the first rows of the last step's tokens are fed back as they
+    are; the rows of those that left become pads (0), whatever the caller wrote into them."""
     spec = cpu_spec()
-    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[4], max_batch_size=4,
-                           postprocess=greedy_ids, feed_back_tokens=True)
-    copies = []
+    caches, ref_caches = random_caches(spec, 0), random_caches(spec, 0)
+    runner = static_runner(tiny_model, spec, caches, capture_sizes=[4], max_batch_size=4, postprocess=greedy_ids,
+                           feed_back_tokens=True)
+    copies, seen = [], []
     monkeypatch.setattr(runner_module, "fill_padded", lambda *a: copies.append(1) or fill_padded(*a))
     tokens = runner.run(decode_md(spec, [5, 9, 14]), torch.tensor([3, 1, 4]), copy_output=False)
-    runner.run(decode_md(spec, [6, 10]), tokens[:2], copy_output=False)
+    direct(tiny_model, ref_caches)(decode_md(spec, [5, 9, 14]), torch.tensor([3, 1, 4]), torch.tensor([4, 8, 13]))
+    tokens[2] = -1  # the finished request's row, marked by the caller
+    md = decode_md(spec, [6, 10])
+    want = direct(tiny_model, ref_caches)(md, tokens[:2].clone(), torch.tensor([5, 9])).argmax(-1)
+    real_step = runner._static_step
+    monkeypatch.setattr(runner, "_static_step",
+                        lambda bs: seen.append(runner._input_ids[:bs].tolist()) or real_step(bs))
+    got = runner.run(md, tokens[:2], copy_output=False)
     assert copies == [1]  # only the first step's ids were copied
+    assert seen[0][2:] == [0, 0] and torch.equal(got, want)
 
 
 def test_fed_back_tokens_refuse_positions_and_others_require_them(tiny_model):
@@ -1561,11 +1571,12 @@ def test_fed_back_tokens_replay_the_tokens_of_explicit_positions(name):
     want = got = torch.randint(GPU_CONFIG.vocab_size, (3,), device="cuda")
     for step in range(8):
         if step == 4:  # the first request leaves
-            seq_lens, tables, want, got = seq_lens[1:], tables[1:], want[1:], got[1:].clone()
+            seq_lens, tables, want, got = seq_lens[1:], tables[1:], want[1:], got[1:]  # rows that overlap their copy
         md = backend.get_builder_cls()(spec).build(seq_lens, [1] * len(seq_lens), tables)
         want = plain.run(md, want, torch.tensor(seq_lens, device="cuda") - 1)
         got = fed.run(md, got, copy_output=False)
         assert torch.equal(got, want), step
         assert got.data_ptr() == fed._input_ids.data_ptr()
+        assert not fed._input_ids[len(seq_lens):].any()  # pad rows: 0
         seq_lens = [s + 1 for s in seq_lens]
     assert plain.counts["graph"] == fed.counts["graph"] == 8

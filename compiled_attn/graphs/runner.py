@@ -488,6 +488,8 @@ class CUDAGraphRunner:
         self.counts[path] += 1
         if path != GRAPH and self.feed_back_tokens:
             positions = token_positions(md, input_ids.device)
+            if _shares_storage(input_ids, self._input_ids):  # a graph's rows: the model gets ids of its own
+                input_ids = input_ids.clone()
         if path == PIECEWISE:
             self._check_caches(caches)
             return self.piecewise.run(md, input_ids, positions)
@@ -510,9 +512,12 @@ class CUDAGraphRunner:
         if not self.feed_back_tokens:
             self._pads_from = fill_padded((self._input_ids, self._positions), (input_ids, positions), self._pads_from)
         elif _leading_rows_of(input_ids, self._input_ids):  # the last step's tokens: in place already
-            self._pads_from = max(self._pads_from, n)  # rows past n may hold tokens: pad them when a step copies
-        else:
-            self._pads_from = fill_padded((self._input_ids,), (input_ids,), self._pads_from)
+            if n < self._pads_from:  # requests left: their rows become pads (a fill only then)
+                self._input_ids[n : self._pads_from].zero_()
+            self._pads_from = n
+        else:  # other rows of the buffer (a later request's tokens first, say) would overlap their copy
+            ids = input_ids.clone() if _shares_storage(input_ids, self._input_ids) else input_ids
+            self._pads_from = fill_padded((self._input_ids,), (ids,), self._pads_from)
         entry.graph_state.begin_forward(md)
         if entry.graph is not None:
             entry.graph.replay()
@@ -596,6 +601,10 @@ def _check_token_ids(step_output: torch.Tensor) -> None:
         raise ValueError(f"feed_back_tokens needs a postprocess that returns the next token ids, {INPUT_DTYPE} "
                          f"[num_tokens]; got {step_output.dtype} {tuple(step_output.shape)} "
                          "(e.g. postprocess=lambda logits: logits.argmax(-1))")
+
+
+def _shares_storage(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    return t.device == buffer.device and t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
 
 
 def _leading_rows_of(t: torch.Tensor, buffer: torch.Tensor) -> bool:
