@@ -535,7 +535,7 @@ class CUDAGraphRunner:
         output = output if n == bs else output[:n]
         return output.clone() if copy_output else output
 
-    def _check_inputs(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    def _check_inputs(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor | None) -> None:
         name = self.backend.get_name()
         if not isinstance(md, AttentionMetadata) or getattr(md, "backend_name", None) != name:
             raise ValueError(f"the runner serves {name} metadata, got {type(md).__name__} from another builder")
