@@ -406,3 +406,24 @@ def test_decode_loop_feeds_tokens_back_without_positions_when_the_runner_derives
     assert out.tolist() == [[4, 5, 6], [6, 7, 8]]  # each step's tokens kept, though fed back in place
     assert calls == ([(False, True, False), (True, True, False), (True, True, False)] if fed
                      else [(False, False, True)] * 3)
+
+
+def test_piecewise_bench_capture_rows_say_what_the_capture_compiled():
+    """The capture row's compile columns come from the capture's own compiles: the piecewise
+    model's one trace here (the pieces as traced), its seconds, Dynamo's share within them."""
+    from compiled_attn.bench import piecewise_bench
+    from compiled_attn.graphs import CUDAGraphRunner
+    from compiled_attn.models.llama import allocate_kv_caches
+
+    torch._dynamo.reset()
+    backend = ca.get_attn_backend("TORCH_SDPA")
+    spec = TINY_LOOP.attention_spec(block_size=16, num_blocks=8, dtype=torch.float32, device="cpu")
+    model = build_model(TINY_LOOP, seed=0, backend="TORCH_SDPA")
+    runner = CUDAGraphRunner(model, backend, spec, allocate_kv_caches(TINY_LOOP, backend, spec), capture_sizes=[],
+                             piecewise=True, piecewise_sizes=[4], piece_compiler="eager", use_cuda_graphs=False,
+                             progress=False)
+    stats, compiles = piecewise_bench._capture_with_compiles(runner)
+    assert compiles["traces"] == 1 and 0 < compiles["dynamo_s"] <= compiles["compile_s"] <= stats["seconds"]
+    row = piecewise_bench._capture_row("TORCH_SDPA", "tiny", "capture", stats, compiles)
+    assert row["traces"] == 1
+    assert row["piece_compile_s"] == pytest.approx(stats["piecewise"]["compile_seconds"], abs=1e-3)  # rounded
