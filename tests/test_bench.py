@@ -423,7 +423,8 @@ def test_piecewise_bench_capture_rows_say_what_the_capture_compiled():
                              piecewise=True, piecewise_sizes=[4], piece_compiler="eager", use_cuda_graphs=False,
                              progress=False)
     stats, compiles = piecewise_bench._capture_with_compiles(runner)
-    assert compiles["traces"] == 1 and 0 < compiles["dynamo_s"] <= compiles["compile_s"] <= stats["seconds"]
+    assert compiles["traces"] == 1 and 0 < compiles["dynamo_s"] <= compiles["compile_s"]
+    assert compiles["compile_s"] <= stats["seconds"] + 1e-3  # Dynamo's clock inside the capture's
     row = piecewise_bench._capture_row("TORCH_SDPA", "tiny", "capture", stats, compiles)
     assert row["traces"] == 1
     assert row["piece_compile_s"] == pytest.approx(stats["piecewise"]["compile_seconds"], abs=1e-3)  # rounded

@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import compiled_attn as ca
 from compiled_attn.bench import graphs_bench
-from compiled_attn.bench.compiles import compile_counts, counts_since, reset_dynamo
+from compiled_attn.bench.compiles import compile_counts, reset_dynamo
 from compiled_attn.bench.kernel_table import cuda_kernels
 from compiled_attn.bench.models import shared_model
 from compiled_attn.bench.report import print_table
@@ -136,7 +136,8 @@ def _capture_with_compiles(runner: CUDAGraphRunner) -> tuple[dict, dict[str, flo
     where issue 14's warm capture goes."""
     before = compile_counts()
     stats = runner.capture()
-    spent = counts_since(before)
+    after = compile_counts()
+    spent = {name: after[name] - before[name] for name in ("graphs", "compile s", "backend s")}
     return stats, {"traces": spent["graphs"], "compile_s": spent["compile s"],
                    "dynamo_s": spent["compile s"] - spent["backend s"]}
 
