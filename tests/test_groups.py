@@ -240,3 +240,32 @@ def test_grouped_state_captures_the_upload_only_when_every_group_does():
     assert bufs["b/seq_lens_tensor"].tolist() == [1, 1], "the other group uploads in its prepare"
     clone.prepare_graph_input_buffers(bufs, md)
     assert bufs["a/seq_lens_tensor"].tolist() == bufs["b/seq_lens_tensor"].tolist() == [12, 31]
+
+
+def test_grouped_runner_feeds_tokens_back_with_positions_from_the_first_group():
+    """feed_back_tokens on grouped layers: the graph step's positions come from the first group's
+    static lengths and its pad mask from the first group's slots; each step's tokens, fed back in
+    place, equal the model's own with explicit positions."""
+    specs = {"full": spec_of(max_seq_len_to_capture=64), "window": spec_of(sliding_window=5, max_seq_len_to_capture=64)}
+    model, caches = grouped_model(specs, seed=1)
+    eager_caches = [c.clone() for c in caches]
+    state = GroupedState({name: SDPA.get_state_cls()(s) for name, s in specs.items()})
+
+    def next_ids(out):  # valid ids of the model's 16-row embedding
+        return out.argmax(-1) % 16
+
+    runner = CUDAGraphRunner(model, SDPA, specs["full"], caches, state, capture_sizes=[4], use_cuda_graphs=False,
+                             progress=False, postprocess=next_ids, feed_back_tokens=True)
+    runner.capture()
+    builders = {name: SDPA.get_builder_cls()(s) for name, s in specs.items()}
+    seq_lens, tables = [9, 30, 17], {"full": [[1], [2, 3], [4, 5]], "window": [[6], [7, 8], [9, 10]]}
+    tokens = torch.tensor([3, 5, 7])
+    for _ in range(3):
+        md = GroupedMetadata.of({name: b.build(seq_lens, [1, 1, 1], tables[name]) for name, b in builders.items()})
+        with ca.set_forward_context(md):
+            want = next_ids(model(tokens.clone(), torch.tensor(seq_lens) - 1, eager_caches))
+        tokens = runner.run(md, tokens, copy_output=False)
+        assert torch.equal(tokens, want) and tokens.data_ptr() == runner._input_ids.data_ptr()
+        assert runner._input_ids[3] == 0  # the pad row
+        seq_lens = [s + 1 for s in seq_lens]
+    assert runner.counts["graph"] == 3
