@@ -4,6 +4,7 @@ fidelity (the timed suites themselves need CUDA)."""
 from __future__ import annotations
 
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -426,5 +427,18 @@ def test_piecewise_bench_capture_rows_say_what_the_capture_compiled():
     assert compiles["traces"] == 1 and 0 < compiles["dynamo_s"] <= compiles["compile_s"]
     assert compiles["compile_s"] <= stats["seconds"] + 1e-3  # Dynamo's clock inside the capture's
     row = piecewise_bench._capture_row("TORCH_SDPA", "tiny", "capture", stats, compiles)
-    assert row["traces"] == 1
+    assert row["traces"] == 1 and row["dynamo_s"] == pytest.approx(compiles["dynamo_s"], abs=1e-3)
     assert row["piece_compile_s"] == pytest.approx(stats["piecewise"]["compile_seconds"], abs=1e-3)  # rounded
+
+
+def test_piecewise_bench_capture_compiles_are_the_captures_share(monkeypatch):
+    """traces, compile_s and dynamo_s are what the process's totals grew by across the capture;
+    Dynamo's share is the compiles' time less the backend's."""
+    from compiled_attn.bench import piecewise_bench
+
+    totals = iter([{"graphs": 3, "compile s": 10.0, "backend s": 6.0},
+                   {"graphs": 5, "compile s": 14.5, "backend s": 7.0}])
+    monkeypatch.setattr(piecewise_bench, "compile_counts", lambda: next(totals))
+    runner = types.SimpleNamespace(capture=lambda: {"seconds": 5.0})
+    assert piecewise_bench._capture_with_compiles(runner) == ({"seconds": 5.0},
+                                                              {"traces": 2, "compile_s": 4.5, "dynamo_s": 3.5})

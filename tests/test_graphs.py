@@ -1580,17 +1580,20 @@ def test_fed_back_tokens_replay_the_tokens_of_explicit_positions(name):
         assert not fed._input_ids[len(seq_lens):].any()  # pad rows: 0
         seq_lens = [s + 1 for s in seq_lens]
     assert plain.counts["graph"] == fed.counts["graph"] == 8
+    assert all(torch.equal(a, b) for a, b in zip(plain.kv_caches, fed.kv_caches, strict=True))  # the same writes
 
 
 def test_fed_back_tokens_compile_no_more_than_the_plain_runner(tiny_model):
-    """With compile=True, a feed_back_tokens runner traces what any compiled runner does (batch 1
-    apart, one shared graph): the fed-back rows, eager steps' clones included, add no trace."""
+    """With compile=True, a feed_back_tokens runner traces what a plain compiled runner does
+    (batch 1 apart, one shared graph): fed-back rows, views of its input buffer, add no trace, on
+    the decode graphs' step or handed to the model on an eager step (a one-token step longer than
+    the graphs capture)."""
     spec = cpu_spec()
     torch._dynamo.reset()
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2, 4], max_batch_size=4,
                            postprocess=greedy_ids, compile=True, feed_back_tokens=True)
-    builder, tables = sdpa_builder(spec), [list(range(1 + 6 * i, 7 + 6 * i)) for i in range(3)]
+    builder, tables = sdpa_builder(spec), [list(range(1 + 11 * i, 12 + 11 * i)) for i in range(3)]
     seq_lens = [5, 9, 7]
     tokens = runner.run(builder.build(seq_lens, seq_lens, tables), torch.randint(TINY.vocab_size, (21,)),
                         copy_output=False)[torch.tensor(seq_lens).cumsum(0) - 1]
@@ -1599,4 +1602,12 @@ def test_fed_back_tokens_compile_no_more_than_the_plain_runner(tiny_model):
         if step == 3:
             seq_lens, tables, tokens = seq_lens[:1], tables[:1], tokens[:1]
         tokens = runner.run(builder.build(seq_lens, [1] * len(seq_lens), tables), tokens, copy_output=False)
-    assert runner.counts["graph"] == 5 and torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
+    traced = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    for s in range(MAX_LEN - 1, MAX_LEN + 3):  # batch 1 up to the capture's longest, then past it: eager
+        tokens = runner.run(builder.build([s], [1], tables), tokens, copy_output=False)
+    assert runner.counts["graph"] == 7 and runner.counts["eager_overlong"] == 2
+    plain = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1, 2, 4], max_batch_size=4,
+                          postprocess=greedy_ids, compile=True)
+    for n in (3, 1):  # the plain runner's two traces, for the comparison
+        plain.run(decode_md(spec, [9] * n), torch.zeros(n, dtype=torch.int64), torch.full((n,), 8))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2 * traced == 4

@@ -269,3 +269,5 @@ def test_grouped_runner_feeds_tokens_back_with_positions_from_the_first_group():
         assert runner._input_ids[3] == 0  # the pad row
         seq_lens = [s + 1 for s in seq_lens]
     assert runner.counts["graph"] == 3
+    for got, want in zip(caches, eager_caches, strict=True):  # K/V written at the derived positions' slots
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

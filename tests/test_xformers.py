@@ -120,7 +120,8 @@ def test_a_step_with_prefills_uploads_its_gathers_in_the_one_copy(monkeypatch, o
     calls, real = [], ca.metadata.upload
     monkeypatch.setattr(ca.metadata, "upload", lambda arrays, dev: calls.append(list(arrays)) or real(arrays, dev))
     md = XFormersBackend.get_builder_cls()(make_spec(**options)).build([70, 3, 90], [6, 3, 1], [[5, 9], [2], [7, 8]])
-    assert len(calls) == 1 and {"decode_q_start", "prefill_k_start", "prefill_kv_slots"} <= set(calls[0])
+    own = {"sliding_window": "decode_window_starts", "alibi_slopes": "alibi_kv_slots"}[next(iter(options))]
+    assert len(calls) == 1 and {"decode_q_start", "prefill_k_start", "prefill_kv_slots", own} <= set(calls[0])
     assert md.decode_q_start.tolist() == [0, 1] and md.prefill_k_start.tolist() == [0, 70, 73]
     if "sliding_window" in options:
         assert md.decode_window_starts.tolist() == [40, 0]

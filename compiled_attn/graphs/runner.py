@@ -488,8 +488,6 @@ class CUDAGraphRunner:
         self.counts[path] += 1
         if path != GRAPH and self.feed_back_tokens:
             positions = token_positions(md, input_ids.device)
-            if _shares_storage(input_ids, self._input_ids):  # a graph's rows: the model gets ids of its own
-                input_ids = input_ids.clone()
         if path == PIECEWISE:
             self._check_caches(caches)
             return self.piecewise.run(md, input_ids, positions)
