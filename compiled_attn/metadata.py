@@ -307,19 +307,28 @@ def split_prefills(seq_lens: list[int] | np.ndarray, query_lens: list[int] | np.
     return num_prefills
 
 
+def token_positions_of(starts: np.ndarray | list[int], ends: np.ndarray | list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """For the tokens at positions [starts[i], ends[i]) of each request i, concatenated: each
+    token's request and its position (int64 both).
+
+    >>> token_positions_of([6, 0], [9, 2])
+    (array([0, 0, 0, 1, 1]), array([6, 7, 8, 0, 1]))
+    """
+    starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+    counts = ends - starts
+    if counts.size and bool((counts == 1).all()):  # decodes: one position per request, nothing to repeat
+        return np.arange(counts.size), starts
+    request = np.repeat(np.arange(counts.size), counts)
+    offset = np.arange(request.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return request, starts[request] + offset
+
+
 def slots_for(tables: np.ndarray, starts: np.ndarray, ends: np.ndarray, block_size: int) -> np.ndarray:
     """Cache slots of positions [starts[i], ends[i]) of each request i, concatenated (int64).
 
     tables: int [num_seqs, width], row i covering request i's first ceil(ends[i] / block_size)
     positions' blocks."""
-    starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
-    counts = ends - starts
-    if counts.size and bool((counts == 1).all()):  # decodes: one position per request, nothing to repeat
-        request, pos = np.arange(counts.size), starts
-    else:
-        request = np.repeat(np.arange(counts.size), counts)
-        offset = np.arange(request.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        pos = starts[request] + offset
+    request, pos = token_positions_of(starts, ends)
     return tables[request, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
 

@@ -53,6 +53,7 @@ from compiled_attn.graphs.compiler import (
 from compiled_attn.graphs.piecewise import PIECE_COMPILERS, PiecewiseGraphs
 from compiled_attn.groups import GroupedMetadata
 from compiled_attn.inductor_cache import keep_tuned_configs
+from compiled_attn.metadata import token_positions_of
 from compiled_attn.validation import as_int, check_cache_list
 
 logger = logging.getLogger(__name__)
@@ -617,8 +618,7 @@ def token_positions(md: AttentionMetadata, device: torch.device) -> torch.Tensor
     query_lens[i] tokens sit at seq_lens[i] - query_lens[i] .. seq_lens[i] - 1, in request order."""
     first = md.first if isinstance(md, GroupedMetadata) else md
     seq, query = np.asarray(first.seq_lens, dtype=np.int64), np.asarray(first.query_lens, dtype=np.int64)
-    row_starts = np.cumsum(query) - query  # the first token of each request among the step's
-    positions = np.repeat(seq - query - row_starts, query) + np.arange(int(query.sum()), dtype=np.int64)
+    _, positions = token_positions_of(seq - query, seq)
     return torch.from_numpy(positions).to(device, non_blocking=True)
 
 
