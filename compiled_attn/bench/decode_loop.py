@@ -10,9 +10,9 @@ random weights), every request at `ctx` cached tokens when the loop starts, `STE
   `input_pos += 1` and the token fed straight back on the device. gpt-fast pins the math SDPA,
   which Inductor decomposes and fuses; at 64x1024 on an H200 the peer ran 11.82 ms a step with
   it and 7.18 with PyTorch's own SDPA dispatch (one device call; BENCHMARKS.md, thirty-second
-  session). The peer compiles both
-  (`PEER_SDPA`) and reports its best, so a ratio is to the stronger of the two (`--quick`:
-  the dispatch alone, `QUICK_PEER_SDPA`, which at batch 1 may be the weaker).
+  session). The peer compiles both (`PEER_SDPA`) and reports its best, so a ratio is to the
+  stronger of the two (`--quick`: the dispatch alone, `QUICK_PEER_SDPA`, which at batch 1 may be
+  the weaker).
 - **ours**: each step `builder.build(...)` for the grown sequences (shuffled block tables, the
   last block filling up), positions copied from the host, `runner.run(...)`, argmax on the
   device. `CUDAGraphRunner(compile=True)` compiles the eager model (see its docstring).
@@ -213,10 +213,13 @@ class PagedLoop:
         return md, positions
 
     def step(self, tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """One decode step for every request at `seq_len` tokens (the last one is `tokens`). With
-        feed_back_tokens the returned tokens are the runner's input rows, fed back in place."""
-        md, positions = self.inputs(seq_len)
-        if self.runner.feed_back_tokens:
+        """One decode step for every request at `seq_len` tokens (the last one is `tokens`)."""
+        return self.run(*self.inputs(seq_len), tokens)
+
+    def run(self, md: ca.AttentionMetadata, positions: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+        """`runner.run` on a step from `inputs`. With feed_back_tokens (positions None) the returned
+        tokens are the runner's input rows, fed back in place."""
+        if positions is None:
             return self.runner.run(md, tokens, copy_output=False)
         return self.runner.run(md, tokens, positions)
 
@@ -239,8 +242,7 @@ class PagedLoop:
                 t0 = time.perf_counter()
                 md, positions = self.inputs(self.ctx + 1 + i)
                 t1 = time.perf_counter()
-                cur = (self.runner.run(md, cur, copy_output=False) if positions is None
-                       else self.runner.run(md, cur, positions))
+                cur = self.run(md, positions, cur)
                 t2 = time.perf_counter()
                 torch.cuda.synchronize()
                 build.append(t1 - t0)
@@ -333,9 +335,9 @@ def fresh_draws(compiles: int) -> dict:
 def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int = REPEATS,
                  sdpa: tuple[str, ...] = tuple(PEER_SDPA)) -> dict:
     """The best of `compiles` fresh peer compiles per SDPA choice in `sdpa` (keys of PEER_SDPA;
-    each timed pipelined and synced); `peer sdpa` names the winner's choice. `setup s`: the wall seconds of the draws'
-    builds, compiles and first loops; `timed s`: of their timed loops (where a `--quick` run's
-    time goes)."""
+    each timed pipelined and synced); `peer sdpa` names the winner's choice. `setup s`: the wall
+    seconds of the draws' builds, compiles and first loops; `timed s`: of their timed loops
+    (where a `--quick` run's time goes)."""
     if os.environ.get(AUTOGRAD_CACHE_ENV, "0") != "0":  # it would override the patch below
         raise RuntimeError(f"{AUTOGRAD_CACHE_ENV}={os.environ[AUTOGRAD_CACHE_ENV]} forces AOTAutograd's cache on, "
                            "which would serve one SDPA choice's compile for another: unset it for the peer")
