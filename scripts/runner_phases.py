@@ -17,7 +17,9 @@ place. Three ways to start a step:
 - busy: after the synchronize, a 2 ms sleep kernel is queued first, so the step never waits for
   the device and the host stays awake (what a pipelined loop's host costs).
 
-Each phase is timed by wrapping the function that does it; the table gives medians in us.
+Each phase is timed by wrapping the function that does it; the table gives medians over the
+steps, in us, of each phase's time in a step (0 in a step that does not call it: the first fed
+step copies ids from elsewhere, later ones do not).
 `run` and `build` are whole calls; `rest of run` is run minus its timed phases (clone, slicing,
 path choice, Python between). The graphs upload the metadata themselves, so `upload` appears only
 where a State does not capture it. Written to DIR/runner-phases.txt.
@@ -47,7 +49,8 @@ from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_mo
 
 BLOCK_SIZE = 16
 SLEEP_CYCLES = int(4e6)  # ~2 ms of GPU time: longer than a step's host work
-times: dict[str, list[float]] = defaultdict(list)
+times: dict[str, list[float]] = defaultdict(list)  # seconds a step, by phase
+step_calls: dict[str, list[float]] = defaultdict(list)  # the step in progress: seconds a call, by phase
 
 
 def timed(name: str, fn: Callable) -> Callable:
@@ -56,7 +59,7 @@ def timed(name: str, fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         finally:
-            times[name].append(time.perf_counter() - start)
+            step_calls[name].append(time.perf_counter() - start)
     return wrapper
 
 
@@ -106,6 +109,7 @@ def point_rows(b: int, ctx: int, steps: int, modes: list[str], outputs: list[str
         own = {"copy_output": False} if output in ("own", "fed") else {}
         runner = runners[output == "fed"]
         times.clear()
+        step_calls.clear()  # calls outside the steps (the capture)
         for _ in range(steps):
             seq_len += 1
             torch.cuda.synchronize()
@@ -124,7 +128,10 @@ def point_rows(b: int, ctx: int, steps: int, modes: list[str], outputs: list[str
             ran = time.perf_counter()
             times["build + positions"].append(built - start)
             times["run"].append(ran - built)
-        med = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+            for name, calls in step_calls.items():  # a phase's time per step, 0 in a step without it
+                times[name].append(sum(calls))
+            step_calls.clear()
+        med = {name: statistics.median(t + [0.0] * (steps - len(t))) * 1e6 for name, t in times.items()}
         rest = med["run"] - sum(med.get(name, 0.0) for name in TOP_LEVEL)
         head = f"{card_name()}, FLASHINFER, 8B shape x 2 layers, B={b} x ctx {ctx}, {mode}, {output}, {steps} steps"
         body = [f"  {name:<42} {us:8.1f}" for name, us in med.items()]
