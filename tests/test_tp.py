@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -148,9 +149,13 @@ def gloo_rank_checks(group: dist.ProcessGroup, device: torch.device) -> dict:
         want, tokens = serve(direct(full, caches_for(config, full_spec)), full_spec, batch, None)
         shard = build_model(config, seed=0, backend=SDPA, tp_group=group)
         caches = caches_for(config, spec)
-        got, _ = serve(direct(shard, caches), spec, batch, tokens)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got, _ = serve(direct(shard, caches), spec, batch, tokens)
         out[label] = {"want": want, "got": got, "heads": (spec.num_heads, spec.num_kv_heads),
-                      "cache_shape": tuple(caches[0].shape)}
+                      "cache_shape": tuple(caches[0].shape),
+                      "deprecated": [str(w.message) for w in caught
+                                     if issubclass(w.category, DeprecationWarning | FutureWarning)]}
     shard = build_model(TINY, seed=0, backend=SDPA, tp_group=group)
     spec = spec_for(TINY, size, device)
 
@@ -231,6 +236,13 @@ def test_sharded_logits_equal_unsharded_over_prefill_and_decodes(ranks, label):
         assert len(got) == DECODE_STEPS + 1
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)  # only the all-reduce order differs
+
+
+def test_sharded_eager_forward_calls_no_deprecated_collective(ranks):
+    # torch 2.13's functional all-gather warns under its old name at every eager call
+    for r in ranks:
+        for label in ("gqa", "mqa"):
+            assert r[label]["deprecated"] == [], r[label]["deprecated"]
 
 
 def test_ranks_return_identical_logits(ranks):

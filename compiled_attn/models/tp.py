@@ -33,6 +33,9 @@ from torch.nn import functional as F  # noqa: N812
 
 from compiled_attn.validation import indexed_device
 
+# torch 2.13 renamed the functional all-gather (the old name warns on every eager call); 2.11 has
+# only the old name
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 @dataclasses.dataclass(frozen=True)
 class TPLayout:
@@ -207,7 +210,7 @@ class VocabParallelLMHead(nn.Linear):
         # functional all-gather concatenates along dim 0 only, so gather the transposed shards
         # ([vocab_size, num_tokens]): reshaping a gathered [tp * num_tokens, ...] would need a
         # guard on the token count, which is unbacked under compile
-        gathered = funcol.all_gather_tensor(local.t().contiguous(), 0, self.tp.group_name)
+        gathered = _all_gather(local.t().contiguous(), 0, self.tp.group_name)
         return gathered.t()  # a transposed view: [num_tokens, vocab_size]
 
 
