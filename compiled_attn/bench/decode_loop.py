@@ -11,8 +11,8 @@ random weights), every request at `ctx` cached tokens when the loop starts, `STE
   which Inductor decomposes and fuses; at 64x1024 on an H200 the peer ran 11.82 ms a step with
   it and 7.18 with PyTorch's own SDPA dispatch (one device call; BENCHMARKS.md, thirty-second
   session). The peer compiles both (`PEER_SDPA`) and reports its best, so a ratio is to the
-  stronger of the two (`--quick`: the dispatch alone, `QUICK_PEER_SDPA`, which at batch 1 may be
-  the weaker).
+  stronger of the two (`--quick`: the dispatch alone, `QUICK_PEER_SDPA`, the faster at every
+  point measured).
 - **ours**: each step `builder.build(...)` for the grown sequences (shuffled block tables, the
   last block filling up), positions copied from the host, `runner.run(...)`, argmax on the
   device. `CUDAGraphRunner(compile=True)` compiles the eager model (see its docstring).
@@ -138,9 +138,9 @@ def peer_decode_one_token(peer: GptFastDecoder, x: torch.Tensor, input_pos: torc
 
 # the peer's SDPA choices: gpt-fast's pinned math kernel, and PyTorch's own dispatch
 PEER_SDPA = {"math": [SDPBackend.MATH], "dispatch": None}
-# `--quick` compiles the dispatch alone, to keep its compile count: the faster choice where both
-# were measured (64x1024 on an H200: 7.18 against 11.82 ms a step), and the one issue 13's
-# reference figures match. At batch 1 which is faster has not been measured.
+# `--quick` compiles the dispatch alone, to keep its compile count: the faster choice at every
+# point measured (H200, thirty-third session: 5.04 against 5.35 ms a step at 1x1024, 7.36 against
+# 11.60 at 64x1024, and at 8x4096 and 64x4096), and the one issue 13's reference figures match.
 QUICK_PEER_SDPA = ("dispatch",)
 AUTOGRAD_CACHE_ENV = "TORCHINDUCTOR_AUTOGRAD_CACHE"  # torch's override of `enable_autograd_cache`
 
