@@ -2,7 +2,7 @@
 of the gpt-fast peer, reduced to per-layer kernel tables (markdown + JSON under --out).
 
     python scripts/profile_decode.py --point 1x1024 --point 64x1024 [--backend FLASHINFER]
-        [--variant compile|dynamic] [--no-peer] [--ab-option KEY=VALUE ...] --out DIR
+        [--variant compile|dynamic|feedback] [--no-peer] [--ab-option KEY=VALUE ...] --out DIR
 
 Each side runs PROFILED_STEPS steps as in the bench's loop (no synchronize inside) after a
 warm-up; the trace's kernels give the per-layer table and the GPU-busy fraction of the steps.
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--point", type=point, action="append", required=True, metavar="BxCTX")
     parser.add_argument("--backend", default="FLASHINFER")
-    parser.add_argument("--variant", action="append", choices=("compile", "dynamic"), default=None)
+    parser.add_argument("--variant", action="append", choices=("compile", "dynamic", "feedback"), default=None)
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--ab-option", type=inductor_option, action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=".")
