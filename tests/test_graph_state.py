@@ -9,6 +9,7 @@ FlashInfer runs on CPU with conftest's recording stand-in, or test_flashinfer's 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 
@@ -134,6 +135,26 @@ def test_prepare_with_buffers_of_another_state_raises():
     with pytest.raises(RuntimeError, match="not this state's"):
         clones[1].prepare_graph_input_buffers(bufs[0], md)
     clones[1].prepare_graph_input_buffers(bufs[1], md)
+
+
+@pytest.mark.parametrize(("name", "graph_options", "field"), [
+    ("XFORMERS", {"attn_type": T.ENCODER_DECODER}, "encoder_seq_lens_tensor"),  # decoder metadata for cross graphs
+    ("TORCH_SDPA", {}, "context_lens_tensor"),  # a field replaced by None
+])
+def test_prepare_with_metadata_lacking_a_field_the_graph_reads_raises_and_writes_nothing(name, graph_options, field):
+    backend = BACKEND_CLASSES()[name]
+    state = backend.get_state_cls()(spec_for(**graph_options))
+    with state.graph_capture(2):
+        bufs = state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(2))
+        clone = state.graph_clone(2)
+    md = backend.get_builder_cls()(spec_for()).build([70], [1], [[5, 6]])  # a decoder spec of the same cache
+    if not graph_options:
+        md = dataclasses.replace(md, **{field: None})
+    before = {k: t.clone() for k, t in bufs.items()}
+    with pytest.raises(ValueError, match=f"^the graph reads {field}, which this metadata lacks: build it for the "
+                                         "graph's spec"):
+        clone.prepare_graph_input_buffers(bufs, md)
+    assert all(torch.equal(bufs[k], before[k]) for k in before)
 
 
 def test_prepare_without_upload_writes_the_host_side_and_the_graphs_upload_copies_it(contract_backend,
