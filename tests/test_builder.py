@@ -103,6 +103,22 @@ def test_decode_view(mixed):
     assert mixed.decode_metadata is dec  # cached
 
 
+def test_views_of_metadata_not_made_by_a_builder_raise(mixed):
+    replaced = dataclasses.replace(mixed)  # the same fields, made by `replace`: no builder to rebuild views with
+    for view in ("prefill_metadata", "decode_metadata"):
+        with pytest.raises(RuntimeError, match="^this metadata was not made by a builder; it has no views$"):
+            getattr(replaced, view)
+    assert replaced.seq_lens == mixed.seq_lens
+
+
+def test_a_builder_is_made_from_a_spec(contract_backend):
+    spec = builder().spec
+    for not_a_spec in (dataclasses.asdict(spec), None):
+        match = f"^a builder is made from an AttentionSpec, got {type(not_a_spec).__name__}$"
+        with pytest.raises(ValueError, match=match):
+            contract_backend.get_builder_cls()(not_a_spec)
+
+
 def test_asdict_zerocopy_shares_tensors(mixed):
     d = mixed.asdict_zerocopy(skip_fields={"block_tables"})
     assert "block_tables" not in d

@@ -106,6 +106,13 @@ def test_buffers_are_allocated_once_while_big_enough():
     assert all(small[k].data_ptr() == big[k].data_ptr() for k in big)
 
 
+def test_graph_input_buffers_before_graph_capture_raises():
+    state = sdpa_state()
+    md = BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(state.spec).build([70], [1], [[5, 6]])
+    with pytest.raises(RuntimeError, match="^get_graph_input_buffers before graph_capture allocated the buffers$"):
+        state.get_graph_input_buffers(md)
+
+
 def test_graph_clone_before_the_metadata_of_its_size_raises():
     state = sdpa_state()
     with state.graph_capture(4), pytest.raises(RuntimeError, match=r"graph_clone\(2\) before .*_for_batch\(2\)"):
@@ -135,6 +142,20 @@ def test_prepare_with_buffers_of_another_state_raises():
     with pytest.raises(RuntimeError, match="not this state's"):
         clones[1].prepare_graph_input_buffers(bufs[0], md)
     clones[1].prepare_graph_input_buffers(bufs[1], md)
+
+
+def test_prepare_with_metadata_on_another_device_raises_and_writes_nothing():
+    """Metadata built for the same cache on another device (meta stands in for another GPU)."""
+    state = sdpa_state()
+    with state.graph_capture(2):
+        bufs = state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(2))
+        clone = state.graph_clone(2)
+    builder = BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(dataclasses.replace(state.spec, device="meta"))
+    md = builder.build([70], [1], [[5, 6]])
+    before = {k: t.clone() for k, t in bufs.items()}
+    with pytest.raises(ValueError, match="^metadata on meta, graph buffers on cpu$"):
+        clone.prepare_graph_input_buffers(bufs, md)
+    assert all(torch.equal(bufs[k], before[k]) for k in before)
 
 
 @pytest.mark.parametrize(("name", "graph_options", "field"), [
@@ -318,7 +339,8 @@ def test_replaced_lengths_are_checked_against_the_table_and_served_from_themselv
         clone = state.graph_clone(2)
     md = BACKEND_CLASSES()[name].get_builder_cls()(spec).build([17, 100], [1, 1], [[5], [7, 8]])
     before = {k: t.clone() for k, t in bufs.items()}
-    for seq_lens, match in (([65, 100], "block_tables"), ([17, 200], "max_seq_len_to_capture=192")):
+    for seq_lens, match in (([65, 100], "block_tables"), ([17, 200], "max_seq_len_to_capture=192"),
+                            ([17, 150], r"block_tables: a \[2, >= 3\] table is needed, got \(2, 2\)")):
         with pytest.raises(ValueError, match=match):
             clone.prepare_graph_input_buffers(bufs, dataclasses.replace(md, seq_lens=seq_lens))
         assert all(torch.equal(bufs[k], before[k]) for k in before), seq_lens

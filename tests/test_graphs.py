@@ -66,6 +66,12 @@ def test_bad_capture_sizes_raise(max_batch_size, sizes):
         capture_sizes_for(max_batch_size, sizes)
 
 
+@pytest.mark.parametrize("sizes", [8, {1, 2}], ids=["int", "set"])
+def test_capture_sizes_that_are_not_a_list_raise(sizes):
+    with pytest.raises(ValueError, match=f"^capture sizes must be a list of ints, got {type(sizes).__name__}$"):
+        capture_sizes_for(8, sizes)
+
+
 @pytest.mark.parametrize(("num_seqs", "size"), [(1, 1), (2, 2), (3, 4), (8, 8), (13, 16), (250, 256), (257, None)])
 def test_batch_goes_to_smallest_size_that_holds_it(num_seqs, size):
     assert pick(capture_sizes_for(256), num_seqs) == size
@@ -391,11 +397,41 @@ def test_runner_refuses_cuda_graphs_on_cpu(tiny_model):
         CUDAGraphRunner(tiny_model, ca.get_attn_backend(SDPA), spec, random_caches(spec, 0))
 
 
+def test_runner_refuses_a_spec_that_is_not_an_attention_spec(tiny_model):
+    spec = cpu_spec()
+    with pytest.raises(ValueError, match="^spec must be an AttentionSpec, got dict$"):
+        CUDAGraphRunner(tiny_model, ca.get_attn_backend(SDPA), dataclasses.asdict(spec), random_caches(spec, 0),
+                        use_cuda_graphs=False, progress=False)
+
+
+@pytest.mark.parametrize("sizes", [8, {1, 2}], ids=["int", "set"])
+def test_runner_refuses_capture_sizes_that_are_not_a_list(tiny_model, sizes):
+    spec = cpu_spec()
+    with pytest.raises(ValueError, match=f"^capture sizes must be a list of ints, got {type(sizes).__name__}$"):
+        CUDAGraphRunner(tiny_model, ca.get_attn_backend(SDPA), spec, random_caches(spec, 0), capture_sizes=sizes,
+                        use_cuda_graphs=False, progress=False)
+
+
+def test_capture_refuses_caches_on_another_device_and_captures_nothing(tiny_model):
+    """A cache on another device than the spec's (meta stands in for another GPU) is refused
+    at capture, before any graph is made: the runner stays uncaptured."""
+    spec = cpu_spec()
+    caches = random_caches(spec, 0)
+    caches[1] = caches[1].to("meta")
+    runner = CUDAGraphRunner(tiny_model, ca.get_attn_backend(SDPA), spec, caches, capture_sizes=[1],
+                             use_cuda_graphs=False, progress=False)
+    with pytest.raises(ValueError, match=r"^kv_caches\[1\] is on meta, the spec's device is cpu$"):
+        runner.capture()
+    assert not runner.capture_stats and not runner._captured
+    with pytest.raises(RuntimeError, match=r"call runner.capture\(\) before runner.run\(\)"):
+        runner.run(decode_md(spec, [5]), torch.tensor([3]), torch.tensor([4]))
+
+
 def test_run_before_capture_raises(tiny_model):
     spec = cpu_spec()
     runner = CUDAGraphRunner(tiny_model, ca.get_attn_backend(SDPA), spec, random_caches(spec, 0),
                              use_cuda_graphs=False)
-    with pytest.raises(RuntimeError, match="capture"):
+    with pytest.raises(RuntimeError, match=r"^call runner.capture\(\) before runner.run\(\)$"):
         runner.run(decode_md(spec, [5]), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
 
 
@@ -555,6 +591,18 @@ def test_bad_inputs_raise(tiny_model, ids, match):
     runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1])
     with pytest.raises(ValueError, match=match):
         runner.run(decode_md(spec, [5]), ids, torch.tensor([4]))
+
+
+@pytest.mark.parametrize("label", ["input_ids", "positions"])
+def test_inputs_that_are_not_tensors_raise_and_write_nothing(tiny_model, label):
+    spec = cpu_spec()
+    runner = static_runner(tiny_model, spec, random_caches(spec, 0), capture_sizes=[1])
+    ids_before, pos_before = runner._input_ids.clone(), runner._positions.clone()
+    args = {"input_ids": torch.tensor([3]), "positions": torch.tensor([4]), label: [3]}
+    with pytest.raises(ValueError, match=rf"^{label} must be a torch.int64 tensor \[num_tokens\], got list$"):
+        runner.run(decode_md(spec, [5]), **args)
+    assert torch.equal(runner._input_ids, ids_before) and torch.equal(runner._positions, pos_before)
+    assert not any(runner.counts.values()), "refused before a path was chosen"
 
 
 def test_metadata_of_another_backend_raises(tiny_model):

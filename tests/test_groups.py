@@ -76,6 +76,27 @@ def test_grouped_metadata_refuses_groups_of_different_steps():
         GroupedMetadata.of({})
 
 
+def test_grouped_metadata_refuses_groups_of_different_backends(fake_flashinfer):
+    spec = spec_of(torch.bfloat16)
+    mds = {"sdpa": SDPA.get_builder_cls()(spec).build(SEQ_LENS, QUERY_LENS, TABLES["full"]),
+           "flashinfer": FlashInferBackend.get_builder_cls()(spec).build(SEQ_LENS, QUERY_LENS, TABLES["window"])}
+    match = "^groups 'sdpa' and 'flashinfer' come from different backends: one forward runs one backend$"
+    with pytest.raises(ValueError, match=match):
+        GroupedMetadata.of(mds)
+    with pytest.raises(ValueError, match=match), ca.set_forward_context(mds):
+        pass
+
+
+@pytest.mark.parametrize("states", [
+    lambda: {},
+    lambda: [SDPA.get_state_cls()(FULL)],  # the States without their group names
+    lambda: {"full": FULL},  # a spec, not its State
+], ids=["empty", "list", "spec"])
+def test_grouped_state_refuses_what_is_not_a_mapping_of_states(states):
+    with pytest.raises(ValueError, match=r"^GroupedState needs a non-empty \{group name: AttentionState\} mapping$"):
+        GroupedState(states())
+
+
 def test_flashinfer_plans_every_group_with_its_own_window_cap_and_scale(fake_flashinfer):
     specs = {"full": spec_of(torch.bfloat16), "local": spec_of(torch.bfloat16, sliding_window=8, logits_soft_cap=30.0,
                                                                scale=0.25)}
@@ -171,6 +192,28 @@ def test_grouped_state_serves_a_runner_whose_groups_differ():
     assert bufs["full/seq_lens_tensor"].tolist() == bufs["window/seq_lens_tensor"].tolist() == [12, 31, 1, 1]
     with pytest.raises(ValueError, match="different table widths"):
         GroupedState({"a": SDPA.get_state_cls()(specs["full"]), "b": SDPA.get_state_cls()(spec_of())})
+
+
+def test_a_grouped_runner_refuses_one_groups_metadata_and_writes_nothing():
+    """A graph step given one group's metadata instead of the GroupedMetadata of every group is
+    refused before any static buffer (the groups' inputs, the token ids and positions) is written."""
+    specs = {"full": spec_of(max_seq_len_to_capture=64), "window": spec_of(sliding_window=5, max_seq_len_to_capture=64)}
+    model, caches = grouped_model(specs, seed=0)
+    state = GroupedState({name: SDPA.get_state_cls()(s) for name, s in specs.items()})
+    runner = CUDAGraphRunner(model, SDPA, specs["full"], caches, state, capture_sizes=[2], use_cuda_graphs=False,
+                             progress=False)
+    runner.capture()
+    entry = runner._captured[2, runner.widths[0]]
+    before = {k: t.clone() for k, t in entry.input_buffers.items()}
+    ids_before, pos_before = runner._input_ids.clone(), runner._positions.clone()
+    md = SDPA.get_builder_cls()(specs["full"]).build([9, 30], [1, 1], [[1], [2, 3]])
+    match = rf"^a GroupedState serves GroupedMetadata \(one metadata per group\), got {type(md).__name__}$"
+    with pytest.raises(ValueError, match=match):
+        runner.run(md, torch.tensor([3, 5]), torch.tensor([8, 29]))
+    assert all(torch.equal(entry.input_buffers[k], before[k]) for k in before)
+    assert torch.equal(runner._input_ids, ids_before) and torch.equal(runner._positions, pos_before)
+    with pytest.raises(ValueError, match=match):
+        entry.graph_state.begin_forward(md)
 
 
 class FullWidthOnlyState(SDPA.get_state_cls()):

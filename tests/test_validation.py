@@ -226,6 +226,7 @@ SPEC_TYPE_MISTAKES = [
     ("dtype", "float32"), ("dtype", None), ("device", "cdua"), ("device", None), ("kv_cache_dtype", None),
     ("kv_cache_dtype", ["auto"]), ("scale", "x"), ("scale", math.nan), ("scale", 0.0), ("sliding_window", 2**40),
     ("sliding_window", "4"), ("alibi_slopes", "x"), ("attn_type", None), ("attn_type", ["decoder"]),
+    ("scale", torch.tensor([0.1, 0.2])),  # a real type float() refuses
 ]
 
 
@@ -250,11 +251,26 @@ def test_cuda_spec_on_a_machine_without_cuda_raises_at_the_builder():
             backend.get_state_cls()(make_spec(device="cuda", head_size=64, block_size=64))
 
 
+def test_a_cuda_device_index_past_the_machines_devices_raises_at_the_builder(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="^the spec's device is cuda:1 but this machine has 1 CUDA devices$"):
+        SDPA.get_builder_cls()(make_spec(device="cuda:1"))
+
+
+def test_metadata_without_a_spec_raises_and_writes_nothing(batch):
+    md = dataclasses.replace(batch.build(SDPA), spec=None)  # made by hand, say: no builder set its spec
+    with Untouched(batch.kv_cache), pytest.raises(ValueError, match="^the metadata has no spec: build it with the "
+                                                                        "backend's builder$"):
+        impl().forward(batch.query, batch.key, batch.value, batch.kv_cache, md)
+
+
 IMPL_TYPE_MISTAKES = [
     ({"num_heads": 4.0}, "num_heads"), ({"head_size": "8"}, "head_size"), ({"num_kv_heads": None, "num_heads": 0},
                                                                             "num_heads"),
     ({"scale": None}, "scale"), ({"scale": "0.3"}, "scale"), ({"kv_cache_dtype": None}, "kv_cache_dtype"),
     ({"sliding_window": 4.0}, "sliding_window"), ({"alibi_slopes": "slopes"}, "alibi_slopes"),
+    ({"scale": np.array([0.1, 0.2])}, r"^scale must be finite and > 0, got array\(\[0.1, 0.2\]\)$"),
 ]
 
 
@@ -281,6 +297,12 @@ BUILD_TYPE_MISTAKES = {
     "table_not_a_list": ([9], [9], [5], r"block_tables\[0\] must be a list"),
     "tables_none": ([9], [9], None, "block_tables must be a list"),
     "float_tensor_lens": (torch.tensor([9.0]), [9], [[0, 1, 2]], "seq_lens"),
+    "bool_among_int_blocks": ([9], [9], [[0, True, 2]], r"^block_tables\[0\] holds a bool: block ids are ints"),
+    "float_tensor_row": ([9], [9], [torch.tensor([0.0, 1.0, 2.0])],
+                         r"^block_tables\[0\] must hold integer block ids on the host, got a torch.float32 tensor"),
+    "nested_row": ([9], [9], [[0, [1, 2], 3]], r"^block_tables\[0\] must hold int block ids, got \[0, \[1, 2\], 3\]$"),
+    "tokens_past_int32": ([2**31 - 1, 2], [2**31 - 1, 2], [[0], [1]],
+                          r"^sum\(query_lens\)=2147483649 > 2147483647: a step's tokens must fit int32$"),
 }
 
 

@@ -211,7 +211,8 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
     backend_cls = XFormersBackend
 
     def __init__(self, spec: AttentionSpec, *, rolling_tables: bool = False) -> None:
-        check_block_size(spec.block_size)  # the message that says why, before the builder's generic one
+        if isinstance(spec, AttentionSpec):  # anything else gets the builder's own error
+            check_block_size(spec.block_size)  # the message that says why, before the builder's generic one
         super().__init__(spec, rolling_tables=rolling_tables)
 
     def build(
