@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from compiled_attn.validation import as_int
+
 if TYPE_CHECKING:  # annotations only: `abstract` imports this module
     from compiled_attn.abstract import AttentionBackend, AttentionSpec
 
@@ -96,7 +98,7 @@ def smallest_block_size(cls: type[AttentionBackend], at_least: int = 16) -> int:
     """The first of `at_least`, 2 * `at_least`, 4 * `at_least`, ... that `cls` takes as a block
     size (xFormers' paged decode reads 64-key tiles): what benchmarks and tests use instead of
     naming a backend."""
-    block_size = at_least
+    block_size = as_int("at_least", at_least)  # doubling from 0 or below never ends
     while not cls.supports_block_size(block_size):
         block_size *= 2
         if block_size > MAX_BLOCK_SIZE:

@@ -42,8 +42,8 @@ class BlockAllocator:
     so that masked keys read there are 0 * finite, never NaN."""
 
     def __init__(self, num_blocks: int, block_size: int, *, reserve_null_block: bool = False) -> None:
-        self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.block_size = as_int("block_size", block_size)
+        self.num_blocks = as_int("num_blocks", num_blocks)
         self.free = list(range(num_blocks - 1, NULL_BLOCK if reserve_null_block else -1, -1))
         self.num_usable = len(self.free)
 
@@ -191,11 +191,13 @@ class Scheduler:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
         if not group_windows:
             raise ValueError("group_windows needs at least one group")
+        max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=None)
+        max_num_batched_tokens = as_int("max_num_batched_tokens", max_num_batched_tokens, minimum=None)
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs} and "
                              f"{max_num_batched_tokens}")
-        self.block_size = block_size
-        self.windows = dict(group_windows)
+        self.block_size = as_int("block_size", block_size)
+        self.windows = {g: None if w is None else as_int(f"group_windows[{g!r}]", w) for g, w in group_windows.items()}
         if isinstance(num_blocks, Mapping) and set(num_blocks) != set(self.windows):
             raise ValueError(f"num_blocks names the groups {sorted(num_blocks)} but group_windows "
                              f"{sorted(self.windows)}: give every group its number of blocks")

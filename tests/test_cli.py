@@ -77,6 +77,17 @@ def test_bench_out_that_is_a_file_exits_before_running(no_runs, a_file):
     assert exit_.value.code == 2
 
 
+def test_bench_out_that_cannot_be_written_exits_before_running(no_runs, tmp_path, monkeypatch, capsys):
+    from compiled_attn import cli as arg_types
+
+    # a read-only folder, as os.access reports it even to root
+    monkeypatch.setattr(arg_types.os, "access", lambda path, mode: path != str(tmp_path))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert f"folder {str(tmp_path)!r} is not writable" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--point", "64x"], ["--point", "0x1024"], ["--block-size", "0"],
                                   ["--backend", "nope"]],
                          ids=["point_missing_ctx", "point_zero", "block_size", "backend"])

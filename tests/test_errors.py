@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import make_batch
+from reference import alibi_slopes, make_batch
 
 import compiled_attn as ca
 
@@ -42,7 +42,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def expect_no_write(batch, error, match, *, impl_=None, query=None, key=None, value=None, cache=None, md=None):
+def expect_no_write(batch, error, match, *, impl_=None, query=None, key=None, value=None, cache=None, md=None,
+                    attn_type=T.DECODER):
     """forward with the batch's tensors, some replaced, raises `error`; the cache is untouched."""
     cache = batch.kv_cache if cache is None else cache
     before = cache.clone()
@@ -51,7 +52,7 @@ def expect_no_write(batch, error, match, *, impl_=None, query=None, key=None, va
     key = batch.key if key is None else key
     value = batch.value if value is None else value
     with pytest.raises(error, match=match):
-        (impl_ or impl()).forward(query, key, value, cache, md)
+        (impl_ or impl()).forward(query, key, value, cache, md, attn_type=attn_type)
     assert same_bits(cache, before)
 
 
@@ -173,6 +174,25 @@ def test_unknown_kv_cache_dtype():
 def test_bad_impl_options(kw, match):
     with pytest.raises(ValueError, match=match):
         impl(**kw)
+
+
+WINDOW_DECODER_ONLY = "sliding_window is defined for DECODER attention only, not "
+
+
+@pytest.mark.parametrize(
+    ("kw", "attn_type", "match"),
+    [
+        ({"sliding_window": 4}, T.ENCODER_ONLY, WINDOW_DECODER_ONLY + "ENCODER_ONLY"),
+        ({"sliding_window": 4}, T.ENCODER_DECODER, WINDOW_DECODER_ONLY + "ENCODER_DECODER"),
+        ({"alibi_slopes": alibi_slopes(HQ)}, T.ENCODER_DECODER, r"ALiBi is not defined for ENCODER_DECODER \(cross\)"),
+    ],
+    ids=["window_encoder_only", "window_cross", "alibi_cross"],
+)
+def test_window_and_alibi_outside_the_attention_types_they_mean_something_for(kw, attn_type, match, batch):
+    # TORCH_SDPA supports every attention type, window and ALiBi: the refusal is the pairing's
+    with pytest.raises(NotImplementedError, match=match):
+        ca.Attention(HQ, D, D**-0.5, HKV, attn_type=attn_type, backend="TORCH_SDPA", **kw)
+    expect_no_write(batch, NotImplementedError, match, impl_=impl(**kw), attn_type=attn_type)
 
 
 @pytest.mark.parametrize("field", ["num_heads", "head_size", "block_size", "num_blocks"])

@@ -572,6 +572,19 @@ def test_layer_values_differing_from_the_spec_raise_at_forward(over):
         torch.ops.compiled_attn.flashinfer_attention(**op_args(spec, md.num_tokens, "cpu", name))
 
 
+def test_an_encoder_only_query_dtype_unlike_the_spec_raises_before_planning(fake_flashinfer):
+    """ENCODER_ONLY reads no cache, so the plan's own check is the one that sees a query (and
+    key / value) of another dtype than the spec planned for."""
+    spec = spec_of(attn_type=KINDS.ENCODER_ONLY)
+    md = FlashInferBackend.get_builder_cls()(spec).build([5, 3], [5, 3], [])
+    name, _keep = layer_of(spec)
+    args = op_args(dataclasses.replace(spec, dtype=torch.float16), md.num_tokens, "cpu", name) | {"kv_cache": None}
+    with ca.set_forward_context(md), pytest.raises(ValueError,
+                                                   match=r"query dtype torch.float16 != spec dtype torch.bfloat16"):
+        torch.ops.compiled_attn.flashinfer_attention(**args)
+    assert md.step_plan.wrapper("ragged").plans == []
+
+
 def test_fake_kernel_on_cuda_fake_tensors():
     """On fake CUDA tensors the op runs its fake kernel without error (the real one would need
     CUDA here)."""

@@ -219,6 +219,14 @@ def test_context_is_restored_on_every_exit(exit_by):
     assert no_context()
 
 
+@pytest.mark.parametrize("bad", [None, "metadata", torch.zeros(3)], ids=["none", "str", "tensor"])
+def test_a_context_of_something_else_than_metadata_raises_and_sets_none(bad):
+    match = "set_forward_context needs AttentionMetadata from a builder"
+    with pytest.raises(ValueError, match=match), ca.set_forward_context(bad):
+        pass
+    assert no_context()
+
+
 def test_derived_is_made_once_per_context_and_again_in_the_next():
     md = SDPA.get_builder_cls()(
         ca.AttentionSpec(num_heads=2, num_kv_heads=1, head_size=8, block_size=BS, num_blocks=NB,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import compiled_attn as ca
-from compiled_attn.paging import NULL_BLOCK, ROLLED, Scheduler, window_blocks
+from compiled_attn.paging import NULL_BLOCK, ROLLED, BlockAllocator, Scheduler, window_blocks
 
 
 def drive(sched: Scheduler, token: int = 7, on_step=None) -> int:
@@ -169,6 +169,60 @@ def test_groups_may_have_caches_of_different_sizes():
 def test_block_counts_must_name_every_group():
     with pytest.raises(ValueError, match="every group"):
         Scheduler(num_blocks={"full": 64}, block_size=4, group_windows={"full": None, "window8": 8})
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"group_windows": {}}, "group_windows needs at least one group"),
+    ({"max_num_seqs": 0}, "max_num_seqs and max_num_batched_tokens must be >= 1, got 0 and 2048"),
+    ({"max_num_batched_tokens": 0}, "max_num_seqs and max_num_batched_tokens must be >= 1, got 64 and 0"),
+], ids=["no_groups", "no_seqs", "no_tokens"])
+def test_a_scheduler_that_could_serve_nothing_raises(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Scheduler(**{"num_blocks": 8, "block_size": 4, "group_windows": {"full": None}, **kw})
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"block_size": 0}, "^block_size must be >= 1, got 0$"),
+    ({"block_size": -4}, "^block_size must be >= 1, got -4$"),
+    ({"block_size": "4"}, "^block_size must be an int, got '4'$"),
+    ({"max_num_seqs": "4"}, "^max_num_seqs must be an int, got '4'$"),
+    ({"max_num_seqs": 2.5}, "^max_num_seqs must be an int, got 2.5$"),
+    ({"max_num_batched_tokens": None}, "^max_num_batched_tokens must be an int, got None$"),
+    ({"group_windows": {"w": 0}}, r"^group_windows\['w'\] must be >= 1, got 0$"),
+], ids=["block_zero", "block_negative", "block_str", "seqs_str", "seqs_float", "tokens_none", "window_zero"])
+def test_scheduler_options_of_the_wrong_type_or_range_raise(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Scheduler(**{"num_blocks": 8, "block_size": 4, "group_windows": {"full": None}, **kw})
+
+
+@pytest.mark.parametrize(("args", "match"), [((3, 0), "^block_size must be >= 1"), ((0, 4), "^num_blocks must be >= 1"),
+                                             ((3, 4.0), "^block_size must be an int")])
+def test_block_allocator_sizes_must_be_positive_ints(args, match):
+    with pytest.raises(ValueError, match=match):
+        BlockAllocator(*args)
+
+
+def test_update_with_a_token_per_row_too_few_or_many_raises_and_records_nothing():
+    sched = Scheduler(num_blocks=16, block_size=4, group_windows={"full": None})
+    sched.add_requests([[1, 2, 3], [4, 5]], max_new_tokens=3)
+    step = sched.schedule()
+    before = [(r.num_computed, list(r.tokens)) for r in step.requests]
+    for tokens in ([7], [7, 8, 9]):
+        with pytest.raises(ValueError, match=rf"update\(\) needs 2 tokens \(one per sample row\), got {len(tokens)}"):
+            sched.update(step, tokens)
+        assert [(r.num_computed, r.tokens) for r in step.requests] == before
+    sched.update(step, [7, 8])  # the step is still recorded whole afterwards
+    assert [(r.num_computed, r.tokens[-1]) for r in step.requests] == [(3, 7), (2, 8)]
+
+
+def test_a_full_allocator_raises_and_hands_out_nothing():
+    allocator = BlockAllocator(3, block_size=4)
+    table = []
+    allocator.grow(table, 4)
+    held, free = list(table), list(allocator.free)
+    with pytest.raises(RuntimeError, match="KV cache full: need 3 more blocks, 2 free"):
+        allocator.grow(table, 16)
+    assert table == held and allocator.free == free
 
 
 @pytest.mark.parametrize("seed", range(4))

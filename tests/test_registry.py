@@ -9,6 +9,7 @@ import torch
 import toy_backend
 
 import compiled_attn as ca
+from compiled_attn.capabilities import smallest_block_size
 from compiled_attn.registry import BACKEND_CLASSES, ENV_VAR, register_backend
 
 CUDA_ONLY = ["FLASHINFER", "XFORMERS"]
@@ -154,3 +155,15 @@ def test_registering_a_taken_name_or_a_non_backend_raises():
     with pytest.raises(ValueError, match="takes an AttentionBackend subclass"):
         register_backend(object)
     assert BACKEND_CLASSES()["TORCH_SDPA"].__name__ == "TorchSDPABackend"
+
+
+@pytest.mark.parametrize(("name", "at_least", "want"),
+                         [("XFORMERS", 16, 64), ("XFORMERS", 64, 64), ("TORCH_SDPA", 8, 8)])
+def test_smallest_block_size_doubles_to_the_first_the_backend_takes(name, at_least, want):
+    assert smallest_block_size(BACKEND_CLASSES()[name], at_least) == want
+
+
+@pytest.mark.parametrize("at_least", [0, -4, 2.0])
+def test_smallest_block_size_refuses_a_start_that_doubling_cannot_raise(at_least):
+    with pytest.raises(ValueError, match="^at_least must be"):  # 0 and below doubled forever
+        smallest_block_size(BACKEND_CLASSES()["XFORMERS"], at_least)

@@ -82,6 +82,19 @@ def test_capture_size_check_without_a_group_is_a_no_op():
     distributed.check_capture_sizes_agree([4, 2, 1], None)
 
 
+def never_run(group, device):
+    raise AssertionError("a rank ran")
+
+
+def test_run_ranks_refuses_a_world_it_cannot_make_before_spawning(monkeypatch):
+    monkeypatch.setattr(distributed.mp, "start_processes", lambda *a, **k: pytest.fail("a rank was spawned"))
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        distributed.run_ranks(never_run, 0, device_type="cpu")
+    n = torch.cuda.device_count() + 1
+    with pytest.raises(ValueError, match=f"{n} ranks on CUDA need {n} GPUs, found {n - 1}"):
+        distributed.run_ranks(never_run, n, device_type="cuda")
+
+
 def build_model_for_layout(config: LlamaConfig, tp: tpm.TPLayout):
     """Decoder layers for a layout without a process group (layout checks only)."""
     from compiled_attn.models.llama import DecoderLayer

@@ -326,6 +326,24 @@ def test_settings_transformers_passes_must_equal_what_the_engine_read():
         engine.step()
 
 
+def test_models_the_engine_cannot_serve_are_refused_naming_why():
+    model = hf_random.random_model(hf_random.random_config("llama"))
+    modules = ca_hf.attention_modules(model)
+    modules[1].is_causal = False  # a bidirectional layer
+    with pytest.raises(ValueError, match="layer 1 is not causal: PagedEngine serves decoder-only causal LMs"):
+        ca_hf.PagedEngine(model, compile=False, cuda_graphs=False)
+    modules[1].is_causal, modules[2].layer_idx = True, 5
+    with pytest.raises(ValueError, match=r"attention layer indices \[0, 1, 5\] are not 0\.\.2"):
+        ca_hf.PagedEngine(model, compile=False, cuda_graphs=False)
+    modules[2].layer_idx = 2
+    # float64: no backend's dtypes (each backend named with its reason)
+    with pytest.raises(NotImplementedError, match=r"no backend serves every layer group of this model: .*"
+                                                  r"'TORCH_SDPA': 'TORCH_SDPA supports dtypes .*not torch\.float64'"):
+        ca_hf.PagedEngine(model.double(), compile=False, cuda_graphs=False)
+    with pytest.raises(ValueError, match="found no attention modules .* in Linear"):
+        ca_hf.attention_modules(torch.nn.Linear(2, 2))
+
+
 def test_a_mask_or_dropout_the_engine_would_ignore_is_refused():
     """transformers passes no mask to this implementation; one that arrives anyway (the model's own
     chunked or bidirectional attention, a caller's 4-D mask) or attention dropout would be ignored

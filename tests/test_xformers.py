@@ -203,6 +203,15 @@ def test_metadata_rejects_a_layer_window_unlike_the_spec():
         md.check_options(0, False)
 
 
+@pytest.mark.parametrize(("spec_alibi", "layer_alibi"), [(True, False), (False, True)])
+def test_metadata_rejects_layer_alibi_unlike_the_spec(spec_alibi, layer_alibi):
+    spec = make_spec(alibi_slopes=[2.0 ** -(i + 1) for i in range(8)] if spec_alibi else None)
+    md = host_metadata(spec, [5], [5], [[0]])
+    with pytest.raises(ValueError, match="the layer's alibi_slopes and the spec's must both be set or both be None"):
+        md.check_options(0, layer_alibi)
+    md.check_options(0, spec_alibi)  # the spec's own setting passes
+
+
 def dense_bias(bias, mq: int, mk: int) -> torch.Tensor:
     """Any bias the op passes, as a dense float64 [.., Mq, Mk] additive mask. Paged biases
     address keys by cache slot: request i sees the slots of its positions [start, seqlen)."""
