@@ -9,7 +9,10 @@ of each pointwise kernel whose name mentions our ops, the peer's SDPA / index_pu
 rope kernels: since the ops are `flexible_layout`, ours no longer carry the ops' names). With
 --out it also writes our side's whole output code (buffers, launches).
 
-    python scripts/inductor_layer_kernels.py [--batch 1] [--ctx 1024] [--out DIR] [--no-peer]
+    python scripts/inductor_layer_kernels.py [--batch 1] [--ctx 1024] [--out DIR] [--no-peer] [--peer-sdpa math]
+
+The peer runs PyTorch's SDPA dispatch by default, its faster choice at every point measured (gpt-fast
+pins the math kernel, which Inductor decomposes into Triton kernels of its own: `--peer-sdpa math`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from compiled_attn.bench.decode_loop import PEER_INDUCTOR, PagedLoop, peer_loop
+from compiled_attn.bench.decode_loop import PEER_INDUCTOR, PEER_SDPA, PagedLoop, peer_loop
 from compiled_attn.models.llama import LlamaConfig, build_model
 from compiled_attn.registry import BACKEND_CLASSES
 
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-peer", action="store_true", help="ours only (the peer's tuned compile takes a minute)")
+    parser.add_argument("--peer-sdpa", choices=tuple(PEER_SDPA), default="dispatch")
     args = parser.parse_args()
     config = dataclasses.replace(LlamaConfig.llama3_8b(), num_layers=2)
     model = build_model(config, seed=0, backend="FLASHINFER", dtype=torch.bfloat16, device="cuda", init_device="cuda")
@@ -62,9 +66,9 @@ def main() -> None:
     reports = [report("ours (CUDAGraphRunner compile=True)", kernels(ours))]
     if not args.no_peer:
         with torch._inductor.config.patch(PEER_INDUCTOR):
-            loop = peer_loop(model, args.batch, args.ctx)
+            loop = peer_loop(model, args.batch, args.ctx, args.peer_sdpa)
             _, peer = run_and_get_code(lambda: loop(3, True))
-        reports.append(report("peer (gpt-fast)", kernels(peer)))
+        reports.append(report(f"peer (gpt-fast, {args.peer_sdpa} SDPA)", kernels(peer)))
     text = "\n\n".join(reports)
     print(text)
     if args.out is not None:

@@ -2,8 +2,11 @@
 of the gpt-fast peer, reduced to per-layer kernel tables (markdown + JSON under --out).
 
     python scripts/profile_decode.py --point 1x1024 --point 64x1024 [--backend FLASHINFER]
-        [--variant compile|dynamic|feedback] [--no-peer] [--ab-option KEY=VALUE ...] --out DIR
+        [--variant compile|dynamic|feedback] [--no-peer] [--peer-sdpa dispatch|math] [--ab-option KEY=VALUE ...]
+        --out DIR
 
+The peer runs PyTorch's SDPA dispatch by default, its faster choice at every point measured
+(gpt-fast pins the math kernel: `--peer-sdpa math`; BENCHMARKS.md, thirty-third session).
 Each side runs PROFILED_STEPS steps as in the bench's loop (no synchronize inside) after a
 warm-up; the trace's kernels give the per-layer table and the GPU-busy fraction of the steps.
 Before the trace each side's loop is timed as in the bench (`decode_loop.loop_times`).
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default="FLASHINFER")
     parser.add_argument("--variant", action="append", choices=("compile", "dynamic", "feedback"), default=None)
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--peer-sdpa", choices=tuple(dl.PEER_SDPA), default="dispatch")
     parser.add_argument("--ab-option", type=inductor_option, action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=".")
     args = parser.parse_args(argv)
@@ -71,8 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         sides = {}
         if not args.no_peer:
             with torch._inductor.config.patch(dl.PEER_INDUCTOR):
-                loop = dl.peer_loop(model, batch, ctx)
-                sides["peer (gpt-fast)"] = trace(loop)
+                loop = dl.peer_loop(model, batch, ctx, args.peer_sdpa)
+                sides[f"peer (gpt-fast, {args.peer_sdpa} SDPA)"] = trace(loop)
                 del loop
         options = dict(args.ab_option)
         for variant in args.variant or ("compile",):
