@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from compiled_attn.bench.decode_loop import PEER_INDUCTOR, PEER_SDPA, PagedLoop, peer_loop
+from compiled_attn.bench.decode_loop import PEER_SDPA, PagedLoop, peer_compiling, peer_loop
 from compiled_attn.models.llama import LlamaConfig, build_model
 from compiled_attn.registry import BACKEND_CLASSES
 
@@ -65,7 +65,7 @@ def main() -> None:
     _, ours = run_and_get_code(lambda: PagedLoop(model, backend, args.batch, args.ctx, {"compile": True}))
     reports = [report("ours (CUDAGraphRunner compile=True)", kernels(ours))]
     if not args.no_peer:
-        with torch._inductor.config.patch(PEER_INDUCTOR):
+        with peer_compiling():
             loop = peer_loop(model, args.batch, args.ctx, args.peer_sdpa)
             _, peer = run_and_get_code(lambda: loop(3, True))
         reports.append(report(f"peer (gpt-fast, {args.peer_sdpa} SDPA)", kernels(peer)))

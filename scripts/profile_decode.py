@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     for batch, ctx in args.point:
         sides = {}
         if not args.no_peer:
-            with torch._inductor.config.patch(dl.PEER_INDUCTOR):
+            with dl.peer_compiling():
                 loop = dl.peer_loop(model, batch, ctx, args.peer_sdpa)
                 sides[f"peer (gpt-fast, {args.peer_sdpa} SDPA)"] = trace(loop)
                 del loop

@@ -38,7 +38,7 @@ import logging
 import os
 import time
 import unittest.mock
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -332,23 +332,32 @@ def fresh_draws(compiles: int) -> dict:
     return {"force_disable_caches": True} if compiles > 1 else {}
 
 
+@contextlib.contextmanager
+def peer_compiling(compiles: int = 1) -> Iterator[None]:
+    """The settings the peer's compiles run under (enter before its first step): gpt-fast's
+    Inductor options, a warm cache's tuning reused on torch 2.11 as in ours
+    (`keep_tuned_configs`), caches off for `compiles` > 1 draws, and AOTAutograd's cache off.
+    That cache's key leaves out the SDPA choice (PyTorch issue 185449; torch 2.11 and 2.13
+    alike), so a compile would replay the lowering of another choice compiled before, in this
+    process or any earlier one. Inductor's own caches key the lowered graph and stay on unless
+    draws are asked."""
+    if os.environ.get(AUTOGRAD_CACHE_ENV, "0") != "0":  # it would override the patch below
+        raise RuntimeError(f"{AUTOGRAD_CACHE_ENV}={os.environ[AUTOGRAD_CACHE_ENV]} forces AOTAutograd's cache on, "
+                           "which would serve one SDPA choice's compile for another: unset it for the peer")
+    keep_tuned_configs()
+    with torch._inductor.config.patch({**PEER_INDUCTOR, **fresh_draws(compiles)}), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
 def measure_peer(model: Llama, batch: int, ctx: int, compiles: int, repeats: int = REPEATS,
                  sdpa: tuple[str, ...] = tuple(PEER_SDPA)) -> dict:
     """The best of `compiles` fresh peer compiles per SDPA choice in `sdpa` (keys of PEER_SDPA;
     each timed pipelined and synced); `peer sdpa` names the winner's choice. `setup s`: the wall
     seconds of the draws' builds, compiles and first loops; `timed s`: of their timed loops
     (where a `--quick` run's time goes)."""
-    if os.environ.get(AUTOGRAD_CACHE_ENV, "0") != "0":  # it would override the patch below
-        raise RuntimeError(f"{AUTOGRAD_CACHE_ENV}={os.environ[AUTOGRAD_CACHE_ENV]} forces AOTAutograd's cache on, "
-                           "which would serve one SDPA choice's compile for another: unset it for the peer")
     times, seconds = {choice: [] for choice in sdpa}, {"setup s": 0.0, "timed s": 0.0}
-    keep_tuned_configs()  # as ours (the runner's compile): a warm cache's tuning is reused on torch 2.11
-    # AOTAutograd's cache key leaves out the SDPA choice (PyTorch issue 185449; torch 2.11 and 2.13
-    # alike), so a compile would replay the lowering of another choice compiled before, in this
-    # process or any earlier one: that cache is off for the peer. Inductor's own caches key the
-    # lowered graph and stay on unless draws are asked.
-    with torch._inductor.config.patch({**PEER_INDUCTOR, **fresh_draws(compiles)}), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with peer_compiling(compiles):
         for choice, draws in times.items():
             for _ in range(compiles):
                 start = time.perf_counter()
