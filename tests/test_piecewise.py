@@ -585,7 +585,8 @@ def test_piecewise_needs_decoder_specs(sdpa_model):
 @pytest.mark.parametrize(("kw", "match"), [
     ({"piecewise_sizes": [8]}, "piecewise=True"),
     ({"piecewise": True, "piece_compiler": "aot"}, "piece_compiler"),
-    ({"piecewise": True, "piecewise_sizes": [0, 8]}, "sizes"),
+    ({"piecewise": True, "piecewise_sizes": [0, 8]}, r"^piecewise_sizes must be ints >= 1, got \[0\]$"),
+    ({"piecewise": True, "piecewise_sizes": 8}, "^piecewise_sizes must be a list of ints, got int$"),
     ({"piecewise": True, "piecewise_sizes": []}, "at least one"),
 ])
 def test_bad_piecewise_arguments_raise(sdpa_model, kw, match):

@@ -45,12 +45,7 @@ def capture_sizes_for(max_batch_size: int, sizes: Iterable[int] | None = None) -
     [16, 8, 4, 2, 1]
     """
     max_batch_size = as_int("max_batch_size", max_batch_size)
-    if sizes is not None and not isinstance(sizes, list | tuple | range):
-        raise ValueError(f"capture sizes must be a list of ints, got {type(sizes).__name__}")
-    sizes = list(DEFAULT_CAPTURE_SIZES if sizes is None else sizes)
-    bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s < 1]
-    if bad:
-        raise ValueError(f"capture sizes must be ints >= 1, got {bad}")
+    sizes = _checked_sizes(DEFAULT_CAPTURE_SIZES if sizes is None else sizes, "capture sizes")
     kept = sorted({s for s in sizes if s <= max_batch_size}, reverse=True)
     if not kept:
         raise ValueError(f"no capture size in {sorted(set(sizes))} is <= max_batch_size={max_batch_size}")
@@ -66,7 +61,18 @@ def piecewise_sizes_for(sizes: Iterable[int] | None = None) -> list[int]:
     """
     if isinstance(sizes, list | tuple | range) and not len(sizes):
         raise ValueError("piecewise_sizes must name at least one token count")
-    return capture_sizes_for(INT32_MAX, DEFAULT_PIECEWISE_SIZES if sizes is None else sizes)
+    return capture_sizes_for(INT32_MAX, _checked_sizes(DEFAULT_PIECEWISE_SIZES if sizes is None else sizes,
+                                                       "piecewise_sizes"))
+
+
+def _checked_sizes(sizes: object, what: str) -> list[int]:
+    """`sizes` as a list, each an int >= 1; ValueError naming `what` otherwise."""
+    if not isinstance(sizes, list | tuple | range):
+        raise ValueError(f"{what} must be a list of ints, got {type(sizes).__name__}")
+    bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s < 1]
+    if bad:
+        raise ValueError(f"{what} must be ints >= 1, got {bad}")
+    return list(sizes)
 
 
 def fill_padded(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], pads_from: int,
