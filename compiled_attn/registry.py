@@ -102,7 +102,7 @@ def get_attn_backend(name: str | None = None, spec: AttentionSpec | None = None)
             reason = cls.unsupported_reason(spec)  # a backend may add reasons of its own
             if reason is not None:
                 others = [n for n in _supporters(spec) if n != key]
-                hint = f"; {' or '.join(others)} supports this spec" if others else ""
+                hint = f"; {' or '.join(others)} supports this spec" if others else "; no registered backend does"
                 raise NotImplementedError(reason + hint)
         return cls
     reasons = []

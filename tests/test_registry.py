@@ -67,6 +67,14 @@ def test_env_var_unknown_name(monkeypatch):
         ca.get_attn_backend()
 
 
+def test_named_backend_that_cannot_serve_spec_names_who_can_or_that_none_can():
+    fp8 = {"kv_cache_dtype": "fp8", "dtype": torch.bfloat16, "device": "cuda"}  # FlashInfer's, spec-wise
+    with pytest.raises(NotImplementedError, match="; FLASHINFER supports this spec$"):
+        ca.get_attn_backend("TORCH_SDPA", spec(**fp8))
+    with pytest.raises(NotImplementedError, match="; no registered backend does$"):  # FLASHINFER: no head size 16
+        ca.get_attn_backend("TORCH_SDPA", spec(**fp8, head_size=16))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only machines")
 def test_env_var_cuda_backend_on_cpu(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "FLASHINFER")
