@@ -98,7 +98,8 @@ def smallest_block_size(cls: type[AttentionBackend], at_least: int = 16) -> int:
     """The first of `at_least`, 2 * `at_least`, 4 * `at_least`, ... that `cls` takes as a block
     size (xFormers' paged decode reads 64-key tiles): what benchmarks and tests use instead of
     naming a backend."""
-    block_size = as_int("at_least", at_least)  # doubling from 0 or below never ends
+    # 0 or below would come back as a block size (XFORMERS takes 0 and -64), or double forever
+    block_size = as_int("at_least", at_least)
     while not cls.supports_block_size(block_size):
         block_size *= 2
         if block_size > MAX_BLOCK_SIZE:

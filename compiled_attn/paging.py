@@ -44,7 +44,7 @@ class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int, *, reserve_null_block: bool = False) -> None:
         self.block_size = as_int("block_size", block_size)
         self.num_blocks = as_int("num_blocks", num_blocks)
-        self.free = list(range(num_blocks - 1, NULL_BLOCK if reserve_null_block else -1, -1))
+        self.free = list(range(self.num_blocks - 1, NULL_BLOCK if reserve_null_block else -1, -1))
         self.num_usable = len(self.free)
 
     @property
@@ -197,12 +197,18 @@ class Scheduler:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs} and "
                              f"{max_num_batched_tokens}")
         self.block_size = as_int("block_size", block_size)
-        self.windows = {g: None if w is None else as_int(f"group_windows[{g!r}]", w) for g, w in group_windows.items()}
+        try:
+            windows = dict(group_windows)
+        except (TypeError, ValueError):
+            raise ValueError("group_windows must map group names to windows (int or None), got "
+                             f"{group_windows!r}") from None
+        self.windows = {g: None if w is None else as_int(f"group_windows[{g!r}]", w) for g, w in windows.items()}
         if isinstance(num_blocks, Mapping) and set(num_blocks) != set(self.windows):
             raise ValueError(f"num_blocks names the groups {sorted(num_blocks)} but group_windows "
                              f"{sorted(self.windows)}: give every group its number of blocks")
         blocks = num_blocks if isinstance(num_blocks, Mapping) else dict.fromkeys(self.windows, num_blocks)
-        self.allocators = {g: BlockAllocator(blocks[g], block_size, reserve_null_block=True) for g in self.windows}
+        self.allocators = {g: BlockAllocator(as_int(f"num_blocks[{g!r}]", blocks[g]), self.block_size,
+                                             reserve_null_block=True) for g in self.windows}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[ServedRequest] = deque()

@@ -2,7 +2,8 @@
 # The one command the device tool runs: GPU-marked tests, then benchmarks; results under $OUT.
 #   device run:  source .whl/setup.sh && bash scripts/gpu_check.sh; save_jit_cache   (carry [".whl"])
 # PARTS selects what runs (default: "tests fuzz bench"; "loop" profiles the 8B decode loop against
-# gpt-fast's (B=64 then B=1, ctx 1024, one process each; ours per LOOP_VARIANTS), times FlashInfer's decode variants (FA3 among
+# gpt-fast's (B=64 then B=1, ctx 1024, one process each; ours per LOOP_VARIANTS, LOOP_TIMEOUT
+# each point), times FlashInfer's decode variants (FA3 among
 # them: a JIT build of a minute or more the first time, VARIANTS_TIMEOUT), our Triton decode's
 # launch shapes (`decode_flashinfer --triton-sweep`, SWEEP_TIMEOUT) and the Triton kernels of a
 # batch-1 layer, ours and the peer's (scripts/inductor_layer_kernels.py);
@@ -112,7 +113,7 @@ fi
 if [[ " $PARTS " == *" loop "* ]]; then
   for point in 64x1024 1x1024; do
     # LOOP_VARIANTS: ours' decode-loop variants (default both: positions passed, and fed back)
-    timeout "${LOOP_TIMEOUT:-300}" python3 scripts/profile_decode.py --point "$point" \
+    timeout "${LOOP_TIMEOUT:-540}" python3 scripts/profile_decode.py --point "$point" \
       $(printf -- "--variant %s " ${LOOP_VARIANTS:-compile feedback}) \
       --out "$OUT/loop-$point" > "$OUT/loop-$point.log" 2>&1 || status=1
     grep -h "^\*\*" "$OUT/loop-$point.log"

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from compiled_attn.bench.decode_loop import PEER_SDPA, PagedLoop, peer_compiling, peer_loop
+from compiled_attn.bench.decode_loop import FASTER_PEER_SDPA, PEER_SDPA, PagedLoop, peer_compiling, peer_loop
 from compiled_attn.models.llama import LlamaConfig, build_model
 from compiled_attn.registry import BACKEND_CLASSES
 
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-peer", action="store_true", help="ours only (the peer's tuned compile takes a minute)")
-    parser.add_argument("--peer-sdpa", choices=tuple(PEER_SDPA), default="dispatch")
+    parser.add_argument("--peer-sdpa", choices=tuple(PEER_SDPA), default=FASTER_PEER_SDPA)
     args = parser.parse_args()
     config = dataclasses.replace(LlamaConfig.llama3_8b(), num_layers=2)
     model = build_model(config, seed=0, backend="FLASHINFER", dtype=torch.bfloat16, device="cuda", init_device="cuda")

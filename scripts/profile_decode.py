@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default="FLASHINFER")
     parser.add_argument("--variant", action="append", choices=("compile", "dynamic", "feedback"), default=None)
     parser.add_argument("--no-peer", action="store_true")
-    parser.add_argument("--peer-sdpa", choices=tuple(dl.PEER_SDPA), default="dispatch")
+    parser.add_argument("--peer-sdpa", choices=tuple(dl.PEER_SDPA), default=dl.FASTER_PEER_SDPA)
     parser.add_argument("--ab-option", type=inductor_option, action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=".")
     args = parser.parse_args(argv)

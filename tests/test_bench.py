@@ -295,6 +295,37 @@ def test_decode_loop_rows_split_setup_from_timed_seconds(monkeypatch):
     assert len(calls) == 7  # refused before any compile
 
 
+@pytest.mark.parametrize("argv", [[], ["--peer-sdpa", "math"]], ids=["default", "math"])
+def test_profile_decode_compiles_its_peer_as_the_bench_does(monkeypatch, tmp_path, argv):
+    """The profile's peer runs under `peer_compiling` (AOTAutograd's cache off: it would replay
+    another SDPA choice's lowering) on the faster SDPA choice unless told otherwise."""
+    from test_cli import script
+
+    profile = script("profile_decode")
+    seen = []
+
+    def peer_loop(model, batch, ctx, sdpa):
+        seen.append((sdpa, torch._functorch.config.enable_autograd_cache,
+                     torch._inductor.config.coordinate_descent_tuning))
+        return "peer loop"
+
+    backend = types.SimpleNamespace(get_name=lambda: "FLASHINFER")
+    monkeypatch.setattr(dl, "build_8b", lambda name: types.SimpleNamespace(
+        layers=[types.SimpleNamespace(attn=types.SimpleNamespace(backend=backend))]))
+    monkeypatch.setattr(dl, "peer_loop", peer_loop)
+    monkeypatch.setattr(dl, "paged_loop", lambda model, b, c, variant: types.SimpleNamespace(
+        loop="ours loop", host_us=lambda: {}))
+    monkeypatch.setattr(profile, "trace", lambda loop: {"loop ms/step": 1.0, "loop ms/step synced": 1.0})
+    monkeypatch.setattr(profile, "host_profile", lambda ours, path: None)
+    monkeypatch.setattr(profile, "card_name", lambda: "card")
+    monkeypatch.setattr(profile, "markdown", lambda table, title: title)
+    monkeypatch.delenv(dl.AUTOGRAD_CACHE_ENV, raising=False)
+    cache_before = torch._functorch.config.enable_autograd_cache
+    profile.main(["--point", "1x16", "--out", str(tmp_path), *argv])
+    assert seen == [(argv[1] if argv else dl.FASTER_PEER_SDPA, False, True)]
+    assert torch._functorch.config.enable_autograd_cache == cache_before  # the patch ends with the peer
+
+
 def test_decode_loop_peer_reports_its_faster_sdpa_choice(monkeypatch):
     """The peer compiles each SDPA choice `compiles` times and reports the fastest draw of all,
     naming its choice: a ratio is to the stronger peer, not to gpt-fast's pinned kernel alone."""

@@ -78,10 +78,8 @@ def test_bench_out_that_is_a_file_exits_before_running(no_runs, a_file):
 
 
 def test_bench_out_that_cannot_be_written_exits_before_running(no_runs, tmp_path, monkeypatch, capsys):
-    from compiled_attn import cli as arg_types
-
     # a read-only folder, as os.access reports it even to root
-    monkeypatch.setattr(arg_types.os, "access", lambda path, mode: path != str(tmp_path))
+    monkeypatch.setattr("compiled_attn.cli.os.access", lambda path, mode, **kw: path != str(tmp_path))
     with pytest.raises(SystemExit) as exit_:
         cli.main(["bench", "--out", str(tmp_path)])
     assert exit_.value.code == 2

@@ -158,18 +158,19 @@ def test_prepare_with_metadata_on_another_device_raises_and_writes_nothing():
     assert all(torch.equal(bufs[k], before[k]) for k in before)
 
 
-@pytest.mark.parametrize(("name", "graph_options", "field"), [
-    ("XFORMERS", {"attn_type": T.ENCODER_DECODER}, "encoder_seq_lens_tensor"),  # decoder metadata for cross graphs
-    ("TORCH_SDPA", {}, "context_lens_tensor"),  # a field replaced by None
+@pytest.mark.parametrize(("name", "graph_options", "field", "null_field"), [
+    ("XFORMERS", {"attn_type": T.ENCODER_DECODER}, "encoder_seq_lens_tensor", False),  # decoder metadata, cross graphs
+    ("TORCH_SDPA", {}, "context_lens_tensor", True),  # a field replaced by None
 ])
-def test_prepare_with_metadata_lacking_a_field_the_graph_reads_raises_and_writes_nothing(name, graph_options, field):
+def test_prepare_with_metadata_lacking_a_field_the_graph_reads_raises_and_writes_nothing(name, graph_options, field,
+                                                                                         null_field):
     backend = BACKEND_CLASSES()[name]
     state = backend.get_state_cls()(spec_for(**graph_options))
     with state.graph_capture(2):
         bufs = state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(2))
         clone = state.graph_clone(2)
     md = backend.get_builder_cls()(spec_for()).build([70], [1], [[5, 6]])  # a decoder spec of the same cache
-    if not graph_options:
+    if null_field:
         md = dataclasses.replace(md, **{field: None})
     before = {k: t.clone() for k, t in bufs.items()}
     with pytest.raises(ValueError, match=f"^the graph reads {field}, which this metadata lacks: build it for the "

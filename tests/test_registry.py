@@ -171,7 +171,9 @@ def test_smallest_block_size_doubles_to_the_first_the_backend_takes(name, at_lea
     assert smallest_block_size(BACKEND_CLASSES()[name], at_least) == want
 
 
-@pytest.mark.parametrize("at_least", [0, -4, 2.0])
-def test_smallest_block_size_refuses_a_start_that_doubling_cannot_raise(at_least):
-    with pytest.raises(ValueError, match="^at_least must be"):  # 0 and below doubled forever
+@pytest.mark.parametrize(("at_least", "match"), [(0, "^at_least must be >= 1, got 0$"),  # XFORMERS takes 0 (0 % 64)
+                                                 (-4, "^at_least must be >= 1, got -4$"),
+                                                 (2.0, "^at_least must be an int, got 2.0$")])
+def test_smallest_block_size_refuses_a_start_that_is_not_a_positive_int(at_least, match):
+    with pytest.raises(ValueError, match=match):
         smallest_block_size(BACKEND_CLASSES()["XFORMERS"], at_least)

@@ -338,7 +338,8 @@ def test_models_the_engine_cannot_serve_are_refused_naming_why():
     modules[2].layer_idx = 2
     # float64: no backend's dtypes (each backend named with its reason)
     with pytest.raises(NotImplementedError, match=r"no backend serves every layer group of this model: .*"
-                                                  r"'TORCH_SDPA': 'TORCH_SDPA supports dtypes .*not torch\.float64'"):
+                                                  r"'TORCH_SDPA': 'TORCH_SDPA supports dtypes .*not torch\.float64; "
+                                                  r"no registered backend does'"):
         ca_hf.PagedEngine(model.double(), compile=False, cuda_graphs=False)
     with pytest.raises(ValueError, match="found no attention modules .* in Linear"):
         ca_hf.attention_modules(torch.nn.Linear(2, 2))

@@ -37,6 +37,7 @@ from compiled_attn.validation import indexed_device
 # only the old name
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
+
 @dataclasses.dataclass(frozen=True)
 class TPLayout:
     """This rank's place in a tensor-parallel group; `group_name` is None when not sharded."""
