@@ -1594,6 +1594,17 @@ def test_fed_back_tokens_refuse_positions_and_others_require_them(tiny_model):
                         random_caches(spec, 0), use_cuda_graphs=False, feed_back_tokens=True)
 
 
+@pytest.mark.parametrize("fed", [False, True], ids=["plain", "fed"])
+def test_a_model_returning_other_than_one_tensor_raises_at_its_first_static_step(tiny_model, fed):
+    """Without CUDA graphs the static step checks what the model returned, as a capture's warm-up
+    does (a tuple here: a raw AttributeError from the output copy before)."""
+    spec = cpu_spec()
+    runner = static_runner(lambda ids, pos, caches: (tiny_model(ids, pos, caches),), spec, random_caches(spec, 0),
+                           capture_sizes=[1], feed_back_tokens=fed, postprocess=(lambda out: out) if fed else None)
+    with pytest.raises(ValueError, match=r"^the model must return a tensor \[num_tokens, \.\.\.\]; got tuple for 1$"):
+        runner.run(decode_md(spec, [5]), torch.tensor([3]), None if fed else torch.tensor([4]))
+
+
 def test_token_positions_follow_each_requests_context():
     md = sdpa_builder(cpu_spec()).build([9, 6, 4], [3, 6, 1], [[1, 2, 3], [4, 5], [6]])  # prefills, then a decode
     assert runner_module.token_positions(md, torch.device("cpu")).tolist() == [6, 7, 8, 0, 1, 2, 3, 4, 5, 3]

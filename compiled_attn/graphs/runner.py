@@ -381,8 +381,6 @@ class CUDAGraphRunner:
             for _ in range(self.warmup_steps):
                 warm = self._static_step(bs)
         torch.cuda.current_stream().wait_stream(side_stream)
-        if not isinstance(warm, torch.Tensor) or warm.shape[:1] != (bs,):
-            raise ValueError(f"the model must return a tensor [num_tokens, ...]; got {_describe(warm)} for {bs}")
         if self.feed_back_tokens:
             _check_token_ids(warm)  # before the capture, which an error inside would leave open
         if self._output is None:  # sized by the first (largest) capture
@@ -436,7 +434,12 @@ class CUDAGraphRunner:
         ids, pos = _first_rows(self._input_ids, bs), _first_rows(self._positions, bs)
         self._mark_tokens(ids, pos)
         with floats_as_constants(), self._one_token_calls(bs):
-            return self.model(ids, pos, self.kv_caches)
+            out = self.model(ids, pos, self.kv_caches)
+        # checked at the warm-up, before a capture (which an error inside would leave open), and
+        # at every step without CUDA graphs (a replay runs no Python)
+        if not isinstance(out, torch.Tensor) or out.shape[:1] != (bs,):
+            raise ValueError(f"the model must return a tensor [num_tokens, ...]; got {_describe(out)} for {bs}")
+        return out
 
     def _one_token_calls(self, num_tokens: int) -> contextlib.AbstractContextManager[None]:
         """Around every call of the model: a batch-1 graph Dynamo traces in it gets batch 1's compiles."""
