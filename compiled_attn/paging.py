@@ -206,9 +206,10 @@ class Scheduler:
         if isinstance(num_blocks, Mapping) and set(num_blocks) != set(self.windows):
             raise ValueError(f"num_blocks names the groups {sorted(num_blocks)} but group_windows "
                              f"{sorted(self.windows)}: give every group its number of blocks")
-        blocks = num_blocks if isinstance(num_blocks, Mapping) else dict.fromkeys(self.windows, num_blocks)
-        self.allocators = {g: BlockAllocator(as_int(f"num_blocks[{g!r}]", blocks[g]), self.block_size,
-                                             reserve_null_block=True) for g in self.windows}
+        # a group's own count is named by its group; one count for all is checked as `num_blocks`
+        blocks = ({g: as_int(f"num_blocks[{g!r}]", n) for g, n in num_blocks.items()} if isinstance(num_blocks, Mapping)
+                  else dict.fromkeys(self.windows, num_blocks))
+        self.allocators = {g: BlockAllocator(blocks[g], self.block_size, reserve_null_block=True) for g in self.windows}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[ServedRequest] = deque()

@@ -184,8 +184,9 @@ def test_block_counts_must_name_every_group():
     ({"group_windows": {"w": 0}}, r"^group_windows\['w'\] must be >= 1, got 0$"),
     ({"group_windows": ["full"]}, r"^group_windows must map group names to windows \(int or None\), got \['full'\]$"),
     ({"num_blocks": {"full": 0}}, r"^num_blocks\['full'\] must be >= 1, got 0$"),
+    ({"num_blocks": 0}, "^num_blocks must be >= 1, got 0$"),
 ], ids=["no_groups", "no_seqs", "no_tokens", "block_zero", "block_negative", "block_str", "seqs_str", "seqs_float",
-        "tokens_none", "window_zero", "windows_not_a_mapping", "group_blocks_zero"])
+        "tokens_none", "window_zero", "windows_not_a_mapping", "group_blocks_zero", "blocks_zero"])
 def test_scheduler_options_that_could_serve_nothing_or_are_not_ints_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         Scheduler(**{"num_blocks": 8, "block_size": 4, "group_windows": {"full": None}, **kw})
