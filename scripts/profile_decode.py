@@ -38,13 +38,17 @@ PROFILED_STEPS = 8
 
 def trace(loop) -> dict:
     """The per-layer table of PROFILED_STEPS pipelined steps, plus the loop's ms / step
-    (pipelined and synced, timed without the profiler)."""
+    (pipelined and synced, timed without the profiler) and the GPU-busy fraction of the loop's
+    step: the trace's kernel time per step over the pipelined step timed without the profiler,
+    whose CPU-side tracing slows the host and so can open gaps the loop itself does not have (the
+    table's own "gpu busy" is over the profiled span)."""
     pipelined, synced = dl.loop_times(loop)
-    table = {"loop ms/step": pipelined, "loop ms/step synced": synced}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         loop(PROFILED_STEPS, False)
         torch.cuda.synchronize()
-    return {**table, **per_layer_table(cuda_kernels(prof), PROFILED_STEPS, dl.LlamaConfig.llama3_8b().num_layers)}
+    table = per_layer_table(cuda_kernels(prof), PROFILED_STEPS, dl.LlamaConfig.llama3_8b().num_layers)
+    return {"loop ms/step": pipelined, "loop ms/step synced": synced,
+            "gpu busy in the loop": table["kernel us/step"] / (pipelined * 1e3), **table}
 
 
 def host_profile(ours: dl.PagedLoop, path: str, steps: int = 50) -> None:
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.empty_cache()
         for side, table in sides.items():
             text = markdown(table, f"{side}, B={batch}, ctx {ctx}, {card_name()}: loop {table['loop ms/step']:.3f} "
-                                   f"ms/step pipelined, {table['loop ms/step synced']:.3f} synced"
+                                   f"ms/step pipelined (GPU busy {table['gpu busy in the loop']:.1%}), "
+                                   f"{table['loop ms/step synced']:.3f} synced"
                                    + (f"; host per synced step: build {table['build us']:.0f} us, run "
                                       f"{table['run us']:.0f} us of which the graph launch "
                                       f"{table['replay us']:.0f} us" if "build us" in table else ""))

@@ -315,7 +315,8 @@ def test_profile_decode_compiles_its_peer_as_the_bench_does(monkeypatch, tmp_pat
     monkeypatch.setattr(dl, "peer_loop", peer_loop)
     monkeypatch.setattr(dl, "paged_loop", lambda model, b, c, variant: types.SimpleNamespace(
         loop="ours loop", host_us=lambda: {}))
-    monkeypatch.setattr(profile, "trace", lambda loop: {"loop ms/step": 1.0, "loop ms/step synced": 1.0})
+    monkeypatch.setattr(profile, "trace", lambda loop: {"loop ms/step": 1.0, "loop ms/step synced": 1.0,
+                                                          "gpu busy in the loop": 0.5})
     monkeypatch.setattr(profile, "host_profile", lambda ours, path: None)
     monkeypatch.setattr(profile, "card_name", lambda: "card")
     monkeypatch.setattr(profile, "markdown", lambda table, title: title)
@@ -324,6 +325,36 @@ def test_profile_decode_compiles_its_peer_as_the_bench_does(monkeypatch, tmp_pat
     profile.main(["--point", "1x16", "--out", str(tmp_path), *argv])
     assert seen == [(argv[1] if argv else dl.FASTER_PEER_SDPA, False, True)]
     assert torch._functorch.config.enable_autograd_cache == cache_before  # the patch ends with the peer
+
+
+def test_profile_decode_busy_in_the_loop_is_kernel_time_over_the_unprofiled_step(monkeypatch):
+    """The loop's GPU-busy fraction divides the trace's kernel time per step by the pipelined step
+    timed without the profiler; the profiled span's fraction stays beside it."""
+    import contextlib
+
+    from test_cli import script
+
+    from compiled_attn.bench.kernel_table import Kernel
+
+    profile = script("profile_decode")
+    steps, layers = profile.PROFILED_STEPS, dl.LlamaConfig.llama3_8b().num_layers
+    # per step: one 90 us kernel a layer and one 120 us step kernel, then a 400 us gap
+    kernels, t = [], 0.0
+    for _ in range(steps):
+        for name, us in [("layer", 90.0)] * layers + [("head", 120.0)]:
+            kernels.append(Kernel(name, t, t + us))
+            t += us
+        t += 400.0
+    monkeypatch.setattr(dl, "loop_times", lambda loop: (3.2, 3.5))
+    monkeypatch.setattr(profile, "profile", lambda activities: contextlib.nullcontext())
+    monkeypatch.setattr(profile, "cuda_kernels", lambda prof: kernels)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    table = profile.trace(lambda n, synced: None)
+    kernel_us = layers * 90.0 + 120.0
+    assert table["kernel us/step"] == pytest.approx(kernel_us)
+    assert table["gpu busy in the loop"] == pytest.approx(kernel_us / 3200.0)
+    assert table["gpu busy"] == pytest.approx(kernel_us * steps / (t - 400.0))
+    assert (table["loop ms/step"], table["loop ms/step synced"]) == (3.2, 3.5)
 
 
 def test_decode_loop_peer_reports_its_faster_sdpa_choice(monkeypatch):
