@@ -111,8 +111,8 @@ class XFormersMetadata(CommonMetadata):
     decode_q_start:       int32 [num_decodes + 1], where each decode's query row starts among the
                           decodes (query_start_loc itself when the step has no prefills)
     decode_window_starts: int32 [num_decodes + 1], first key each decode sees (sliding window)
-    alibi_kv_slots / alibi_cross_slots: int64 cache slots of every request's keys / encoder keys,
-                          in request order (ALiBi only)
+    alibi_kv_slots:       int64 cache slots of every request's keys, in request order (ALiBi only;
+                          cross layers take no ALiBi, so encoder keys need none)
     biases:               role -> xFormers AttentionBias ("prefill", "decode", "cross_prefill",
                           "cross_decode", "encoder", "encoder_only")
     """
@@ -124,7 +124,6 @@ class XFormersMetadata(CommonMetadata):
     decode_q_start: torch.Tensor | None = DeviceField(None)
     decode_window_starts: torch.Tensor | None = DeviceField(None)
     alibi_kv_slots: torch.Tensor | None = DeviceField(None)
-    alibi_cross_slots: torch.Tensor | None = DeviceField(None)
     biases: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def after_upload(self) -> None:
@@ -254,12 +253,8 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
         if spec.sliding_window and len(seq_lens) > p:
             starts = window_starts(np.asarray(seq_lens[p:], dtype=np.int64), spec.sliding_window)
             fields["decode_window_starts"] = np.append(starts, 0).astype(np.int32)
-        if spec.alibi_slopes is not None:
-            if uses_cache:
-                fields["alibi_kv_slots"] = slots_for(block_table, [0] * len(seq_lens), seq_lens, bs)
-            if cross_block_table is not None:
-                enc = encoder_seq_lens
-                fields["alibi_cross_slots"] = slots_for(cross_block_table, [0] * len(enc), enc, bs)
+        if spec.alibi_slopes is not None and uses_cache:
+            fields["alibi_kv_slots"] = slots_for(block_table, [0] * len(seq_lens), seq_lens, bs)
         return fields
 
 

@@ -199,10 +199,7 @@ def alibi_attention(
     slopes = alibi_slopes.to(torch.float32).view(g, hpg)[None, :, :, None, None]
     for q_lo, q_hi, first_pos, causal, k, v in _alibi_requests(md, key, value, kv_cache, kind):
         lq, lk = q_hi - q_lo, k.shape[0]
-        # cross attention places every query at position 0 (first_pos None): ALiBi there grows
-        # with the encoder position only
-        step = 0 if first_pos is None else 1
-        qpos = (first_pos or 0) + step * torch.arange(lq, device=query.device, dtype=torch.float32)
+        qpos = first_pos + torch.arange(lq, device=query.device, dtype=torch.float32)
         kpos = torch.arange(lk, device=query.device, dtype=torch.float32)
         rel = kpos[None, :] - qpos[:, None]  # [Lq, Lk] key pos - query pos
         allowed = torch.ones_like(rel, dtype=torch.bool)
@@ -219,21 +216,19 @@ def alibi_attention(
 
 
 def _alibi_requests(md: Any, key, value, kv_cache, kind: AttentionType):
-    """Per request: query rows, first query position (None: all at 0), causality, K/V [Lk, Hkv, D]."""
-    q_lo = k_lo = c_lo = 0
+    """Per request: query rows, first query position, causality, K/V [Lk, Hkv, D]. No
+    ENCODER_DECODER: a cross layer with ALiBi is refused when it is made (`check_attn_type`)."""
+    q_lo = k_lo = 0
     for i, (seq_len, query_len) in enumerate(zip(md.seq_lens, md.query_lens, strict=True)):
-        enc_len = md.encoder_seq_lens[i] if md.encoder_seq_lens is not None else 0
         if kind == AttentionType.ENCODER:
+            enc_len = md.encoder_seq_lens[i]
             yield k_lo, k_lo + enc_len, 0, False, key[k_lo : k_lo + enc_len], value[k_lo : k_lo + enc_len]
             k_lo += enc_len
             continue
         q_hi = q_lo + query_len
         if kind == AttentionType.ENCODER_ONLY:
             yield q_lo, q_hi, 0, False, key[q_lo:q_hi], value[q_lo:q_hi]
-        elif kind == AttentionType.ENCODER_DECODER:
-            k, v = gather_cache(kv_cache, md.alibi_cross_slots[c_lo : c_lo + enc_len])
-            yield q_lo, q_hi, None, False, k, v
         else:
             k, v = gather_cache(kv_cache, md.alibi_kv_slots[k_lo : k_lo + seq_len])
             yield q_lo, q_hi, seq_len - query_len, True, k, v
-        q_lo, k_lo, c_lo = q_hi, k_lo + seq_len, c_lo + enc_len
+        q_lo, k_lo = q_hi, k_lo + seq_len
