@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -412,6 +412,18 @@ def prefix_sums(lens: list[int] | np.ndarray) -> np.ndarray:
     return out
 
 
+class HostStep(NamedTuple):
+    """One step's checked host inputs, as a backend's `add_backend_fields` reads them."""
+
+    seq_lens: list[int]
+    query_lens: list[int]
+    num_prefills: int
+    encoder_seq_lens: list[int] | None
+    block_table: np.ndarray  # the checked host table [num_seqs, width]
+    block_ids: np.ndarray  # the ids its requests read, flat in request order (`needed_block_ids`)
+    cross_block_table: np.ndarray | None  # the checked table of the encoder's blocks, or None
+
+
 class CommonMetadataBuilder(AttentionMetadataBuilder):
     """Validates a step and builds `CommonMetadata`; backends set `backend_cls` and override
     `metadata_cls` and `add_backend_fields` (host work for their own inputs)."""
@@ -511,8 +523,9 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
                 f"{spec.attn_type.name} attention needs encoder_seq_lens (and, for cross "
                 "attention, cross_block_tables) in build()"
             )
-        backend_fields = self.add_backend_fields(seq_lens, query_lens, num_prefills, cross.get("encoder_seq_lens"),
-                                                 table, ids, tables.get("cross_block_tables"))
+        step = HostStep(seq_lens, query_lens, num_prefills, cross.get("encoder_seq_lens"), table, ids,
+                        tables.get("cross_block_tables"))
+        backend_fields = self.add_backend_fields(step)
         uploads = {name: a for name, a in backend_fields.items() if isinstance(a, np.ndarray)}
         if not uploads.keys() <= _device_field_names(self.metadata_cls):
             raise TypeError(f"{self.metadata_cls.__name__} must declare its uploaded fields "
@@ -619,21 +632,9 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         """Fields uploaded at once, in one copy (`upload`): a backend's own, after the common ones."""
         return upload(self._device_arrays(int32_parts, int64_parts, tables), self.device)
 
-    def add_backend_fields(
-        self,
-        seq_lens: list[int],
-        query_lens: list[int],
-        num_prefills: int,
-        encoder_seq_lens: list[int] | None,
-        block_table: np.ndarray,
-        block_ids: np.ndarray,
-        cross_block_table: np.ndarray | None,
-    ) -> dict[str, Any]:
+    def add_backend_fields(self, step: HostStep) -> dict[str, Any]:
         """Host work for the backend's own metadata fields, by name. A numpy array (int32 / int64)
         is a device field, declared `DeviceField(None)` on `metadata_cls`: it reaches the device in
-        the step's one copy with the common fields.
-        block_table: the step's checked host table [num_seqs, width]; block_ids: the ids its
-        requests read, flat in request order (`CommonMetadata.needed_block_ids`);
-        cross_block_table: the checked host table of the encoder's blocks (cross attention), or None."""
+        the step's one copy with the common fields."""
         return {}
 

@@ -37,7 +37,7 @@ import torch
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionType
 from compiled_attn.backends.common import CommonImpl
 from compiled_attn.graph_state import SCRATCH_BLOCK, GraphState
-from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, DeviceField, prefix_sums
+from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, DeviceField, HostStep, prefix_sums
 from compiled_attn.ops.flashinfer import stream_capturing  # importing registers the op
 
 NAME = "FLASHINFER"
@@ -544,22 +544,13 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
         self._turn += 1
         return md
 
-    def add_backend_fields(
-        self,
-        seq_lens: list[int],
-        query_lens: list[int],
-        num_prefills: int,
-        encoder_seq_lens: list[int] | None,
-        block_table: np.ndarray,
-        block_ids: np.ndarray,
-        cross_block_table: np.ndarray | None,
-    ) -> dict[str, Any]:
+    def add_backend_fields(self, step: HostStep) -> dict[str, Any]:
         """The page list (`paged_kv_indices`: every request's pages in order), uploaded with the
         common fields. When every table entry is live (full tables: what a decode batch of one
         length has) it is the device table read row by row, so no second copy of it is made."""
-        if self.spec.attn_type != AttentionType.DECODER or block_ids.size == block_table.size:
+        if self.spec.attn_type != AttentionType.DECODER or step.block_ids.size == step.block_table.size:
             return {}
-        return {"paged_kv_indices": block_ids.astype(np.int32, copy=False)}  # upload packs it: no copy here
+        return {"paged_kv_indices": step.block_ids.astype(np.int32, copy=False)}  # upload packs it: no copy here
 
 
 # ---------------------------------------------------------------------------------------------

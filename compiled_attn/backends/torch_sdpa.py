@@ -16,7 +16,7 @@ import torch
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionType
 from compiled_attn.backends.common import CommonImpl
 from compiled_attn.graph_state import GraphState
-from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, DeviceField
+from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, DeviceField, HostStep
 from compiled_attn.ops import torch_sdpa as _ops  # noqa: F401  (registers the op)
 
 NAME = "TORCH_SDPA"
@@ -94,22 +94,14 @@ class TorchSDPAMetadataBuilder(CommonMetadataBuilder):
     metadata_cls = TorchSDPAMetadata
     backend_cls = TorchSDPABackend
 
-    def add_backend_fields(
-        self,
-        seq_lens: list[int],
-        query_lens: list[int],
-        num_prefills: int,
-        encoder_seq_lens: list[int] | None,
-        block_table: np.ndarray,
-        block_ids: np.ndarray,
-        cross_block_table: np.ndarray | None,
-    ) -> dict[str, Any]:
+    def add_backend_fields(self, step: HostStep) -> dict[str, Any]:
         groups = {}
-        if num_prefills:
-            firsts = [s - q for s, q in zip(seq_lens[:num_prefills], query_lens[:num_prefills], strict=True)]
-            groups["prefill"] = padded_layout(query_lens[:num_prefills], firsts)
-        if encoder_seq_lens is not None:
-            groups["encoder"] = padded_layout(encoder_seq_lens, [0] * len(encoder_seq_lens))
+        p, enc = step.num_prefills, step.encoder_seq_lens
+        if p:
+            firsts = [s - q for s, q in zip(step.seq_lens[:p], step.query_lens[:p], strict=True)]
+            groups["prefill"] = padded_layout(step.query_lens[:p], firsts)
+        if enc is not None:
+            groups["encoder"] = padded_layout(enc, [0] * len(enc))
         out = {}
         for group, arrays in groups.items():
             names = (f"{group}_token_index", f"{group}_q_pos", f"{group}_flat_index")

@@ -35,6 +35,7 @@ from compiled_attn.metadata import (
     CommonMetadata,
     CommonMetadataBuilder,
     DeviceField,
+    HostStep,
     prefix_sums,
     slots_for,
 )
@@ -227,21 +228,13 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
         md.biases = build_biases(md)
         return md
 
-    def add_backend_fields(
-        self,
-        seq_lens: list[int],
-        query_lens: list[int],
-        num_prefills: int,
-        encoder_seq_lens: list[int] | None,
-        block_table: np.ndarray,
-        block_ids: np.ndarray,
-        cross_block_table: np.ndarray | None,
-    ) -> dict[str, Any]:
+    def add_backend_fields(self, step: HostStep) -> dict[str, Any]:
         """The gathers xFormers' kernels need beyond the common fields, uploaded in the step's one
         copy with them (none for a decode-only step without a window or ALiBi)."""
-        spec, p, bs = self.spec, num_prefills, self.spec.block_size
+        spec, p, bs = self.spec, step.num_prefills, self.spec.block_size
+        seq_lens, block_table = step.seq_lens, step.block_table
         uses_cache = spec.attn_type not in CACHELESS_TYPES
-        pre_seq, pre_q = seq_lens[:p], query_lens[:p]
+        pre_seq, pre_q = seq_lens[:p], step.query_lens[:p]
         fresh = all(s == q for s, q in zip(pre_seq, pre_q, strict=True))
         fields: dict[str, Any] = {"prefill_fresh": fresh}
         if p:  # without prefills every query is a decode's one token: query_start_loc is 0..n already
