@@ -332,11 +332,12 @@ def slots_for(tables: np.ndarray, starts: np.ndarray, ends: np.ndarray, block_si
     return tables[request, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
 
-def _host_tables(block_tables: object) -> list[list[int]] | np.ndarray:
-    """The tables as given, for the metadata's views: a 2-D array kept as is (views slice it), a
-    list of tables copied per request."""
+def _host_tables(block_tables: object, checked: np.ndarray) -> list[list[int]] | np.ndarray:
+    """The tables for the metadata's views, never the caller's objects (who may edit them after
+    `build()`): a list of tables copied per request; for a 2-D array, the builder's own checked
+    copy of its needed entries (`needed_table`; views slice it, no copy of the given width)."""
     if isinstance(block_tables, np.ndarray | torch.Tensor) and block_tables.ndim == 2:
-        return block_tables
+        return checked
     return [list(t) for t in block_tables]
 
 
@@ -541,7 +542,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
             num_decode_tokens=num_tokens - num_prefill_tokens,
             seq_lens=seq_lens,
             query_lens=query_lens,
-            block_tables_list=_host_tables(block_tables) if uses_cache else [[] for _ in seq_lens],
+            block_tables_list=_host_tables(block_tables, table) if uses_cache else [[] for _ in seq_lens],
             max_query_len=int(query_a.max(initial=0)),
             max_seq_len=int(seq_a.max(initial=0)),
             backend_name=self.backend_name,
@@ -605,7 +606,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         return {
             "encoder_seq_lens": encoder_seq_lens,
             "cross_block_tables_list": None if cross_block_tables is None
-            else _host_tables(cross_block_tables),
+            else _host_tables(cross_block_tables, tables["cross_block_tables"]),
             "max_encoder_seq_len": max(encoder_seq_lens, default=0),
             "num_encoder_tokens": sum(encoder_seq_lens),
         }
