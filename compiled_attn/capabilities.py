@@ -5,9 +5,9 @@ The one place capabilities are checked: specs (`AttentionBackend.unsupported_rea
 (`CommonMetadataBuilder`), impls (`CommonImpl.check_supported`) and graph States
 (`GraphState.graph_capture`) all come here; `registry.backends_with` asks it of every registered
 backend to name one that does support a need. It reads only the data the contract declares on a
-backend class (`supported_dtypes`, `supports_alibi`, `graph_attn_types`, ...) and imports nothing
-of compiled_attn at run time (the contract's classes only for type annotations), so `abstract`
-can call it.
+backend class (`supported_dtypes`, `supports_alibi`, `graph_attn_types`, ...) and imports only
+`validation` of compiled_attn at run time (the contract's classes only for type annotations), so
+`abstract` can call it.
 """
 
 from __future__ import annotations
