@@ -610,12 +610,30 @@ def test_a_deferred_upload_names_the_device_with_its_index(monkeypatch):
     assert md.device == torch.device("meta") and md.slot_mapping.device.type == "meta"
 
 
+def test_add_backend_fields_gets_the_steps_checked_host_inputs(monkeypatch):
+    """The hook every backend implements reads one HostStep: the lengths, the prefill count and
+    the builder's checked tables (padded, block 0 past each need), cross attention's too."""
+    steps = []
+    monkeypatch.setattr(type(builder(T.ENCODER_DECODER)), "add_backend_fields",
+                        lambda self, step: steps.append(step) or {})
+    tables = np.array([[10, 3, 8, 99], [0, 21, 98, 97], [5, 6, 96, 95]])
+    builder(T.ENCODER_DECODER).build([9, 5, 7], [3, 5, 1], tables, encoder_seq_lens=[5, 3, 2],
+                                     cross_block_tables=[[11, 12], [13], [15, 16, 17]])
+    (step,) = steps
+    assert isinstance(step, ca.metadata.HostStep)
+    assert (step.seq_lens, step.query_lens, step.num_prefills, step.encoder_seq_lens) == ([9, 5, 7], [3, 5, 1], 2,
+                                                                                           [5, 3, 2])
+    assert step.block_table.tolist() == [[10, 3, 8], [0, 21, 0], [5, 6, 0]]
+    assert step.block_ids.tolist() == [10, 3, 8, 0, 21, 5, 6]
+    assert step.cross_block_table.tolist() == [[11, 12], [13, 0], [15, 0]]
+
+
 def test_an_upload_of_a_field_not_declared_a_device_field_raises(monkeypatch):
     spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
                             dtype=torch.float32, device="cpu")
     builder = ca.registry.BACKEND_CLASSES()["TORCH_SDPA"].get_builder_cls()(spec)
     # a backend field uploaded with the step's copy must be a DeviceField, or nothing would upload it on its read
-    monkeypatch.setattr(type(builder), "add_backend_fields", lambda self, *args: {"extra_rows": np.zeros(2, np.int64)})
+    monkeypatch.setattr(type(builder), "add_backend_fields", lambda self, step: {"extra_rows": np.zeros(2, np.int64)})
     with pytest.raises(TypeError, match=r"must declare its uploaded fields \['extra_rows'\] as DeviceField\(None\)"):
         builder.build([5, 9], [1, 1], [[1, 2], [3, 4, 5]])
     assert isinstance(vars(ca.metadata.CommonMetadata)["slot_mapping"], DeviceField)

@@ -114,6 +114,19 @@ def test_alibi_slots_of_an_encoder_decoder_spec_serve_its_decoder_self_attention
     assert not hasattr(md, "alibi_cross_slots")
 
 
+def test_alibi_op_refuses_cross_attention_rather_than_attending_as_self():
+    """Layers refuse ALiBi on cross attention; the op refuses it too before any work, since its
+    per-request loop would otherwise attend over the decoder's own keys."""
+    from compiled_attn.ops.xformers import alibi_attention
+
+    spec = make_spec(attn_type=T.ENCODER_DECODER, alibi_slopes=torch.ones(8))
+    md = host_metadata(spec, [3, 5], [3, 1], [[4], [6]], encoder_seq_lens=[2, 66], cross_block_tables=[[9], [1, 7]])
+    query = torch.randn(4, 8, 64)
+    with pytest.raises(NotImplementedError, match=r"^ALiBi is not defined for ENCODER_DECODER \(cross\) attention$"):
+        alibi_attention(md, query, None, None, torch.randn(2, 16, 64, 4, 64), torch.empty_like(query), 0.125, 0,
+                        torch.ones(8), T.ENCODER_DECODER)
+
+
 @pytest.mark.parametrize("options", [{"sliding_window": 50}, {"alibi_slopes": torch.linspace(0.1, 1.0, 8)}])
 def test_a_step_with_prefills_uploads_its_gathers_in_the_one_copy(monkeypatch, options):
     """xFormers' own fields (decode rows, gathered-key starts and slots, window starts, ALiBi

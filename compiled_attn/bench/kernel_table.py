@@ -67,7 +67,7 @@ def markdown(table: dict, title: str, width: int = 70) -> str:
     """The table as markdown: per-layer kernels, then per-step ones, then the totals."""
     lines = [f"**{title}**: {table['kernels/layer']:.0f} kernels / layer, {table['us/layer']:.1f} us / layer; "
              f"{table['kernel us/step']:.0f} us of kernels / step in a {table['span us/step']:.0f} us step "
-             f"(GPU busy {table['gpu busy']:.1%})", "",
+             f"(GPU busy {table['gpu busy']:.1%} of the profiled span)", "",
              "| kernel | where | calls / step | us / call | us / layer |", "|---|---|---|---|---|"]
     for r in table["rows"]:
         name = r["kernel"] if len(r["kernel"]) <= width else r["kernel"][: width - 3] + "..."

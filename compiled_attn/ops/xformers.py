@@ -194,6 +194,8 @@ def alibi_attention(
     xFormers takes ALiBi only as a dense tensor bias (no block-diagonal or paged variant), so
     this path loops over requests on the host: eager only (the State refuses ALiBi graphs).
     """
+    if kind == AttentionType.ENCODER_DECODER:  # refused when a layer is made; the loop below would treat it as self
+        raise NotImplementedError("ALiBi is not defined for ENCODER_DECODER (cross) attention")
     g = md.spec.num_kv_heads
     hpg = query.shape[1] // g
     slopes = alibi_slopes.to(torch.float32).view(g, hpg)[None, :, :, None, None]
