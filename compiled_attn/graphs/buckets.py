@@ -45,11 +45,8 @@ def capture_sizes_for(max_batch_size: int, sizes: Iterable[int] | None = None) -
     [16, 8, 4, 2, 1]
     """
     max_batch_size = as_int("max_batch_size", max_batch_size)
-    sizes = _checked_sizes(DEFAULT_CAPTURE_SIZES if sizes is None else sizes, "capture sizes")
-    kept = sorted({s for s in sizes if s <= max_batch_size}, reverse=True)
-    if not kept:
-        raise ValueError(f"no capture size in {sorted(set(sizes))} is <= max_batch_size={max_batch_size}")
-    return kept
+    return _largest_first(_checked_sizes(DEFAULT_CAPTURE_SIZES if sizes is None else sizes, "capture sizes"),
+                          max_batch_size)
 
 
 def piecewise_sizes_for(sizes: Iterable[int] | None = None) -> list[int]:
@@ -61,8 +58,16 @@ def piecewise_sizes_for(sizes: Iterable[int] | None = None) -> list[int]:
     """
     if isinstance(sizes, list | tuple | range) and not len(sizes):
         raise ValueError("piecewise_sizes must name at least one token count")
-    return capture_sizes_for(INT32_MAX, _checked_sizes(DEFAULT_PIECEWISE_SIZES if sizes is None else sizes,
-                                                       "piecewise_sizes"))
+    return _largest_first(_checked_sizes(DEFAULT_PIECEWISE_SIZES if sizes is None else sizes, "piecewise_sizes"),
+                          INT32_MAX)
+
+
+def _largest_first(sizes: list[int], max_batch_size: int) -> list[int]:
+    """The checked `sizes` up to `max_batch_size`, largest first, without duplicates."""
+    kept = sorted({s for s in sizes if s <= max_batch_size}, reverse=True)
+    if not kept:
+        raise ValueError(f"no capture size in {sorted(set(sizes))} is <= max_batch_size={max_batch_size}")
+    return kept
 
 
 def _checked_sizes(sizes: object, what: str) -> list[int]:
