@@ -110,7 +110,42 @@ def test_overhead_rows_time_repeat_steps_against_the_raw_kernels(monkeypatch):
     ops = [r["what"].split(" (")[0] for r in rows]
     assert ops == ["TORCH_SDPA: kv_cache_update", "TORCH_SDPA: torch_sdpa_attention"]
     assert all(r["checks us"] > 0 and "overhead us" in r and "op group overhead us" in r for r in rows)
+    assert all("pipelined overhead us" in r and "pipelined op group overhead us" in r for r in rows)
     assert len(full_checks) == 1  # the attention op's first call; the cache write is of its kind
+
+
+def test_paired_pipelined_overhead_finds_a_known_cost_and_patches_only_the_raw_call(monkeypatch):
+    """The overhead estimator on a call that costs the raw call's 100 us plus 200 (a fake clock
+    the calls advance, so that no load on the machine can move it): it reads 200 us, not the
+    call's 300, and its raw context (entered again each round, as the suite's `mock.patch` is)
+    applies to the raw call only."""
+    from compiled_attn.bench import overhead, timing
+
+    now = [0.0]
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    class Patch:
+        active = False
+
+        def __enter__(self):
+            Patch.active = True
+
+        def __exit__(self, *exc):
+            Patch.active = False
+
+    raw_saw = []
+
+    def raw() -> None:
+        raw_saw.append(Patch.active)
+        now[0] += 100e-6
+
+    def op() -> None:
+        assert not Patch.active
+        now[0] += 300e-6
+
+    got = overhead.paired_pipelined_us(op, raw, Patch(), calls=10, rounds=5)
+    assert got == pytest.approx(200.0)
+    assert len(raw_saw) == 50 and all(raw_saw)
 
 
 def test_piecewise_bench_steps_are_the_issues_mixed_and_prefill_steps():

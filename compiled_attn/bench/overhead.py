@@ -19,12 +19,13 @@ import contextlib
 import itertools
 import sys
 import unittest.mock
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 import compiled_attn as ca
-from compiled_attn.bench.timing import card_name, eager_time_us
+from compiled_attn.bench.timing import card_name, eager_time_us, pipelined_host_us
 from compiled_attn.capabilities import smallest_block_size
 from compiled_attn.metadata import packed_copy, upload
 from compiled_attn.ops.cache import write_kv_cache
@@ -59,7 +60,9 @@ def run(quick: bool = False) -> list[dict]:
     """Rows: op, us per call (median), its overhead over the raw kernel (`write_kv_cache`, an
     attention op's Python kernel with its step checks skipped; both timed with a synchronize
     after each call, which the difference cancels), the same overhead in host time alone (`host
-    overhead us`: each call timed from its start on an idle GPU to its return) and, for our ops,
+    overhead us`: each call timed from its start on an idle GPU to its return), the same in a
+    loop that never waits for the GPU (`pipelined overhead us`, and `pipelined op group overhead
+    us` for the piecewise op groups' call: paired rounds, `paired_pipelined_us`) and, for our ops,
     the host time of those lookups and checks alone on a repeat step (`checks us`: no GPU work,
     so no synchronize)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -153,6 +156,21 @@ def copy_rows(iters: int, device: str = "cuda", batch: int = 64, ctx: int = 1024
     return rows
 
 
+def paired_pipelined_us(fn: Callable[[], object], raw_fn: Callable[[], object],
+                        raw_context: contextlib.AbstractContextManager, *, calls: int, rounds: int) -> float:
+    """Median over `rounds` of `fn`'s pipelined host time per call less `raw_fn`'s, batches of
+    `calls` each, the two timed one right after the other in each round
+    (`timing.pipelined_host_us`), so that the host's drift (clocks, caches, neighbours) cancels
+    within a pair. `raw_context` is entered around each of `raw_fn`'s batches (and may be
+    entered again: a `unittest.mock.patch` is)."""
+    diffs = []
+    for _ in range(rounds):
+        us = pipelined_host_us(fn, calls=calls)
+        with raw_context:
+            diffs.append(us - pipelined_host_us(raw_fn, calls=calls))
+    return float(np.median(diffs))
+
+
 def backend_rows(backend_name: str, backend: type[ca.AttentionBackend], device: str, iters: int) -> list[dict]:
     """The cache-write op and this backend's attention op: dispatcher call, and the op's Python
     kernel as the piecewise op groups call it, each vs the raw kernel."""
@@ -189,8 +207,15 @@ def backend_rows(backend_name: str, backend: type[ca.AttentionBackend], device: 
             op_us = eager_time_us(op_fn, iters=iters)
             with raw_context:
                 raw_launch_us = eager_time_us(raw_fn, iters=iters, launch_only=True)
+            # batches of about 5 ms (CPU kernels take milliseconds, GPU launches microseconds)
+            pipelined = {"calls": max(2, min(iters, int(5000 / op_us))), "rounds": 15 if iters >= 200 else 3}
             rows.append({"card": card_name(), "what": f"{backend_name}: {what}", "us/call": op_us,
                          "overhead us": op_us - raw_us,
+                         # the host's cost of the op over the raw call in a loop that never waits
+                         # for the GPU: the least noisy of the overhead columns
+                         "pipelined overhead us": paired_pipelined_us(op_fn, raw_fn, raw_context, **pipelined),
+                         "pipelined op group overhead us": paired_pipelined_us(direct_fn, raw_fn, raw_context,
+                                                                               **pipelined),
                          # host time alone (GPU idle at the call, its synchronize untimed): the
                          # overhead without the GPU time's and the synchronize's jitter
                          "host overhead us": eager_time_us(op_fn, iters=iters, launch_only=True) - raw_launch_us,

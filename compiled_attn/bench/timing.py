@@ -77,3 +77,19 @@ def eager_time_us(fn: Callable[[], object], *, iters: int = 50, host_only: bool 
         if not launch_only:
             times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
+
+
+def pipelined_host_us(fn: Callable[[], object], *, calls: int = 100) -> float:
+    """Host time of one `fn()` in microseconds, as a loop pays it: `calls` back-to-back calls
+    timed together, nothing synchronized between them (the GPU, if any, runs behind; the
+    synchronize after the batch is left out). A small kernel's launch queue never fills within a
+    batch, so the figure is the host's work alone, without the per-call synchronize that puts a
+    GPU wait and its jitter into `eager_time_us`."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    sync()
+    return elapsed / calls * 1e6
