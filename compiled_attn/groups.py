@@ -216,7 +216,7 @@ class GroupedState(AttentionState):
     def _per_group(self, input_buffers: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         per_group: dict[str, dict[str, torch.Tensor]] = {g: {} for g in self.states}
         for key, t in input_buffers.items():
-            g, _, name = key.partition(_SEP)
+            g, _, name = key.rpartition(_SEP)  # group names may hold the separator; field names never do
             per_group[g][name] = t
         return per_group
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
 import reprlib
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -153,6 +154,21 @@ class ScheduledStep:
     sampled: list[ServedRequest]  # the requests those rows belong to, in the same order
 
 
+_MAX_TOKEN_ID = np.iinfo(np.int64).max  # the steps' input_ids are int64
+
+
+def _token_id(token: object) -> int:
+    """A sampled token as a Python int; ValueError for anything that is not a token id (an int
+    >= 0 that fits int64: a float, a negative id or a tensor of several would be fed as is)."""
+    try:
+        value = operator.index(token)
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value <= _MAX_TOKEN_ID:
+        raise ValueError(f"update() takes token ids (ints >= 0 that fit int64), got {reprlib.repr(token)}")
+    return value
+
+
 def window_blocks(sliding_window: int, max_query_len: int, block_size: int) -> int:
     """The most blocks a rolling table holds at once: the window before a step's first new token
     plus the step's tokens, over at most one partial block at each end."""
@@ -260,8 +276,10 @@ class Scheduler:
         tokens = np.asarray(prompt.cpu() if isinstance(prompt, torch.Tensor) else prompt)
         if tokens.ndim == 1 and not tokens.size:
             raise ValueError("a prompt needs at least one token")
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or tokens.min() < 0:
-            raise ValueError(f"a prompt is a sequence of token ids (ints >= 0), got {reprlib.repr(prompt)}")
+        if (tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or tokens.min() < 0
+                or tokens.max() > _MAX_TOKEN_ID):
+            raise ValueError(f"a prompt is a sequence of token ids (ints >= 0 that fit int64), got "
+                             f"{reprlib.repr(prompt)}")
         longest = tokens.size + max_new_tokens - 1  # the last token is sampled, never fed
         reserved = {g: self._most_blocks(g, longest, tokens.size) for g in self.windows}
         for g, need in reserved.items():
@@ -397,11 +415,19 @@ class Scheduler:
         their blocks are free again."""
         if len(next_tokens) != len(step.sampled):
             raise ValueError(f"update() needs {len(step.sampled)} tokens (one per sample row), got {len(next_tokens)}")
-        for r, q in zip(step.requests, step.query_lens.tolist(), strict=True):
+        # everything checked before anything is recorded: a refused update leaves the scheduler as it was
+        tokens = [_token_id(t) for t in next_tokens]
+        query_lens = step.query_lens.tolist()
+        firsts = np.cumsum(step.query_lens) - step.query_lens  # each request's first row in the flat batch
+        for r, start in zip(step.requests, step.positions[firsts].tolist(), strict=True):
+            if r.num_computed != start:
+                raise ValueError(f"this step feeds request {r.request_id} from position {start}, but it has "
+                                 f"{r.num_computed} tokens computed: record each step once, in the order "
+                                 "schedule() made them")
+        for r, q in zip(step.requests, query_lens, strict=True):
             r.num_computed += q
         finished = []
-        for r, token in zip(step.sampled, next_tokens, strict=True):
-            token = int(token)
+        for r, token in zip(step.sampled, tokens, strict=True):
             r.tokens.append(token)
             if token in r.eos_token_id:
                 r.finish_reason = "eos"

@@ -158,6 +158,23 @@ def grouped_model(specs: dict[str, ca.AttentionSpec], seed: int):
     return model, caches
 
 
+@pytest.mark.parametrize("names", [("full", "layers/sliding"), ("a", "a/b")])
+def test_grouped_state_routes_buffers_of_groups_whose_names_hold_a_slash(names):
+    """Group names are any str: the flat buffer keys ("group/field") split at the last "/", so a
+    name holding one (or another group's name and a "/") still gets its own buffers."""
+    spec = spec_of(max_seq_len_to_capture=64)
+    grouped = GroupedState({g: SDPA.get_state_cls()(spec) for g in names})
+    with grouped.graph_capture(2):
+        bufs = grouped.get_graph_input_buffers(grouped.graph_capture_get_metadata_for_batch(2))
+        clone = grouped.graph_clone(2)
+    tables = {names[0]: [[1, 0], [2, 3]], names[1]: [[4, 0], [5, 6]]}  # one step, each group its blocks
+    md = GroupedMetadata.of({g: SDPA.get_builder_cls()(spec).build([12, 31], [1, 1], [row[: 1 + i] for i, row
+                                                                                     in enumerate(tables[g])])
+                             for g in names})
+    clone.prepare_graph_input_buffers(bufs, md)
+    assert {g: bufs[f"{g}/block_tables"][:, :2].tolist() for g in names} == tables
+
+
 def test_grouped_state_serves_a_runner_whose_groups_differ():
     """Two groups of one model through CUDAGraphRunner's padded static-buffer step (CPU: no capture):
     decode outputs equal the eager step's."""

@@ -217,6 +217,48 @@ def test_update_with_a_token_per_row_too_few_or_many_raises_and_records_nothing(
     assert [(r.num_computed, r.tokens[-1]) for r in step.requests] == [(3, 7), (2, 8)]
 
 
+@pytest.mark.parametrize("bad", [None, -5, 7.5, 2**63, torch.tensor([3, 4])])
+def test_update_with_a_token_that_is_no_id_raises_and_records_nothing(bad):
+    """Every token is checked before anything is recorded, as the count is: a bad second token
+    leaves the first request's tokens and both requests' computed counts as they were."""
+    sched = Scheduler(num_blocks=16, block_size=4, group_windows={"full": None})
+    sched.add_requests([[1, 2, 3], [4, 5]], max_new_tokens=3)
+    step = sched.schedule()
+    before = [(r.num_computed, list(r.tokens)) for r in step.requests]
+    with pytest.raises(ValueError, match=r"^update\(\) takes token ids \(ints >= 0 that fit int64\)"):
+        sched.update(step, [7, bad])
+    assert [(r.num_computed, r.tokens) for r in step.requests] == before
+    sched.update(step, [np.int64(7), torch.tensor(8)])  # numpy and 0-d tensor ids are ids
+    assert [(r.num_computed, r.tokens[-1]) for r in step.requests] == [(3, 7), (2, 8)]
+    assert drive(sched) == 2  # two more decode steps each, served as usual
+
+
+def test_a_step_recorded_twice_or_out_of_order_raises_and_records_nothing():
+    sched = Scheduler(num_blocks=16, block_size=4, group_windows={"full": None})
+    sched.add_requests([[1, 2, 3], [4, 5]], max_new_tokens=3)
+    first = sched.schedule()
+    stale = sched.schedule()  # the same tokens again: nothing was recorded in between
+    sched.update(first, [7, 8])
+    for step in (first, stale):
+        before = [(r.num_computed, list(r.tokens)) for r in step.requests]
+        with pytest.raises(ValueError, match=r"feeds request \d+ from position 0, but it has [23] tokens computed: "
+                                             r"record each step once, in the order schedule\(\) made them"):
+            sched.update(step, [9, 9])
+        assert [(r.num_computed, r.tokens) for r in step.requests] == before
+    step = sched.schedule()
+    assert step.query_lens.tolist() == [1, 1] and step.input_ids.tolist() == [7, 8]
+
+
+def test_a_prompt_id_beyond_int64_is_refused_before_it_takes_blocks():
+    sched = Scheduler(num_blocks=16, block_size=4, group_windows={"full": None})
+    with pytest.raises(ValueError, match=r"^a prompt is a sequence of token ids \(ints >= 0 that fit int64\)"):
+        sched.add_request(np.array([2**63], dtype=np.uint64), max_new_tokens=2)
+    ok = sched.add_request(np.array([2**63 - 1, 5], dtype=np.uint64), max_new_tokens=1)
+    step = sched.schedule()
+    assert [r.request_id for r in step.requests] == [ok] and step.input_ids.tolist() == [2**63 - 1, 5]
+    assert sched.blocks_in_use() == {"full": 1}
+
+
 def test_a_full_allocator_raises_and_hands_out_nothing():
     allocator = BlockAllocator(3, block_size=4)
     table = []
