@@ -412,7 +412,9 @@ class Scheduler:
     def update(self, step: ScheduledStep, next_tokens: Sequence[int]) -> list[ServedRequest]:
         """Record a step: its tokens are now cached, and each of `step.sampled` gets its token from
         `next_tokens` (one per `step.sample_rows` entry). Returns the requests that finished;
-        their blocks are free again."""
+        their blocks are free again. ValueError, with nothing recorded, for a wrong token count,
+        a token that is not an id (an int >= 0 that fits int64), or a step that is not each of
+        its requests' next (recorded already, or an older one after a newer)."""
         if len(next_tokens) != len(step.sampled):
             raise ValueError(f"update() needs {len(step.sampled)} tokens (one per sample row), got {len(next_tokens)}")
         # everything checked before anything is recorded: a refused update leaves the scheduler as it was

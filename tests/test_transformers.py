@@ -155,7 +155,21 @@ def test_generate_returns_the_new_tokens_of_every_prompt(family):
     with pytest.raises(ValueError, match=r"prompts\[1\]: a request of 300 prompt"):
         engine.generate([PROMPTS[0], [1] * 300], max_new_tokens=NEW_TOKENS)
     assert not engine.has_unfinished() and not engine._outputs
+    # so does a batch with an id past the vocabulary, which the step's embedding would fail on
+    vocab = model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=rf"^prompts\[1\]: token id {vocab} is past the model's vocabulary of "
+                                         rf"{vocab} \(its input embeddings\)"):
+        engine.generate([PROMPTS[0], [1, vocab, 2]], max_new_tokens=NEW_TOKENS)
+    assert not engine.has_unfinished() and not engine._outputs
     assert engine.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS) == ref_tokens[:1]
+    # an output is popped once its request finished: a running one's next step still records into it
+    first, second = (engine.add_request(p, max_new_tokens=NEW_TOKENS) for p in PROMPTS[:2])
+    engine.step()
+    with pytest.raises(ValueError, match=rf"^request {first} is still running: pop its output once it finished"):
+        engine.pop_output(first)
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.pop_output(r).output_tokens for r in (first, second)] == ref_tokens[:2]
 
 
 def drop_window(model):
@@ -383,8 +397,9 @@ def test_random_config_overrides_the_familys_own_settings():
 @pytest.mark.parametrize("max_new_tokens", [1, 3])
 def test_run_generate_reports_token_ids_without_a_tokenizer(max_new_tokens):
     """The CLI's generate on random weights (no tokenizer): the row holds each prompt's new token
-    ids, those `PagedEngine.generate` gives for the same prompts, and no steady rate for a run of
-    one step."""
+    ids, those `PagedEngine.generate` gives for the same prompts with the model's own stop token
+    (its generation_config's, as transformers' generate: the first prompt's first new token is
+    that EOS, 2, so it stops there), and no steady rate for a run of one step."""
     from compiled_attn.integrations.generate import run_generate
 
     row = run_generate(family="llama", size="tiny", num_prompts=2, prompt_len=4, max_new_tokens=max_new_tokens,
@@ -393,6 +408,22 @@ def test_run_generate_reports_token_ids_without_a_tokenizer(max_new_tokens):
     model = hf_random.random_model(hf_random.random_config("llama", "tiny"))
     prompts = [torch.randint(1, model.config.vocab_size, (4,), generator=g).tolist() for _ in range(2)]
     engine = ca_hf.PagedEngine(model, block_size=16, num_blocks=8, compile=False, cuda_graphs=False)
-    assert row["token ids"] == engine.generate(prompts, max_new_tokens=max_new_tokens)
-    assert "texts" not in row and row["new tokens"] == 2 * max_new_tokens
+    assert model.generation_config.eos_token_id == 2
+    want = engine.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=2)
+    assert row["token ids"] == want and want[0] == [2] and len(want[1]) == max_new_tokens
+    assert "texts" not in row and row["new tokens"] == 1 + max_new_tokens
     assert (row["steady tok/s"] is None) == (max_new_tokens == 1)
+
+
+@pytest.mark.parametrize(("config_eos", "tokenizer_eos", "want"),
+                         [([2, 116], 2, [2, 116]), (5, 2, 5), (None, 2, 2), (None, None, None)])
+def test_generate_stops_where_transformers_generate_does(config_eos, tokenizer_eos, want):
+    """The CLI's stop tokens: the checkpoint's generation_config.eos_token_id (instruct
+    checkpoints list several), else the tokenizer's EOS, else none."""
+    from types import SimpleNamespace
+
+    from compiled_attn.integrations.generate import stop_token_ids
+
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=config_eos))
+    assert stop_token_ids(model, SimpleNamespace(eos_token_id=tokenizer_eos)) == want
+    assert stop_token_ids(model, None) == config_eos

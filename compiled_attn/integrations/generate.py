@@ -33,6 +33,15 @@ def load_model(model_dir: str | None, family: str | None, size: str, dtype: torc
     return model.to(device).eval(), tokenizer
 
 
+def stop_token_ids(model: Any, tokenizer: Any) -> int | list[int] | None:
+    """The ids a request stops at, as transformers' `generate` picks them: the checkpoint's
+    `generation_config.eos_token_id` (an id or a list: instruct checkpoints list several), else
+    the tokenizer's EOS; None (stop at max_new_tokens only) when neither names one."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    return eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
+
+
 def run_generate(*, model_dir: str | None = None, family: str | None = None, size: str = "small",
                  prompts: list[str] | None = None, num_prompts: int = 8, prompt_len: int = 64,
                  max_new_tokens: int = 64, backend: str | None = None, block_size: int = 16,
@@ -59,7 +68,8 @@ def run_generate(*, model_dir: str | None = None, family: str | None = None, siz
                                cuda_graphs=cuda_graphs, max_batch_size=max(len(ids), 1),
                                max_seq_len_to_capture=-(-longest // block_size) * block_size)
     setup_s = time.perf_counter() - start
-    rids = [engine.add_request(p, max_new_tokens, getattr(tokenizer, "eos_token_id", None)) for p in ids]
+    eos = stop_token_ids(model, tokenizer)
+    rids = [engine.add_request(p, max_new_tokens, eos) for p in ids]
     bar = _bar(len(ids) * max_new_tokens, progress)
     start = time.perf_counter()
     generated, first = 0, None  # first: (seconds, tokens) at the end of the first step

@@ -24,6 +24,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -255,6 +256,9 @@ class PagedEngine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.model = model.eval()
+        # an id past the embedding table fails inside the step (an IndexError, a device-side
+        # assert, or the compiled kernel's abort) after the request holds blocks: refused up front
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         self.keep_logits = keep_logits
         modules = attention_modules(model)
         self.groups = self._make_groups([layer_settings(m) for m in modules], block_size, num_blocks,
@@ -347,7 +351,14 @@ class PagedEngine:
 
     def _add(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              eos_token_id: int | Sequence[int] | None) -> list[int]:
-        """Queue the prompts, all or none (`Scheduler.add_requests`), each with its output record."""
+        """Queue the prompts, all or none (`Scheduler.add_requests`), each with its output record;
+        ValueError for a prompt id the model's embedding table does not hold."""
+        for i, prompt in enumerate(prompts):
+            ids = np.asarray(prompt.cpu() if isinstance(prompt, torch.Tensor) else prompt)
+            if ids.size and np.issubdtype(ids.dtype, np.integer) and ids.max() >= self.vocab_size:
+                where = f"prompts[{i}]: " if len(prompts) > 1 else ""
+                raise ValueError(f"{where}token id {ids.max()} is past the model's vocabulary of {self.vocab_size} "
+                                 "(its input embeddings): tokenize with the model's own tokenizer")
         ids = self.scheduler.add_requests(prompts, max_new_tokens, eos_token_id)
         for rid, prompt in zip(ids, prompts, strict=True):
             self._outputs[rid] = RequestOutput(rid, [int(t) for t in prompt], [], False, None,
@@ -377,7 +388,12 @@ class PagedEngine:
         return self._outputs[request_id]
 
     def pop_output(self, request_id: int) -> RequestOutput:
-        """The request's output, forgotten by the engine (a long-running server calls this)."""
+        """A finished request's output, forgotten by the engine (a long-running server calls
+        this); ValueError for a request still running (its next step records into the output)."""
+        out = self._outputs[request_id]
+        if not out.finished:
+            raise ValueError(f"request {request_id} is still running: pop its output once it finished "
+                             "(output(request_id).finished)")
         return self._outputs.pop(request_id)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 8,
