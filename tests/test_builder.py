@@ -228,7 +228,9 @@ def test_array_tables_build_what_lists_build(backend_name):
         table = rng.permutation(NB)[: n * 6].reshape(n, 6).astype(np.int32)
         table[np.arange(6)[None, :] >= need[:, None]] = -77  # junk past each request's need: ignored
         want = b.build(seq.tolist(), query.tolist(), [row[:k].tolist() for row, k in zip(table, need, strict=True)])
-        for tables in (table, torch.from_numpy(table).long(), table.astype(np.int64)):
+        # unsigned too: the junk wraps past int64 there (-77 -> 2**64 - 77), and is ignored all the same
+        for tables in (table, torch.from_numpy(table).long(), table.astype(np.int64), table.astype(np.uint64),
+                       torch.from_numpy(table.astype(np.uint64))):
             got = b.build(seq, query, tables)
             _same_metadata(got, want)
             if backend_name == "FLASHINFER":
