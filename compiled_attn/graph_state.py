@@ -342,13 +342,16 @@ class GraphState(AttentionState):
         an input the graph reads); RuntimeError for buffers of a size this state did not capture,
         or of another state.
         """
-        md, bufs = attn_metadata, input_buffers
-        batch_size = bufs["slot_mapping"].shape[0]
-        self._check_step(md, bufs, batch_size)
+        self._check_step(attn_metadata, input_buffers, input_buffers["slot_mapping"].shape[0])
+        self._refill(input_buffers, attn_metadata, upload)
+
+    def _refill(self, bufs: dict[str, torch.Tensor], md: CommonMetadata, upload: bool = True) -> None:
+        """A checked step (`_check_step`) into the buffers: what prepare_graph_input_buffers writes.
+        `GroupedState` checks every group's step first, then refills each."""
         self._write_step(bufs, md, upload)
         # weak: a clone per batch size would otherwise keep its last step's metadata (and the
         # device buffer its fields view) alive until that size replays again
-        self._prepared = (weakref.ref(md), batch_size)
+        self._prepared = (weakref.ref(md), bufs["slot_mapping"].shape[0])
 
     def _check_step(self, md: CommonMetadata, bufs: dict[str, torch.Tensor], batch_size: int) -> None:
         name = self.backend_cls.get_name()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from compiled_attn.abstract import AttentionMetadata, AttentionState
+from compiled_attn.graph_state import GraphState
 
 _SEP = "/"  # group name / field name in the flat buffer dict a runner keeps
 
@@ -205,8 +206,17 @@ class GroupedState(AttentionState):
         md = _grouped(attn_metadata)
         # upload=False only after every group's upload was captured (upload_graph_input_buffers)
         kw, per_group = ({} if upload else {"upload": False}), self._per_group(input_buffers)
-        for g, state in self.states.items():
-            state.prepare_graph_input_buffers(per_group[g], md.for_group(g), **kw)
+        steps = {g: md.for_group(g) for g in self.states}
+        if all(isinstance(state, GraphState) for state in self.states.values()):
+            # every group's step checked before any group's buffers are written: a step one group
+            # refuses leaves them all as they were
+            for g, state in self.states.items():
+                state._check_step(steps[g], per_group[g], per_group[g]["slot_mapping"].shape[0])
+            for g, state in self.states.items():
+                state._refill(per_group[g], steps[g], **kw)
+            return
+        for g, state in self.states.items():  # a State of another kind checks and writes in one call
+            state.prepare_graph_input_buffers(per_group[g], steps[g], **kw)
 
     def upload_graph_input_buffers(self, input_buffers: dict[str, torch.Tensor]) -> bool:
         # every group's, even where one does not capture: an upload queued twice writes the same bytes
