@@ -133,18 +133,18 @@ def test_picked_width_holds_the_step_within_twice_its_need(max_blocks, block_siz
     assert width <= max(2 * need - 1, -(-256 // block_size), 1)
 
 
-@given(st.lists(st.integers(1, 16), min_size=1, max_size=6))
-def test_padded_inputs_hold_each_step_then_pads(counts):
+@given(st.lists(st.integers(1, 16), min_size=1, max_size=6), st.sampled_from([(0, 0, -1), (-1,), (7, -1)]))
+def test_padded_inputs_hold_each_step_then_pads(counts, pads):
     """Steps of any sizes in a row: the buffers hold the step's ids, positions and slots, pads
-    after them (zeros; -1 for slots), rows a larger earlier step wrote included, whatever they
-    held before the first."""
-    bufs = [torch.randint(1, 100, (16,), dtype=torch.int64) for _ in range(3)]
+    after them (zeros, -1 for slots, or any other pad; no buffer padded with zeros too), rows a
+    larger earlier step wrote included, whatever they held before the first."""
+    bufs = [torch.randint(1, 100, (16,), dtype=torch.int64) for _ in pads]
     pads_from = 16  # the first step finds garbage everywhere
     for n in counts:
-        rows = [torch.randint(1, 100, (n,), dtype=torch.int64) for _ in range(3)]
-        pads_from = fill_padded(bufs, rows, pads_from, (0, 0, -1))
+        rows = [torch.randint(1, 100, (n,), dtype=torch.int64) for _ in pads]
+        pads_from = fill_padded(bufs, rows, pads_from, pads)
         assert pads_from == n
-        for buf, row, pad in zip(bufs, rows, (0, 0, -1), strict=True):
+        for buf, row, pad in zip(bufs, rows, pads, strict=True):
             assert torch.equal(buf, torch.cat([row, row.new_full((16 - n,), pad)]))
 
 

@@ -98,7 +98,9 @@ def fill_padded(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]
     torch._foreach_copy_([buf[:n] for buf in buffers], list(sources), non_blocking=True)
     if n < pads_from:
         values = pad_values or [0] * len(buffers)
-        torch._foreach_zero_([buf[n:pads_from] for buf, pad in zip(buffers, values, strict=True) if pad == 0])
+        zeros = [buf[n:pads_from] for buf, pad in zip(buffers, values, strict=True) if pad == 0]
+        if zeros:  # the foreach op refuses an empty list
+            torch._foreach_zero_(zeros)
         for buf, pad in zip(buffers, values, strict=True):
             if pad:
                 buf[n:pads_from].fill_(pad)
