@@ -497,6 +497,7 @@ class CUDAGraphRunner:
             return self.piecewise.run(md, input_ids, positions)
         if path != GRAPH:
             check_cache_list(caches)
+            caches = list(caches)  # a tuple is accepted, but the compiled model's guards would retrace it
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("%s: %d requests, %d prefills, max_seq_len %d", path, md.num_seqs, md.num_prefills,
                              md.max_seq_len)
