@@ -482,6 +482,8 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         a request's need are ignored): the array form does no per-element Python work."""
         spec = self.spec
         seq_a, query_a = int_array(seq_lens, "seq_lens"), int_array(query_lens, "query_lens")
+        if not seq_a.size:  # in any form: nothing would run such a step (the runner refuses it too)
+            raise ValueError("a step needs at least one request: seq_lens is empty")
         seq_lens, query_lens = seq_a.tolist(), query_a.tolist()
         num_prefills = split_prefills(seq_a, query_a)
         check_total(query_lens, "query_lens")

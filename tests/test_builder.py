@@ -213,6 +213,21 @@ def _same_metadata(a, b) -> None:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+@pytest.mark.parametrize("attn_type", [ca.AttentionType.DECODER, ca.AttentionType.ENCODER_ONLY])
+@pytest.mark.parametrize(("backend_name", "block_size"), [("TORCH_SDPA", BS), ("FLASHINFER", BS), ("XFORMERS", 64)])
+@pytest.mark.parametrize("form", ["lists", "arrays"])
+def test_an_empty_step_is_refused_in_every_form(backend_name, block_size, attn_type, form):
+    """A step of no requests is a ValueError from every builder, whatever the tables' form (lists
+    crashed with an IndexError, arrays built an empty metadata)."""
+    spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=block_size, num_blocks=NB,
+                            dtype=torch.bfloat16, device="cpu", attn_type=attn_type)
+    builder = ca.registry.BACKEND_CLASSES()[backend_name].get_builder_cls()(spec)
+    lens = np.zeros(0, np.int64)
+    empty = ([], [], []) if form == "lists" else (lens, lens, np.zeros((0, 2), np.int32))
+    with pytest.raises(ValueError, match=r"^a step needs at least one request: seq_lens is empty$"):
+        builder.build(*empty)
+
+
 @pytest.mark.parametrize("backend_name", ["TORCH_SDPA", "FLASHINFER"])
 def test_array_tables_build_what_lists_build(backend_name):
     spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=BS, num_blocks=NB,
