@@ -624,6 +624,9 @@ def check_step(
         raise ValueError(f"query/key/value dtype {query.dtype} must be one float dtype")
     if (key is None) != (value is None):
         raise ValueError("key and value must both be tensors or both be None")
+    if key is None and attn_type in CACHELESS_TYPES:  # the attention ops read only the cache of the others
+        raise ValueError(f"{attn_type.name} attention reads the step's key and value (it has no cache): they may "
+                         "not be None")
     for name, t, heads in (("query", query, impl.num_heads), ("key", key, impl.num_kv_heads),
                            ("value", value, impl.num_kv_heads)):
         if t is None:
@@ -773,9 +776,11 @@ class StepFacts:
             try:
                 rows, kv_rows = step_rows(attn_type, self.md)
                 spec = self.md.spec
+                # key / value are read by the cacheless types, and by a cross step's prefills
                 self._shapes[attn_type] = ((rows, spec.num_heads, spec.head_size),
                                            (kv_rows, spec.num_kv_heads, spec.head_size),
-                                           attn_type == AttentionType.ENCODER_DECODER and self.md.num_prefills > 0)
+                                           attn_type in CACHELESS_TYPES or (attn_type == AttentionType.ENCODER_DECODER
+                                                                            and self.md.num_prefills > 0))
             except (ValueError, AttributeError, TypeError):
                 self._shapes[attn_type] = None
         return self._shapes[attn_type]

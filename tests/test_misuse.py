@@ -97,6 +97,37 @@ def test_op_with_the_name_of_a_dead_layer_writes_nothing(batch):
                                                 batch.kv_cache, name)
 
 
+def test_cache_update_op_for_a_layer_without_a_cache_writes_nothing():
+    """kv_cache_update called directly for an ENCODER_ONLY layer, on a step of fresh prompts that
+    its checks accept (they cover no cache): it must write none, though the step's slots are real."""
+    prompts = make_batch(make_spec(), [3, 5], [3, 5], seed=2)
+    name, _keep = sdpa_impl().register(1.0, 1.0, T.ENCODER_ONLY)
+    md = prompts.build(SDPA)
+    assert (md.slot_mapping >= 0).all()
+    with Untouched(prompts.kv_cache), ca.set_forward_context(md), \
+            pytest.raises(ValueError, match=rf"^layer '{name}' is ENCODER_ONLY attention, which has no KV cache: "
+                                            r"kv_cache_update serves DECODER and ENCODER_DECODER layers$"):
+        torch.ops.compiled_attn.kv_cache_update(heads(prompts.query, HQ), heads(prompts.key, HKV),
+                                                heads(prompts.value, HKV), prompts.kv_cache, name)
+
+
+def test_attention_op_of_a_cacheless_layer_without_key_and_value_raises():
+    """The op called directly with key / value None for an ENCODER_ONLY layer, which reads them
+    (it has no cache): a ValueError both on the layer's first call and after a call of the kind
+    has passed (the per-step fast path), not a TypeError from inside the kernel."""
+    prompts = make_batch(make_spec(attn_type=T.ENCODER_ONLY), [3, 5], [3, 5], seed=2)
+    name, _keep = sdpa_impl().register(1.0, 1.0, T.ENCODER_ONLY)
+    q, out = heads(prompts.query, HQ), torch.empty(prompts.query.shape[0], HQ, D)
+    op = torch.ops.compiled_attn.torch_sdpa_attention
+    with ca.set_forward_context(prompts.build(SDPA)):
+        for first in (True, False):
+            with Untouched(out), pytest.raises(ValueError, match=r"^ENCODER_ONLY attention reads the step's key and "
+                                                                 r"value \(it has no cache\): they may not be None$"):
+                op(q, None, None, None, out, name)
+            if first:  # a valid call of the kind: later calls take the fast path
+                op(q, heads(prompts.key, HKV), heads(prompts.value, HKV), None, out, name)
+
+
 def test_an_eager_call_keeps_its_layer_record_until_its_ops_return(batch):
     """Another thread's eager calls may evict this call's layer record while its ops run, and a
     dead layer's name goes to the next layer of its kind: the call holds the record, so its ops

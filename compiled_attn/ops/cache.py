@@ -13,7 +13,7 @@ from compiled_attn.abstract import AttentionType
 from compiled_attn.forward_context import PieceCapture, get_forward_context, get_layer
 from compiled_attn.ops.common import checked_step
 from compiled_attn.ops.library import define_op, register_fake
-from compiled_attn.validation import check_block_cache, check_block_pairs
+from compiled_attn.validation import CACHE_WRITING_TYPES, check_block_cache, check_block_pairs
 
 
 def _to_cache_dtype(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -73,6 +73,9 @@ def kv_cache_update(
         write_kv_cache(key, value, kv_cache, context_md.slot_mapping, call.k_scale, call.v_scale)
         return
     call, md = checked_step(layer_name, query, key, value, kv_cache)
+    if call.attn_type not in CACHE_WRITING_TYPES:  # its checks covered no cache: it must not write one
+        raise ValueError(f"layer {layer_name!r} is {call.attn_type.name} attention, which has no KV cache: "
+                         "kv_cache_update serves DECODER and ENCODER_DECODER layers")
     cross = call.attn_type == AttentionType.ENCODER_DECODER
     slot_mapping = md.cross_slot_mapping if cross else md.slot_mapping
     write_kv_cache(key, value, kv_cache, slot_mapping, call.k_scale, call.v_scale)
