@@ -105,12 +105,14 @@ def demo_config(cuda: bool) -> LlamaConfig:
                        num_kv_heads=2)
 
 
-def check_demo_args(*, steps: int, num_requests: int = 6, backend_name: str | None = None, tp: int = 1) -> None:
+def check_demo_args(*, steps: int, num_requests: int = 6, backend_name: str | None = None, tp: int = 1,
+                    device: str | None = None) -> None:
     """ValueError (or the registry's error for a backend name) for arguments the demo would fail
     on only after running: no decode step to time, more tokens than its cache holds, or a `tp`
-    that does not split the model's heads, intermediate size and vocabulary."""
+    that does not split the model's heads, intermediate size and vocabulary (of the model for
+    `device`, default where `run_ranks` puts the ranks)."""
     if tp > 1:
-        config = demo_config(distributed.default_device_type(tp) == "cuda")  # where run_ranks puts the ranks
+        config = demo_config(_ranks_device_type(tp, device) == "cuda")
         tpm.local_head_counts(config.num_heads, config.num_kv_heads, tp)
         for name in ("intermediate_size", "vocab_size"):
             tpm.check_divisible(name, getattr(config, name), tp)
@@ -129,11 +131,18 @@ def run_demo(*, steps: int = 16, num_requests: int = 6, seed: int = 0, backend_n
              tp: int = 1, device: str | None = None) -> dict:
     """Run the demo and return its summary row (also used by tests); `tp` > 1 shards the model
     over that many spawned processes (GPUs with NCCL when there are enough, else CPU with gloo)."""
-    check_demo_args(steps=steps, num_requests=num_requests, tp=tp)
+    check_demo_args(steps=steps, num_requests=num_requests, tp=tp, device=device)
     if tp == 1:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         return _demo(None, device, steps, num_requests, seed, backend_name)
-    return distributed.run_ranks(_demo, tp, steps, num_requests, seed, backend_name)[0]
+    return distributed.run_ranks(_demo, tp, steps, num_requests, seed, backend_name,
+                                 device_type=_ranks_device_type(tp, device))[0]
+
+
+def _ranks_device_type(tp: int, device: str | None) -> str:
+    """The device type `tp` ranks run on: `device`'s (each rank takes its own index), else where
+    `run_ranks` puts them by default."""
+    return torch.device(device).type if device is not None else distributed.default_device_type(tp)
 
 
 def _demo(group: dist.ProcessGroup | None, device: torch.device, steps: int, num_requests: int, seed: int,

@@ -45,6 +45,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device_type: 
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if device_type is None:
         device_type = default_device_type(world_size)
+    if device_type not in ("cuda", "cpu"):  # rank r takes cuda:r: a device index or another type has no meaning here
+        raise ValueError(f"device_type must be 'cuda' or 'cpu' (or None: {default_device_type(world_size)!r} "
+                         f"here), got {device_type!r}")
     if device_type == "cuda" and torch.cuda.device_count() < world_size:
         raise ValueError(f"{world_size} ranks on CUDA need {world_size} GPUs, found {torch.cuda.device_count()}")
     results = mp.get_context("spawn").SimpleQueue()

@@ -30,3 +30,16 @@ def test_demo_on_cpu_agrees_and_reports():
     assert row["agree"], row["check"]
     assert row["backend"] == "TORCH_SDPA" and row["eager tok/s"] > 0 and row["compiled tok/s"] > 0
 
+
+
+def test_a_sharded_demo_runs_its_ranks_on_the_device_asked_for(monkeypatch):
+    """`run_demo(tp=2, device=...)` spawns its ranks on that device type (each rank takes its own
+    index), and on run_ranks' default without one; a CPU model is the one whose layout is checked."""
+    from compiled_attn import demo
+
+    asked = []
+    monkeypatch.setattr(demo.distributed, "run_ranks", lambda *a, device_type=None: asked.append(device_type) or [{}])
+    monkeypatch.setattr(demo.distributed, "default_device_type", lambda world_size: "cpu")
+    for device in ("cpu", "cuda", "cuda:1", None):
+        run_demo(steps=1, tp=2, device=device)
+    assert asked == ["cpu", "cuda", "cuda", "cpu"]

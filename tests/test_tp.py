@@ -93,6 +93,9 @@ def test_run_ranks_refuses_a_world_it_cannot_make_before_spawning(monkeypatch):
     n = torch.cuda.device_count() + 1
     with pytest.raises(ValueError, match=f"{n} ranks on CUDA need {n} GPUs, found {n - 1}"):
         distributed.run_ranks(never_run, n, device_type="cuda")
+    for device_type in ("cuda:0", "CUDA", "gpu"):  # not run on the CPU in its stead
+        with pytest.raises(ValueError, match=rf"^device_type must be 'cuda' or 'cpu' .*got '{device_type}'$"):
+            distributed.run_ranks(never_run, 1, device_type=device_type)
 
 
 def build_model_for_layout(config: LlamaConfig, tp: tpm.TPLayout):
@@ -220,6 +223,14 @@ def gloo_rank_checks(group: dist.ProcessGroup, device: torch.device) -> dict:
         build_model(TINY, seed=0, backend=SDPA, device="cuda", tp_group=group)
     except ValueError as e:
         out["device_error"] = str(e)
+    # a group named per device type runs CPU collectives through gloo as a "gloo" group does
+    per_type = dist.new_group(backend="cpu:gloo,cuda:gloo")
+    tpm.check_group_device(per_type, "cpu")  # refused until the check read the backend per device type
+    out["per_type_backends"] = (tpm.group_backend_for(per_type, "cpu"), tpm.group_backend_for(group, "cpu"))
+    try:
+        tpm.check_group_device(per_type, "cuda")
+    except ValueError as e:
+        out["per_type_cuda_error"] = str(e)
     return out
 
 
@@ -311,6 +322,13 @@ def test_ranks_disagreeing_on_capture_sizes_raise_on_every_rank(ranks):
 def test_gloo_group_for_a_cuda_model_raises(ranks):
     for r in ranks:
         assert "'gloo'" in r["device_error"] and "'nccl'" in r["device_error"]
+        assert r["per_type_cuda_error"].startswith("the tensor-parallel group uses 'gloo' but the model is on cuda")
+
+
+def test_a_group_with_a_backend_per_device_type_serves_a_cpu_model(ranks):
+    """`init_process_group()` (torch's default) and "cpu:gloo,..." groups report "undefined" or
+    the whole string from `get_backend`; the check reads the backend of the model's device type."""
+    assert [r["per_type_backends"] for r in ranks] == [("gloo", "gloo")] * WORLD
 
 
 # -------------------------------------------------------------------------------------------

@@ -331,6 +331,19 @@ def test_cli_generate_refuses_a_folder_without_a_config(tmp_path):
     assert e.value.code == 2
 
 
+def test_cli_generate_refuses_prompt_texts_for_a_folder_without_a_tokenizer(tmp_path, monkeypatch, capsys):
+    """--prompt with a model folder that holds no tokenizer: a usage error before the model loads."""
+    from compiled_attn import __main__ as cli
+    from compiled_attn.integrations import generate
+
+    hf_random.random_model(hf_random.random_config("llama", "tiny")).save_pretrained(tmp_path)
+    monkeypatch.setattr(generate, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(tmp_path), "--prompt", "hello"])
+    assert e.value.code == 2
+    assert f"--prompt needs a tokenizer, and {str(tmp_path)!r} holds none" in capsys.readouterr().err
+
+
 def test_settings_transformers_passes_must_equal_what_the_engine_read():
     model = hf_random.random_model(hf_random.random_config("gemma2"))
     engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=False, cuda_graphs=False)

@@ -23,14 +23,20 @@ def load_model(model_dir: str | None, family: str | None, size: str, dtype: torc
     ca_hf.register()
     if family is not None:
         return hf_random.random_model(hf_random.random_config(family, size), dtype=dtype, device=device), None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=ca_hf.IMPLEMENTATION, dtype=dtype)
+    return model.to(device).eval(), load_tokenizer(model_dir)
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    """The folder's tokenizer, or None for a folder with weights only (random prompts, token ids out)."""
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError):
-        tokenizer = None  # a folder with weights only: random prompts, token ids out
-    return model.to(device).eval(), tokenizer
+        return None
 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> int | list[int] | None:

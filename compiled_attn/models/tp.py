@@ -99,13 +99,22 @@ def check_divisible(name: str, value: int, tp_size: int) -> int:
     return value // tp_size
 
 
+def group_backend_for(group: dist.ProcessGroup, device_type: str) -> str:
+    """The backend `group` runs `device_type`'s collectives with. A group made for one backend
+    names it ("gloo"); one made with torch's default or a per-device string ("cpu:gloo,cuda:nccl")
+    names one per device type, which `get_backend` alone reports as "undefined" or the string."""
+    config = str(dist.get_backend_config(group)).lower()
+    per_type = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    return per_type.get(device_type, config) if per_type else config  # none for that type: the whole config
+
+
 def check_group_device(group: dist.ProcessGroup | None, device: str | torch.device) -> None:
     """ValueError unless `group` can run collectives on `device`: NCCL for CUDA, gloo for CPU
     (a gloo group also accepts CUDA tensors, by copying through the host: too slow to serve)."""
     if group is None:
         return
     device = torch.device(device)
-    backend = str(dist.get_backend(group)).lower()
+    backend = group_backend_for(group, device.type)
     want = {"cuda": "nccl", "cpu": "gloo"}.get(device.type)
     if want is None or backend != want:
         raise ValueError(
