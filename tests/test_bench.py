@@ -76,6 +76,27 @@ def test_kernel_table_splits_layer_and_step_kernels():
     assert abs(table["gpu busy"] - steps * (layers * 9.0 + 20.0) / span) < 1e-12
 
 
+def test_kernel_table_counts_a_layer_kernel_split_over_several_names_as_layer_work():
+    """Batch 1's Inductor graph names one layer reduction differently in some layers (here the
+    first two layers' GEMV is `gemv_a`, the other two's `gemv_b`): both are layer work, and a
+    layer's time is their sum per step over the layers (the multiple-of-layers rule filed both
+    under per-step work and read 3 us a layer)."""
+    steps, layers, t, kernels = 2, 4, 0.0, []
+    for _ in range(steps):
+        for i in range(layers):
+            for name, dur in (("gemv_a" if i < 2 else "gemv_b", 5.0), ("attn", 3.0)):
+                kernels.append(Kernel(name, t, t + dur))
+                t += dur + 0.5
+        kernels.append(Kernel("lm_head", t, t + 20.0))
+        t += 21.0
+    table = per_layer_table(kernels, steps, layers)
+    rows = {r["kernel"]: r for r in table["rows"]}
+    assert [rows[k]["where"] for k in ("gemv_a", "gemv_b", "attn", "lm_head")] == ["layer"] * 3 + ["step"]
+    assert rows["gemv_a"]["us/layer"] == rows["gemv_b"]["us/layer"] == 2.5  # 10 us a step over 4 layers
+    assert table["us/layer"] == 8.0 and table["kernels/layer"] == 2
+    assert table["kernel us/step"] == layers * 8.0 + 20.0
+
+
 def test_gpt_fast_peer_decodes_like_the_paged_model():
     """The decode_loop peer (static contiguous cache, index writes, masked SDPA) computes our model."""
     torch.manual_seed(0)

@@ -1,7 +1,9 @@
 """Reduce a profiler's kernel records of a few decode steps to a per-layer table.
 
-A kernel that runs a multiple of `num_layers` times per step belongs to the layers; the rest
-(embedding, final norm, LM head, sampling, metadata copies) are per-step work.
+A kernel that runs more than once per step belongs to the layers; the rest (embedding, final
+norm, LM head, sampling, metadata copies) run once and are per-step work. Not a multiple of
+`num_layers`: at batch 1 Inductor compiles one layer's reduction under several names, each
+serving some of the layers (16 + 16 of 32, or 15 + 1 + 16), and those are layer work all the same.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ def cuda_kernels(prof) -> list[Kernel]:
 
 
 def per_layer_table(kernels: list[Kernel], steps: int, num_layers: int) -> dict:
-    """rows: per kernel name its calls per step, mean us per call, us per layer (or per step for
-    non-layer kernels); totals: kernel us per layer and per step, the span of the steps and the
-    GPU-busy fraction (summed kernel time / span from the first kernel start to the last end).
+    """rows: per kernel name its calls per step, mean us per call, us per layer (its us per step
+    over `num_layers`; None for per-step kernels); totals: kernel us per layer and per step, the
+    span of the steps and the GPU-busy fraction (summed kernel time / span from the first kernel
+    start to the last end).
     """
     if not kernels:
         raise ValueError("no CUDA kernels were recorded (profiler without CUPTI?)")
@@ -40,7 +43,7 @@ def per_layer_table(kernels: list[Kernel], steps: int, num_layers: int) -> dict:
     for name, times in by_name.items():
         calls = len(times) / steps
         per_call = sum(times) / len(times)
-        in_layers = calls >= num_layers and round(calls) % num_layers == 0
+        in_layers = round(calls) >= 2
         rows.append({
             "kernel": name,
             "where": "layer" if in_layers else "step",
