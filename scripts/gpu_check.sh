@@ -137,18 +137,23 @@ if [[ " $PARTS " == *" grid "* ]]; then
   # GRID_OURS_ARGS adds arguments, e.g. "--variant compile --variant fp8").
   # GRID_ORDER="ours peer" runs our side first: the side that runs second has run GEMMs 2-5 %
   # slower in both sessions' profiles (one process, the peer first), so the order is a suspect.
+  # A side may come more than once ("peer ours ours peer": ABBA, each order once): each run logs
+  # to grid-POINT-SIDE-N.log, N its place in GRID_ORDER (1-based).
   for point in ${GRID_POINTS:-64x4096}; do
+    n=0
     for side in ${GRID_ORDER:-peer ours}; do
+      n=$((n + 1))
+      log="$OUT/grid-$point-$side-$n.log"
       case "$side" in
         peer) timeout -k 30 "${GRID_PEER_TIMEOUT:-240}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
-                --backend FLASHINFER --side peer --peer-compiles "${GRID_PEER_COMPILES:-1}" > "$OUT/grid-$point-peer.log" 2>&1 || status=1 ;;
+                --backend FLASHINFER --side peer --peer-compiles "${GRID_PEER_COMPILES:-1}" > "$log" 2>&1 || status=1 ;;
         ours) timeout -k 30 "${GRID_OURS_TIMEOUT:-150}" python3 -m compiled_attn.bench.decode_loop --point "$point" \
                 --backend FLASHINFER --side ours --ours-compiles "${GRID_OURS_COMPILES:-1}" ${GRID_OURS_ARGS:-} \
-                > "$OUT/grid-$point-ours.log" 2>&1 || status=1 ;;
-        *) echo "GRID_ORDER: unknown side '$side' (peer or ours)"; status=1 ;;
+                > "$log" 2>&1 || status=1 ;;
+        *) echo "GRID_ORDER: unknown side '$side' (peer or ours)"; status=1; continue ;;
       esac
+      grep -h "^{" "$log" | cut -c1-230 | sed "s/^/[$n: $side] /"
     done
-    grep -h "^{" "$OUT/grid-$point-peer.log" "$OUT/grid-$point-ours.log" | cut -c1-240
   done
 fi
 if [[ " $PARTS " == *" autotune "* ]]; then
