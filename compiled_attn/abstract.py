@@ -85,6 +85,8 @@ class AttentionBackend(ABC):
     supports_alibi: ClassVar[bool]
     supports_sliding_window: ClassVar[bool]
     supports_logits_soft_cap: ClassVar[bool]
+    # both on one layer (a backend may have each alone: FlashInfer adds ALiBi inside the cap)
+    supports_alibi_with_soft_cap: ClassVar[bool] = True
     requires_cuda: ClassVar[bool]
     # What the State (`get_state_cls`) captures in CUDA graphs: decode steps of specs of these types,
     # and whether of ALiBi specs. `graph_state.GraphState.graph_capture` refuses the others.

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from compiled_attn.validation import as_int
+from compiled_attn.validation import INT32_MAX, as_int
 
 if TYPE_CHECKING:  # annotations only: `abstract` imports this module
     from compiled_attn.abstract import AttentionBackend, AttentionSpec
@@ -58,6 +58,8 @@ def capability_reason(
         (alibi and not cls.supports_alibi, "does not support ALiBi"),
         (sliding_window and not cls.supports_sliding_window, "does not support sliding_window"),
         (logits_soft_cap and not cls.supports_logits_soft_cap, "does not support logits_soft_cap"),
+        (alibi and logits_soft_cap and not cls.supports_alibi_with_soft_cap,
+         "cannot combine ALiBi with logits_soft_cap"),
         (device is not None and cls.requires_cuda and device.type != "cuda", f"runs on CUDA only, not {device}"),
         (graphs and attn_type is not None and attn_type not in cls.graph_attn_types,
          f"captures decode steps of {'/'.join(t.name for t in cls.graph_attn_types)} specs only, "
@@ -91,17 +93,14 @@ def cuda_unavailable_reason(package: str) -> str | None:
     return None
 
 
-MAX_BLOCK_SIZE = 1 << 16
-
-
 def smallest_block_size(cls: type[AttentionBackend], at_least: int = 16) -> int:
     """The first of `at_least`, 2 * `at_least`, 4 * `at_least`, ... that `cls` takes as a block
-    size (xFormers' paged decode reads 64-key tiles): what benchmarks and tests use instead of
-    naming a backend."""
+    size (xFormers' paged decode reads 64-key tiles), up to the largest a spec holds (int32):
+    what benchmarks and tests use instead of naming a backend."""
     # 0 or below would come back as a block size (XFORMERS takes 0 and -64), or double forever
     block_size = as_int("at_least", at_least)
-    while not cls.supports_block_size(block_size):
+    while block_size <= INT32_MAX:
+        if cls.supports_block_size(block_size):
+            return block_size
         block_size *= 2
-        if block_size > MAX_BLOCK_SIZE:
-            raise ValueError(f"{cls.get_name()} supports no block size from {at_least} to {MAX_BLOCK_SIZE}")
-    return block_size
+    raise ValueError(f"{cls.get_name()} supports no block size from {at_least} to {INT32_MAX} (a spec's largest)")

@@ -40,6 +40,8 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
         raise ValueError(f"register_backend takes an AttentionBackend subclass, got {cls!r}")
     name = cls.get_name()
+    if not isinstance(name, str) or name != name.upper():  # get_attn_backend looks names up in upper case
+        raise ValueError(f"backend names are upper-case (get_attn_backend matches any case), got {name!r}")
     if _BACKENDS.get(name, cls) is not cls:
         raise ValueError(f"a backend named {name} is registered already ({_BACKENDS[name].__qualname__})")
     _BACKENDS[name] = cls

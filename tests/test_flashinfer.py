@@ -24,6 +24,7 @@ import compiled_attn as ca
 import compiled_attn.ops
 from compiled_attn.backends import flashinfer as fib
 from compiled_attn.backends.flashinfer import FlashInferBackend
+from compiled_attn.backends.xformers import XFormersBackend
 
 KINDS = ca.AttentionType
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
@@ -517,11 +518,17 @@ def test_nonstandard_alibi_slopes_are_not_implemented_naming_torch_sdpa():
 
 
 def test_alibi_with_soft_cap_is_not_implemented_naming_torch_sdpa():
-    with pytest.raises(NotImplementedError, match="TORCH_SDPA"):
+    """The pair is a capability FlashInfer lacks (`supports_alibi_with_soft_cap`), so every error
+    that names alternatives names TORCH_SDPA alone: XFORMERS' errors for soft-cap named FLASHINFER."""
+    with pytest.raises(NotImplementedError, match=r"^FLASHINFER cannot combine ALiBi with logits_soft_cap; use "
+                                                  r"TORCH_SDPA$"):
         FlashInferBackend.get_impl_cls()(8, 64, 0.125, num_kv_heads=2, alibi_slopes=alibi_slopes(8),
                                          logits_soft_cap=30.0)
-    assert "TORCH_SDPA" in FlashInferBackend.unsupported_reason(
-        spec_of("cuda", alibi_slopes=alibi_slopes(8), logits_soft_cap=30.0))
+    assert FlashInferBackend.unsupported_reason(spec_of("cuda", alibi_slopes=alibi_slopes(8), logits_soft_cap=30.0)
+                                                ) == "FLASHINFER cannot combine ALiBi with logits_soft_cap"
+    with pytest.raises(NotImplementedError, match=r"^XFORMERS does not support logits_soft_cap; use TORCH_SDPA$"):
+        XFormersBackend.get_impl_cls()(8, 64, 0.125, num_kv_heads=2, alibi_slopes=alibi_slopes(8),
+                                       logits_soft_cap=30.0)
 
 
 def test_standard_alibi_slopes_include_non_power_of_two_heads():

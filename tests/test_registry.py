@@ -162,11 +162,17 @@ def test_registering_a_taken_name_or_a_non_backend_raises():
         register_backend(impostor)
     with pytest.raises(ValueError, match="takes an AttentionBackend subclass"):
         register_backend(object)
-    assert BACKEND_CLASSES()["TORCH_SDPA"].__name__ == "TorchSDPABackend"
+    # get_attn_backend looks names up in upper case: a lower-case name could never be selected
+    mixed = type("Mixed", (toy_backend.ToyDenseBackend,), {"get_name": staticmethod(lambda: "MyToy")})
+    with pytest.raises(ValueError, match=r"^backend names are upper-case \(get_attn_backend matches any case\), "
+                                         r"got 'MyToy'$"):
+        register_backend(mixed)
+    assert "MyToy" not in BACKEND_CLASSES() and BACKEND_CLASSES()["TORCH_SDPA"].__name__ == "TorchSDPABackend"
 
 
 @pytest.mark.parametrize(("name", "at_least", "want"),
-                         [("XFORMERS", 16, 64), ("XFORMERS", 64, 64), ("TORCH_SDPA", 8, 8)])
+                         [("XFORMERS", 16, 64), ("XFORMERS", 64, 64), ("TORCH_SDPA", 8, 8),
+                          ("XFORMERS", 40032, 80064)])  # past 2**16, which once capped the doubling
 def test_smallest_block_size_doubles_to_the_first_the_backend_takes(name, at_least, want):
     assert smallest_block_size(BACKEND_CLASSES()[name], at_least) == want
 

@@ -124,20 +124,6 @@ def nonstandard_alibi_reason(alibi_slopes: torch.Tensor | None, num_heads: int) 
     )
 
 
-def alibi_with_soft_cap_reason(alibi: bool, logits_soft_cap: float | None) -> str | None:
-    """FlashInfer puts ALiBi inside the soft-cap's tanh (and applies the scale twice there);
-    the contract adds ALiBi to the capped scores, so the pair is refused."""
-    if alibi and logits_soft_cap is not None:
-        return f"{NAME} cannot combine ALiBi with logits_soft_cap (it caps the biased scores); use TORCH_SDPA"
-    return None
-
-
-def options_reason(alibi_slopes: torch.Tensor | None, num_heads: int, logits_soft_cap: float | None) -> str | None:
-    """Why FlashInfer cannot serve these layer options (checked by spec, builder and impl alike)."""
-    return nonstandard_alibi_reason(alibi_slopes, num_heads) or alibi_with_soft_cap_reason(
-        alibi_slopes is not None, logits_soft_cap)
-
-
 class FlashInferBackend(AttentionBackend):
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -145,6 +131,9 @@ class FlashInferBackend(AttentionBackend):
     supports_alibi = True
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    # FlashInfer puts ALiBi inside the soft-cap's tanh (and scales it twice there); the contract
+    # adds ALiBi to the capped scores
+    supports_alibi_with_soft_cap = False
     requires_cuda = True
     graph_attn_types = (AttentionType.DECODER,)
     graph_supports_alibi = True
@@ -177,8 +166,7 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
-        return super().unsupported_reason(spec) or options_reason(spec.alibi_slopes, spec.num_heads,
-                                                                   spec.logits_soft_cap)
+        return super().unsupported_reason(spec) or nonstandard_alibi_reason(spec.alibi_slopes, spec.num_heads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,7 +505,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
 
     def __init__(self, spec: AttentionSpec, *, rolling_tables: bool = False) -> None:
         super().__init__(spec, rolling_tables=rolling_tables)
-        reason = options_reason(spec.alibi_slopes, spec.num_heads, spec.logits_soft_cap)
+        reason = nonstandard_alibi_reason(spec.alibi_slopes, spec.num_heads)  # beyond its capability flags
         if reason:
             raise NotImplementedError(reason)
         self._pool = _WrapperPool(spec)
@@ -773,7 +761,7 @@ class FlashInferImpl(CommonImpl):
 
     def check_supported(self) -> None:
         super().check_supported()
-        reason = options_reason(self.alibi_slopes, self.num_heads, self.logits_soft_cap)
+        reason = nonstandard_alibi_reason(self.alibi_slopes, self.num_heads)  # beyond its capability flags
         if reason:
             raise NotImplementedError(reason)
 
