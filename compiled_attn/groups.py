@@ -207,7 +207,8 @@ class GroupedState(AttentionState):
         # upload=False only after every group's upload was captured (upload_graph_input_buffers)
         kw, per_group = ({} if upload else {"upload": False}), self._per_group(input_buffers)
         steps = {g: md.for_group(g) for g in self.states}
-        if all(isinstance(state, GraphState) for state in self.states.values()):
+        if all(type(state).prepare_graph_input_buffers is GraphState.prepare_graph_input_buffers
+               for state in self.states.values()):  # a State that overrides it gets its own call
             # every group's step checked before any group's buffers are written: a step one group
             # refuses leaves them all as they were
             for g, state in self.states.items():
@@ -215,7 +216,7 @@ class GroupedState(AttentionState):
             for g, state in self.states.items():
                 state._refill(per_group[g], steps[g], **kw)
             return
-        for g, state in self.states.items():  # a State of another kind checks and writes in one call
+        for g, state in self.states.items():  # another State checks and writes in one call
             state.prepare_graph_input_buffers(per_group[g], steps[g], **kw)
 
     def upload_graph_input_buffers(self, input_buffers: dict[str, torch.Tensor]) -> bool:

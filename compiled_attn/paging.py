@@ -157,16 +157,13 @@ class ScheduledStep:
 _MAX_TOKEN_ID = np.iinfo(np.int64).max  # the steps' input_ids are int64
 
 
-def _token_id(token: object) -> int:
-    """A sampled token as a Python int; ValueError for anything that is not a token id (an int
-    >= 0 that fits int64: a float, a negative id or a tensor of several would be fed as is)."""
+def _is_token_id(token: object) -> bool:
+    """Whether a sampled token is an id: an int >= 0 that fits int64 (a float, a negative id or a
+    tensor of several would be fed as is)."""
     try:
-        value = operator.index(token)
+        return 0 <= operator.index(token) <= _MAX_TOKEN_ID
     except TypeError:
-        value = None
-    if value is None or not 0 <= value <= _MAX_TOKEN_ID:
-        raise ValueError(f"update() takes token ids (ints >= 0 that fit int64), got {reprlib.repr(token)}")
-    return value
+        return False
 
 
 def window_blocks(sliding_window: int, max_query_len: int, block_size: int) -> int:
@@ -418,12 +415,18 @@ class Scheduler:
         if len(next_tokens) != len(step.sampled):
             raise ValueError(f"update() needs {len(step.sampled)} tokens (one per sample row), got {len(next_tokens)}")
         # everything checked before anything is recorded: a refused update leaves the scheduler as it was
-        tokens = [_token_id(t) for t in next_tokens]
+        # (C-speed scans: this runs every step)
+        try:
+            tokens = list(map(operator.index, next_tokens))
+        except TypeError:
+            tokens = None
+        if tokens is None or (tokens and (min(tokens) < 0 or max(tokens) > _MAX_TOKEN_ID)):
+            bad = next(t for t in next_tokens if not _is_token_id(t))
+            raise ValueError(f"update() takes token ids (ints >= 0 that fit int64), got {reprlib.repr(bad)}")
         query_lens = step.query_lens.tolist()
-        firsts = np.cumsum(step.query_lens) - step.query_lens  # each request's first row in the flat batch
-        for r, start in zip(step.requests, step.positions[firsts].tolist(), strict=True):
-            if r.num_computed != start:
-                raise ValueError(f"this step feeds request {r.request_id} from position {start}, but it has "
+        for r, seq_len, q in zip(step.requests, step.seq_lens.tolist(), query_lens, strict=True):
+            if r.num_computed != seq_len - q:
+                raise ValueError(f"this step feeds request {r.request_id} from position {seq_len - q}, but it has "
                                  f"{r.num_computed} tokens computed: record each step once, in the order "
                                  "schedule() made them")
         for r, q in zip(step.requests, query_lens, strict=True):

@@ -97,6 +97,23 @@ def test_kernel_table_counts_a_layer_kernel_split_over_several_names_as_layer_wo
     assert table["kernel us/step"] == layers * 8.0 + 20.0
 
 
+def test_kernel_table_keeps_copies_per_step_and_one_layer_whole():
+    """Copies that run several times a step are the step's (its metadata), not a layer's; with one
+    layer (the probes' single-layer tables) every other kernel is that layer's."""
+    steps, t, kernels = 2, 0.0, []
+    for _ in range(steps):
+        for name, dur in (("Memcpy HtoD (Pinned -> Device)", 1.0), ("Memcpy HtoD (Pinned -> Device)", 1.0),
+                          ("gemv", 5.0), ("attn", 3.0)):
+            kernels.append(Kernel(name, t, t + dur))
+            t += dur + 0.5
+    wheres = {r["kernel"]: r["where"] for r in per_layer_table(kernels, steps, 4)["rows"]}
+    assert wheres["Memcpy HtoD (Pinned -> Device)"] == "step"
+    one = per_layer_table(kernels, steps, 1)
+    assert {r["kernel"]: r["where"] for r in one["rows"]} == {"Memcpy HtoD (Pinned -> Device)": "step",
+                                                             "gemv": "layer", "attn": "layer"}
+    assert one["us/layer"] == 8.0 and one["kernels/layer"] == 2
+
+
 def test_gpt_fast_peer_decodes_like_the_paged_model():
     """The decode_loop peer (static contiguous cache, index writes, masked SDPA) computes our model."""
     torch.manual_seed(0)

@@ -325,6 +325,26 @@ def test_grouped_state_captures_the_upload_only_when_every_group_does():
     assert bufs["a/seq_lens_tensor"].tolist() == bufs["b/seq_lens_tensor"].tolist() == [12, 31]
 
 
+def test_a_grouped_state_calls_the_prepare_a_groups_state_overrides():
+    """The check-all-then-write path is only for States whose prepare is GraphState's own: one
+    that overrides `prepare_graph_input_buffers` (the contract's hook) gets its call."""
+    calls = []
+
+    class Recording(SDPA.get_state_cls()):
+        def prepare_graph_input_buffers(self, input_buffers, attn_metadata, *, upload=True):
+            calls.append(attn_metadata)
+            super().prepare_graph_input_buffers(input_buffers, attn_metadata, upload=upload)
+
+    spec = spec_of(max_seq_len_to_capture=64)
+    grouped = GroupedState({"a": SDPA.get_state_cls()(spec), "b": Recording(spec)})
+    with grouped.graph_capture(2):
+        bufs = grouped.get_graph_input_buffers(grouped.graph_capture_get_metadata_for_batch(2))
+        clone = grouped.graph_clone(2)
+    mds = {g: SDPA.get_builder_cls()(spec).build([12, 31], [1, 1], [[1], [2, 3]]) for g in ("a", "b")}
+    clone.prepare_graph_input_buffers(bufs, GroupedMetadata.of(mds))
+    assert calls == [mds["b"]] and bufs["a/seq_lens_tensor"].tolist() == bufs["b/seq_lens_tensor"].tolist() == [12, 31]
+
+
 def test_grouped_runner_feeds_tokens_back_with_positions_from_the_first_group():
     """feed_back_tokens on grouped layers: the graph step's positions come from the first group's
     static lengths and its pad mask from the first group's slots; each step's tokens, fed back in

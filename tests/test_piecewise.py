@@ -332,20 +332,23 @@ def test_one_compile_serves_every_bucket_and_the_unpadded_path(sdpa_model):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
 
 
-def test_caches_passed_as_a_tuple_serve_the_unpadded_path_without_a_recompile(sdpa_model):
-    """A tuple of caches is accepted wherever a list is; a step past the largest bucket (the
-    compiled pieces at its own size) takes it without Dynamo tracing the model again."""
+@pytest.mark.parametrize("given", [list, tuple])
+def test_caches_passed_as_a_tuple_serve_the_unpadded_path_without_a_recompile(sdpa_model, given):
+    """A tuple of caches is accepted wherever a list is, at construction and per call; a step past
+    the largest bucket (the compiled pieces at its own size) takes it without Dynamo tracing the
+    model again."""
     spec = cpu_spec()
     caches = random_caches(spec, 0)
-    runner = piecewise_runner(sdpa_model, ca.get_attn_backend("TORCH_SDPA"), spec, caches)
+    runner = piecewise_runner(sdpa_model, ca.get_attn_backend("TORCH_SDPA"), spec, given(caches))
     builder = ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(spec)
     n = max(BUCKETS) + 3  # past the largest bucket
     ids, pos = torch.randint(TINY.vocab_size, (n,), generator=torch.Generator().manual_seed(3)), torch.arange(n)
     table = list(range(1, -(-n // BLOCK_SIZE) + 1))
     runner.run(builder.build([n], [n], [table]), ids, pos, kv_caches=caches)
     with torch._dynamo.config.patch(error_on_recompile=True):
+        runner.run(builder.build([n], [n], [table]), ids, pos)  # the runner's own caches
         got = runner.run(builder.build([n], [n], [table]), ids, pos, kv_caches=tuple(caches))
-    assert runner.counts["eager_prefill"] == 2 and runner.piecewise.backend.num_compiles == 1
+    assert runner.counts["eager_prefill"] == 3 and runner.piecewise.backend.num_compiles == 1
     want = direct(sdpa_model, random_caches(spec, 0))(builder.build([n], [n], [table]), ids, pos)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -410,9 +410,9 @@ def test_random_config_overrides_the_familys_own_settings():
 @pytest.mark.parametrize("max_new_tokens", [1, 3])
 def test_run_generate_reports_token_ids_without_a_tokenizer(max_new_tokens):
     """The CLI's generate on random weights (no tokenizer): the row holds each prompt's new token
-    ids, those `PagedEngine.generate` gives for the same prompts with the model's own stop token
-    (its generation_config's, as transformers' generate: the first prompt's first new token is
-    that EOS, 2, so it stops there), and no steady rate for a run of one step."""
+    ids, those `PagedEngine.generate` gives for the same prompts with no stop token (random
+    weights' config EOS, 2 for llama, comes up by chance: the first prompt's first token here),
+    and no steady rate for a run of one step."""
     from compiled_attn.integrations.generate import run_generate
 
     row = run_generate(family="llama", size="tiny", num_prompts=2, prompt_len=4, max_new_tokens=max_new_tokens,
@@ -421,11 +421,28 @@ def test_run_generate_reports_token_ids_without_a_tokenizer(max_new_tokens):
     model = hf_random.random_model(hf_random.random_config("llama", "tiny"))
     prompts = [torch.randint(1, model.config.vocab_size, (4,), generator=g).tolist() for _ in range(2)]
     engine = ca_hf.PagedEngine(model, block_size=16, num_blocks=8, compile=False, cuda_graphs=False)
-    assert model.generation_config.eos_token_id == 2
-    want = engine.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=2)
-    assert row["token ids"] == want and want[0] == [2] and len(want[1]) == max_new_tokens
-    assert "texts" not in row and row["new tokens"] == 1 + max_new_tokens
+    want = engine.generate(prompts, max_new_tokens=max_new_tokens)
+    assert row["token ids"] == want and want[0][0] == model.generation_config.eos_token_id == 2
+    assert "texts" not in row and row["new tokens"] == 2 * max_new_tokens
     assert (row["steady tok/s"] is None) == (max_new_tokens == 1)
+
+
+def test_run_generate_stops_a_model_folders_requests_at_its_generation_config_eos(tmp_path):
+    """--model DIR: each request stops at the checkpoint's generation_config.eos_token_id (a list
+    here, as instruct checkpoints ship), as transformers' generate does; the EOS is returned."""
+    from compiled_attn.integrations.generate import run_generate
+
+    model = hf_random.random_model(hf_random.random_config("llama", "tiny"))
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path)
+    args = dict(model_dir=str(tmp_path), num_prompts=2, prompt_len=4, max_new_tokens=4, compile=False,
+                cuda_graphs=False, progress=False, seed=5)
+    free = run_generate(**args)["token ids"]
+    stop = free[0][1]  # prompt 0's second new token
+    model.generation_config.eos_token_id = [127, stop]
+    model.save_pretrained(tmp_path)
+    stopped = run_generate(**args)["token ids"]
+    assert stopped == [o[: o.index(stop) + 1] if stop in o else o for o in free] and stopped[0] == free[0][:2]
 
 
 @pytest.mark.parametrize(("config_eos", "tokenizer_eos", "want"),

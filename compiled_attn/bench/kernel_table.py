@@ -1,9 +1,10 @@
 """Reduce a profiler's kernel records of a few decode steps to a per-layer table.
 
-A kernel that runs more than once per step belongs to the layers; the rest (embedding, final
-norm, LM head, sampling, metadata copies) run once and are per-step work. Not a multiple of
-`num_layers`: at batch 1 Inductor compiles one layer's reduction under several names, each
-serving some of the layers (16 + 16 of 32, or 15 + 1 + 16), and those are layer work all the same.
+A kernel belongs to the layers when it runs at least once per layer per step, or (with several
+layers) more than once per step: at batch 1 Inductor compiles one layer's reduction under
+several names, each serving some of the layers (16 + 16 of 32, or 15 + 1 + 16). The rest
+(embedding, final norm, LM head, sampling) and the copies and fills (`Memcpy` / `Memset`: the
+step's metadata, however many) are per-step work.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def per_layer_table(kernels: list[Kernel], steps: int, num_layers: int) -> dict:
     for name, times in by_name.items():
         calls = len(times) / steps
         per_call = sum(times) / len(times)
-        in_layers = round(calls) >= 2
+        copy = name.startswith(("Memcpy", "Memset"))
+        in_layers = not copy and (calls >= num_layers or (num_layers > 1 and round(calls) >= 2))
         rows.append({
             "kernel": name,
             "where": "layer" if in_layers else "step",

@@ -343,7 +343,7 @@ class PiecewiseGraphs:
         # dynamic=False: only the token count (marked unbacked each call) is symbolic; the cache and
         # weight shapes stay static, so Inductor specialises every kernel to them.
         self.compiled = torch.compile(model, backend=self.backend, fullgraph=True, dynamic=False)
-        self.kv_caches = kv_caches
+        self.kv_caches = kv_caches if isinstance(kv_caches, list) else list(kv_caches)  # as CUDAGraphRunner's
         self.sizes = sizes
         self.warmup_steps = warmup_steps
         self.capture_stats: dict[str, Any] = {}

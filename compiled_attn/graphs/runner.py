@@ -227,7 +227,9 @@ class CUDAGraphRunner:
         self._unbacked_tokens = not compile
         self.backend = backend
         self.spec = spec
-        self.kv_caches = kv_caches
+        # a list, as run() hands its eager paths: a tuple here would trace once more (Dynamo guards
+        # the container's type); a list stays the caller's, whose replaced caches run() then finds
+        self.kv_caches = kv_caches if isinstance(kv_caches, list) else list(kv_caches)
         self.state = backend.get_state_cls()(spec) if state is None else state
         max_batch_size = as_int("max_batch_size", max_batch_size)
         self.sizes = capture_sizes_for(max_batch_size, capture_sizes) if decode_graphs else []  # largest first
@@ -497,7 +499,8 @@ class CUDAGraphRunner:
             return self.piecewise.run(md, input_ids, positions)
         if path != GRAPH:
             check_cache_list(caches)
-            caches = list(caches)  # a tuple is accepted, but the compiled model's guards would retrace it
+            if not isinstance(caches, list):  # a tuple is accepted, but the compiled model's guards would retrace it
+                caches = list(caches)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("%s: %d requests, %d prefills, max_seq_len %d", path, md.num_seqs, md.num_prefills,
                              md.max_seq_len)

@@ -74,7 +74,9 @@ def run_generate(*, model_dir: str | None = None, family: str | None = None, siz
                                cuda_graphs=cuda_graphs, max_batch_size=max(len(ids), 1),
                                max_seq_len_to_capture=-(-longest // block_size) * block_size)
     setup_s = time.perf_counter() - start
-    eos = stop_token_ids(model, tokenizer)
+    # a checkpoint's stop tokens; random weights have none worth stopping at (their config's EOS id
+    # comes up by chance) and a throughput run serves every prompt its max_new_tokens
+    eos = stop_token_ids(model, tokenizer) if model_dir is not None else None
     rids = [engine.add_request(p, max_new_tokens, eos) for p in ids]
     bar = _bar(len(ids) * max_new_tokens, progress)
     start = time.perf_counter()

@@ -100,9 +100,9 @@ def check_divisible(name: str, value: int, tp_size: int) -> int:
 
 
 def group_backend_for(group: dist.ProcessGroup, device_type: str) -> str:
-    """The backend `group` runs `device_type`'s collectives with. A group made for one backend
-    names it ("gloo"); one made with torch's default or a per-device string ("cpu:gloo,cuda:nccl")
-    names one per device type, which `get_backend` alone reports as "undefined" or the string."""
+    """The backend `group` runs `device_type`'s collectives with, read from its per-device-type
+    config ("cpu:gloo,cuda:gloo" for a gloo group, "cuda:nccl" for NCCL, "cpu:gloo,cuda:nccl"
+    for torch's default): `get_backend` alone reports the last as "undefined"."""
     config = str(dist.get_backend_config(group)).lower()
     per_type = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
     return per_type.get(device_type, config) if per_type else config  # none for that type: the whole config
