@@ -186,6 +186,27 @@ def test_paired_pipelined_overhead_finds_a_known_cost_and_patches_only_the_raw_c
     assert len(raw_saw) == 50 and all(raw_saw)
 
 
+def test_piecewise_bench_metadata_plans_at_every_call_as_a_served_step_does(fake_flashinfer):
+    """A FlashInfer step plans its wrappers once per metadata object: the bench's timed paths take
+    a metadata from `fresh_metadata` at each call, so every call plans (the forced piecewise
+    decode, timed on one metadata, planned once and then never: 1.044x the full graph, which
+    plans every replay). One build, as before, plans once."""
+    from compiled_attn.bench.piecewise_bench import fresh_metadata
+
+    spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, num_blocks=64,
+                            dtype=torch.bfloat16, device="cpu")
+    backend = ca.registry.BACKEND_CLASSES()["FLASHINFER"]
+    for builds, want in ((4, 8), (1, 1)):
+        mds, wrappers = fresh_metadata(backend, spec, [40, 17], [1, 1], builds=builds), {}
+        for _ in range(8):
+            md = next(mds)
+            md.step_plan.ensure_planned()
+            wrapper = md.step_plan.wrapper("decode")
+            wrappers[id(wrapper)] = wrapper
+        assert sum(len(w.plans) for w in wrappers.values()) == want  # plan() calls, over the builder's slots
+        assert md.seq_lens_tensor.tolist() == [40, 17]
+
+
 def test_piecewise_bench_steps_are_the_issues_mixed_and_prefill_steps():
     """63 decodes at ctx 1024 + one 256-token chunk (319 tokens); 8 prompts of 512 (4096 tokens);
     positions continue each request's cached prefix, blocks are distinct."""

@@ -27,8 +27,9 @@ against the compiled model without graphs, each beside the step's summed GPU ker
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -61,19 +62,34 @@ QUICK_BUCKETS = tuple(sorted({min(b for b in BENCH_BUCKETS if b >= sum(q)) for _
 QUICK_CAPTURE_SIZES = ()
 
 
+# FlashInfer plans a step's wrappers once per metadata object, at its first attention op: a path
+# timed on one metadata object over and over plans once and skips it after, where serving (a new
+# metadata each step) and the decode graph's replay plan every step. The builder alternates two
+# wrapper slots, so this many builds of one step by one builder, taken in turn, plan every call.
+FRESH_BUILDS = 4
+
+
 def step_inputs(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, seq_lens: list[int],
                 query_lens: list[int], vocab: int, seed: int = 0):
     """(metadata, input_ids, positions) of one step: distinct shuffled blocks per request."""
+    md = next(fresh_metadata(backend, spec, seq_lens, query_lens, seed, builds=1))
+    ids = torch.randint(vocab, (md.num_tokens,), device=spec.device)
+    pos = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens, strict=True)]).to(spec.device)
+    return md, ids, pos
+
+
+def fresh_metadata(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, seq_lens: list[int],
+                   query_lens: list[int], seed: int = 0, builds: int = FRESH_BUILDS) -> Iterator[ca.AttentionMetadata]:
+    """`builds` builds of `step_inputs`' step (the same blocks) by one builder, endlessly in turn:
+    what a timed path takes a metadata from at each call, so that it plans as serving does."""
     rng = np.random.default_rng(seed)
     need = [-(-s // spec.block_size) for s in seq_lens]
     blocks = rng.permutation(spec.num_blocks)[: sum(need)].astype(np.int32)
     tables = np.zeros((len(seq_lens), max(need)), dtype=np.int32)
     for i, start in enumerate(np.cumsum([0] + need[:-1])):
         tables[i, : need[i]] = blocks[start: start + need[i]]
-    md = backend.get_builder_cls()(spec).build(np.array(seq_lens), np.array(query_lens), tables)
-    ids = torch.randint(vocab, (md.num_tokens,), device=spec.device)
-    pos = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens, strict=True)]).to(spec.device)
-    return md, ids, pos
+    builder = backend.get_builder_cls()(spec)
+    return itertools.cycle([builder.build(np.array(seq_lens), np.array(query_lens), tables) for _ in range(builds)])
 
 
 def kernel_us(fn: Callable[[], object], steps: int = PROFILED_STEPS) -> float:
@@ -116,8 +132,8 @@ def rows_8b(name: str, iters: int, quick: bool) -> list[dict]:
     first = runner()
     stats, traced = _capture_with_compiles(first)
     rows = [row for what, seq_lens, query_lens in STEPS
-            for row in _step_rows(first, name, what, *step_inputs(backend, spec, seq_lens, query_lens,
-                                                                  config.vocab_size), iters)]
+            for row in _step_rows(first, name, what, fresh_metadata(backend, spec, seq_lens, query_lens),
+                                  *step_inputs(backend, spec, seq_lens, query_lens, config.vocab_size)[1:], iters)]
     if first.counts["piecewise"] == 0:
         raise RuntimeError("the piecewise rows did not take the piecewise path")
     rows.append(_capture_row(name, "8B", "first capture (compiles included)", stats, traced))
@@ -142,20 +158,21 @@ def _capture_with_compiles(runner: CUDAGraphRunner) -> tuple[dict, dict[str, flo
                    "dynamo_s": spent["compile s"] - spent["backend s"]}
 
 
-def _step_rows(runner: CUDAGraphRunner, name: str, what: str, md: ca.AttentionMetadata, ids: torch.Tensor,
-               pos: torch.Tensor, iters: int) -> list[dict]:
-    """The step through the runner's compiled model without graphs, then through runner.run."""
+def _step_rows(runner: CUDAGraphRunner, name: str, what: str, mds: Iterator[ca.AttentionMetadata],
+               ids: torch.Tensor, pos: torch.Tensor, iters: int) -> list[dict]:
+    """The step through the runner's compiled model without graphs, then through runner.run, each
+    call on the next of `mds` (`fresh_metadata`: it plans as a served step does)."""
 
     def compiled() -> torch.Tensor:
-        with ca.set_forward_context(md):
+        with ca.set_forward_context(next(mds)):
             return runner.model(ids, pos, runner.kv_caches)
 
     with ca.floats_as_constants():  # the first call traces the runner's compiled model at this size
         compiled()
     rows = []
-    for path, fn in (("compiled", compiled), ("piecewise", lambda: runner.run(md, ids, pos))):
+    for path, fn in (("compiled", compiled), ("piecewise", lambda: runner.run(next(mds), ids, pos))):
         us, kernels = eager_time_us(fn, iters=iters), kernel_us(fn)
-        rows.append(_row(name, "8B", what, path=path, tokens=md.num_tokens, us=us, kernel_us=kernels,
+        rows.append(_row(name, "8B", what, path=path, tokens=ids.shape[0], us=us, kernel_us=kernels,
                          x_kernel=us / kernels))
     return rows
 
@@ -184,15 +201,16 @@ def rows_small_decode(name: str, iters: int) -> list[dict]:
     runner = CUDAGraphRunner(model, backend, spec, caches, compile=True, capture_sizes=[1], max_batch_size=1,
                              piecewise=True, piecewise_sizes=[1], progress=False)
     stats = runner.capture()
-    md, ids, pos = step_inputs(backend, spec, [ctx], [1], config.vocab_size)
+    _, ids, pos = step_inputs(backend, spec, [ctx], [1], config.vocab_size)
+    mds = fresh_metadata(backend, spec, [ctx], [1])
 
     def compiled() -> torch.Tensor:
-        with ca.set_forward_context(md):
+        with ca.set_forward_context(next(mds)):
             return runner.model(ids, pos, caches)  # batch 1: the compile the full graph was captured from
 
-    paths = {
-        "full graph": lambda: runner.run(md, ids, pos),
-        "piecewise (forced)": lambda: runner.piecewise.run(md, ids, pos),
+    paths = {  # each call on the next of `mds`: every path plans as a served step does
+        "full graph": lambda: runner.run(next(mds), ids, pos),
+        "piecewise (forced)": lambda: runner.piecewise.run(next(mds), ids, pos),
         "compiled, no graphs": compiled,
     }
     with ca.floats_as_constants():  # a first call may trace (the capture traced size 1 already)
