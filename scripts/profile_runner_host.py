@@ -25,7 +25,7 @@ import torch
 
 import compiled_attn as ca
 from compiled_attn.bench import graphs_bench
-from compiled_attn.bench.piecewise_bench import fresh_metadata, step_inputs
+from compiled_attn.bench.piecewise_bench import fresh_metadata, step_tokens
 from compiled_attn.bench.timing import card_name, eager_time_us
 from compiled_attn.capabilities import smallest_block_size
 from compiled_attn.graphs import CUDAGraphRunner
@@ -88,10 +88,10 @@ def backend_report(name: str, steps: int) -> list[str]:
     # each call on the next of several builds of its step: FlashInfer plans once per metadata
     # object, so one object timed over and over would plan once (piecewise_bench.fresh_metadata)
     for batch in (1, 64):
-        _, ids, pos = step_inputs(backend, spec, [ctx] * batch, [1] * batch, config.vocab_size)
+        ids, pos = step_tokens(spec, [ctx] * batch, [1] * batch, config.vocab_size)
         mds = fresh_metadata(backend, spec, [ctx] * batch, [1] * batch)
         paths[f"full {batch}"] = lambda mds=mds, ids=ids, pos=pos: runner.run(next(mds), ids, pos)
-    _, ids, pos = step_inputs(backend, spec, [ctx], [1], config.vocab_size)
+    ids, pos = step_tokens(spec, [ctx], [1], config.vocab_size)
     forced = fresh_metadata(backend, spec, [ctx], [1])
     paths["forced 1"] = lambda: runner.piecewise.run(next(forced), ids, pos)
     lines = []

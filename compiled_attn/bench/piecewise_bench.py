@@ -72,10 +72,16 @@ FRESH_BUILDS = 4
 def step_inputs(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, seq_lens: list[int],
                 query_lens: list[int], vocab: int, seed: int = 0):
     """(metadata, input_ids, positions) of one step: distinct shuffled blocks per request."""
-    md = next(fresh_metadata(backend, spec, seq_lens, query_lens, seed, builds=1))
-    ids = torch.randint(vocab, (md.num_tokens,), device=spec.device)
+    return next(fresh_metadata(backend, spec, seq_lens, query_lens, seed, builds=1)), *step_tokens(
+        spec, seq_lens, query_lens, vocab)
+
+
+def step_tokens(spec: ca.AttentionSpec, seq_lens: list[int], query_lens: list[int],
+                vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, positions) of one step: random ids, each request's positions after its cached ones."""
+    ids = torch.randint(vocab, (sum(query_lens),), device=spec.device)
     pos = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens, strict=True)]).to(spec.device)
-    return md, ids, pos
+    return ids, pos
 
 
 def fresh_metadata(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, seq_lens: list[int],
@@ -133,7 +139,7 @@ def rows_8b(name: str, iters: int, quick: bool) -> list[dict]:
     stats, traced = _capture_with_compiles(first)
     rows = [row for what, seq_lens, query_lens in STEPS
             for row in _step_rows(first, name, what, fresh_metadata(backend, spec, seq_lens, query_lens),
-                                  *step_inputs(backend, spec, seq_lens, query_lens, config.vocab_size)[1:], iters)]
+                                  *step_tokens(spec, seq_lens, query_lens, config.vocab_size), iters)]
     if first.counts["piecewise"] == 0:
         raise RuntimeError("the piecewise rows did not take the piecewise path")
     rows.append(_capture_row(name, "8B", "first capture (compiles included)", stats, traced))
@@ -201,7 +207,7 @@ def rows_small_decode(name: str, iters: int) -> list[dict]:
     runner = CUDAGraphRunner(model, backend, spec, caches, compile=True, capture_sizes=[1], max_batch_size=1,
                              piecewise=True, piecewise_sizes=[1], progress=False)
     stats = runner.capture()
-    _, ids, pos = step_inputs(backend, spec, [ctx], [1], config.vocab_size)
+    ids, pos = step_tokens(spec, [ctx], [1], config.vocab_size)
     mds = fresh_metadata(backend, spec, [ctx], [1])
 
     def compiled() -> torch.Tensor:
