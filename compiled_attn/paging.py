@@ -188,6 +188,9 @@ class Scheduler:
         max_num_seqs: the most requests in one step.
         max_num_batched_tokens: the most tokens in one step; longer prompts are split into
             chunks (chunked prefill). Decodes are scheduled first, one token each.
+        vocab_size: the model's vocabulary (its input embeddings), or None: a prompt with an id at
+            or past it is refused when added (the step's embedding would fail on it, after the
+            request took its blocks).
 
     Example::
 
@@ -201,7 +204,7 @@ class Scheduler:
 
     def __init__(self, *, num_blocks: int | Mapping[str, int], block_size: int,
                  group_windows: Mapping[str, int | None],
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, vocab_size: int | None = None) -> None:
         if not group_windows:
             raise ValueError("group_windows needs at least one group")
         max_num_seqs = as_int("max_num_seqs", max_num_seqs, minimum=None)
@@ -225,6 +228,7 @@ class Scheduler:
         self.allocators = {g: BlockAllocator(blocks[g], self.block_size, reserve_null_block=True) for g in self.windows}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.vocab_size = None if vocab_size is None else as_int("vocab_size", vocab_size)
         self.waiting: deque[ServedRequest] = deque()
         self.running: list[ServedRequest] = []  # in admission order (never more than max_num_seqs)
         self._ids = itertools.count()
@@ -277,6 +281,9 @@ class Scheduler:
                 or tokens.max() > _MAX_TOKEN_ID):
             raise ValueError(f"a prompt is a sequence of token ids (ints >= 0 that fit int64), got "
                              f"{reprlib.repr(prompt)}")
+        if self.vocab_size is not None and tokens.max() >= self.vocab_size:
+            raise ValueError(f"token id {tokens.max()} is past the model's vocabulary of {self.vocab_size} (its input "
+                             "embeddings): tokenize with the model's own tokenizer")
         longest = tokens.size + max_new_tokens - 1  # the last token is sampled, never fed
         reserved = {g: self._most_blocks(g, longest, tokens.size) for g in self.windows}
         for g, need in reserved.items():

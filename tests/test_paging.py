@@ -259,6 +259,18 @@ def test_a_prompt_id_beyond_int64_is_refused_before_it_takes_blocks():
     assert sched.blocks_in_use() == {"full": 1}
 
 
+def test_a_prompt_id_past_the_vocabulary_is_refused_before_anything_is_queued():
+    sched = Scheduler(num_blocks=16, block_size=4, group_windows={"full": None}, vocab_size=10)
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: token id 10 is past the model's vocabulary of 10 \(its "
+                                         r"input embeddings\): tokenize with the model's own tokenizer$"):
+        sched.add_requests([[1, 2], [3, 10]], max_new_tokens=2)
+    assert not sched.has_unfinished()
+    sched.add_request([9, 0], max_new_tokens=1)
+    assert sched.schedule().input_ids.tolist() == [9, 0]
+    with pytest.raises(ValueError, match="^vocab_size must be an int"):
+        Scheduler(num_blocks=16, block_size=4, group_windows={"full": None}, vocab_size=10.0)
+
+
 def test_a_full_allocator_raises_and_hands_out_nothing():
     allocator = BlockAllocator(3, block_size=4)
     table = []

@@ -24,7 +24,6 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -257,7 +256,7 @@ class PagedEngine:
         self.device, self.dtype = param.device, param.dtype
         self.model = model.eval()
         # an id past the embedding table fails inside the step (an IndexError, a device-side
-        # assert, or the compiled kernel's abort) after the request holds blocks: refused up front
+        # assert, or the compiled kernel's abort) after the request holds blocks: the scheduler refuses it
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.keep_logits = keep_logits
         modules = attention_modules(model)
@@ -279,7 +278,8 @@ class PagedEngine:
         }
         self.scheduler = Scheduler(num_blocks={g.name: g.spec.num_blocks for g in self.groups}, block_size=block_size,
                                    group_windows={g.name: g.settings.sliding_window for g in self.groups},
-                                   max_num_seqs=max_batch_size, max_num_batched_tokens=max_num_batched_tokens)
+                                   max_num_seqs=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
+                                   vocab_size=self.vocab_size)
         self._outputs: dict[int, RequestOutput] = {}
         self._step_fn, self.runner = self._make_step(compile, cuda_graphs, max_batch_size, capture_sizes)
 
@@ -351,14 +351,8 @@ class PagedEngine:
 
     def _add(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              eos_token_id: int | Sequence[int] | None) -> list[int]:
-        """Queue the prompts, all or none (`Scheduler.add_requests`), each with its output record;
-        ValueError for a prompt id the model's embedding table does not hold."""
-        for i, prompt in enumerate(prompts):
-            ids = np.asarray(prompt.cpu() if isinstance(prompt, torch.Tensor) else prompt)
-            if ids.size and np.issubdtype(ids.dtype, np.integer) and ids.max() >= self.vocab_size:
-                where = f"prompts[{i}]: " if len(prompts) > 1 else ""
-                raise ValueError(f"{where}token id {ids.max()} is past the model's vocabulary of {self.vocab_size} "
-                                 "(its input embeddings): tokenize with the model's own tokenizer")
+        """Queue the prompts, all or none (`Scheduler.add_requests`: ValueError for a prompt id the
+        model's embedding table does not hold, too), each with its output record."""
         ids = self.scheduler.add_requests(prompts, max_new_tokens, eos_token_id)
         for rid, prompt in zip(ids, prompts, strict=True):
             self._outputs[rid] = RequestOutput(rid, [int(t) for t in prompt], [], False, None,
