@@ -211,24 +211,34 @@ def test_grouped_state_serves_a_runner_whose_groups_differ():
         GroupedState({"a": SDPA.get_state_cls()(specs["full"]), "b": SDPA.get_state_cls()(spec_of())})
 
 
-def test_a_grouped_runner_refuses_one_groups_metadata_and_writes_nothing():
-    """A graph step given one group's metadata instead of the GroupedMetadata of every group is
-    refused before any static buffer (the groups' inputs, the token ids and positions) is written."""
-    specs = {"full": spec_of(max_seq_len_to_capture=64), "window": spec_of(sliding_window=5, max_seq_len_to_capture=64)}
-    model, caches = grouped_model(specs, seed=0)
-    state = GroupedState({name: SDPA.get_state_cls()(s) for name, s in specs.items()})
-    runner = CUDAGraphRunner(model, SDPA, specs["full"], caches, state, capture_sizes=[2], use_cuda_graphs=False,
+GROUP_SPECS = {"full": spec_of(max_seq_len_to_capture=64),
+               "window": spec_of(sliding_window=5, max_seq_len_to_capture=64)}
+
+
+def refused_with_every_buffer_as_it_was(md, match: str):
+    """A grouped runner (batch 2) given `md`: `match`'s ValueError, raised before any static buffer
+    (the groups' inputs, the token ids and positions) was written. Returns the captured entry."""
+    model, caches = grouped_model(GROUP_SPECS, seed=0)
+    state = GroupedState({name: SDPA.get_state_cls()(s) for name, s in GROUP_SPECS.items()})
+    runner = CUDAGraphRunner(model, SDPA, GROUP_SPECS["full"], caches, state, capture_sizes=[2], use_cuda_graphs=False,
                              progress=False)
     runner.capture()
     entry = runner._captured[2, runner.widths[0]]
     before = {k: t.clone() for k, t in entry.input_buffers.items()}
     ids_before, pos_before = runner._input_ids.clone(), runner._positions.clone()
-    md = SDPA.get_builder_cls()(specs["full"]).build([9, 30], [1, 1], [[1], [2, 3]])
-    match = rf"^a GroupedState serves GroupedMetadata \(one metadata per group\), got {type(md).__name__}$"
     with pytest.raises(ValueError, match=match):
         runner.run(md, torch.tensor([3, 5]), torch.tensor([8, 29]))
     assert all(torch.equal(entry.input_buffers[k], before[k]) for k in before)
     assert torch.equal(runner._input_ids, ids_before) and torch.equal(runner._positions, pos_before)
+    return entry
+
+
+def test_a_grouped_runner_refuses_one_groups_metadata_and_writes_nothing():
+    """A graph step given one group's metadata instead of the GroupedMetadata of every group is
+    refused before any static buffer is written."""
+    md = SDPA.get_builder_cls()(GROUP_SPECS["full"]).build([9, 30], [1, 1], [[1], [2, 3]])
+    match = rf"^a GroupedState serves GroupedMetadata \(one metadata per group\), got {type(md).__name__}$"
+    entry = refused_with_every_buffer_as_it_was(md, match)
     with pytest.raises(ValueError, match=match):
         entry.graph_state.begin_forward(md)
 
@@ -237,23 +247,11 @@ def test_a_grouped_runner_step_the_second_group_refuses_writes_no_groups_buffers
     """Every group's step is checked before any group's buffers are written: metadata whose
     second group was built for another cache size is refused with the first group's buffers, the
     ids and the positions as they were."""
-    specs = {"full": spec_of(max_seq_len_to_capture=64), "window": spec_of(sliding_window=5, max_seq_len_to_capture=64)}
-    model, caches = grouped_model(specs, seed=0)
-    state = GroupedState({name: SDPA.get_state_cls()(s) for name, s in specs.items()})
-    runner = CUDAGraphRunner(model, SDPA, specs["full"], caches, state, capture_sizes=[2], use_cuda_graphs=False,
-                             progress=False)
-    runner.capture()
-    entry = runner._captured[2, runner.widths[0]]
-    before = {k: t.clone() for k, t in entry.input_buffers.items()}
-    ids_before, pos_before = runner._input_ids.clone(), runner._positions.clone()
     other = spec_of(sliding_window=5, max_seq_len_to_capture=64, num_blocks=40)
-    md = GroupedMetadata.of({"full": SDPA.get_builder_cls()(specs["full"]).build([9, 30], [1, 1], [[1], [2, 3]]),
+    md = GroupedMetadata.of({"full": SDPA.get_builder_cls()(GROUP_SPECS["full"]).build([9, 30], [1, 1], [[1], [2, 3]]),
                              "window": SDPA.get_builder_cls()(other).build([9, 30], [1, 1], [[4], [5, 6]])})
-    with pytest.raises(ValueError, match=r"^metadata for num_blocks=40, block_size=16 does not match the state's "
-                                         r"spec \(32, 16\)"):
-        runner.run(md, torch.tensor([3, 5]), torch.tensor([8, 29]))
-    assert all(torch.equal(entry.input_buffers[k], before[k]) for k in before)
-    assert torch.equal(runner._input_ids, ids_before) and torch.equal(runner._positions, pos_before)
+    refused_with_every_buffer_as_it_was(md, r"^metadata for num_blocks=40, block_size=16 does not match the "
+                                            r"state's spec \(32, 16\)")
 
 
 class FullWidthOnlyState(SDPA.get_state_cls()):
