@@ -143,6 +143,20 @@ def test_decode_uses_tensor_cores_from_group_four(fake_flashinfer):
         assert md.step_plan.wrapper("decode").init_kwargs["use_tensor_cores"] is want
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("num_kv_heads", [2, 8])  # tensor cores, CUDA cores
+def test_decode_wrappers_run_fa2_never_auto(fake_flashinfer, kv_cache_dtype, num_kv_heads):
+    # "auto" imports cudnn-frontend at every eager plan (DECODE_BACKEND): neither wrapper may ask for it
+    spec = spec_of(num_kv_heads=num_kv_heads, kv_cache_dtype=kv_cache_dtype)
+    md = mixed_md(spec)
+    md.step_plan.ensure_planned()
+    state = FlashInferBackend.get_state_cls()(spec)
+    with state.graph_capture(2):
+        state.graph_capture_get_metadata_for_batch(2)
+    for wrapper in (md.step_plan.wrapper("decode"), state._slots[2].wrapper):
+        assert wrapper.init_kwargs["backend"] == "fa2"
+
+
 def test_fp8_cache_plans_fp8_kv_dtype(fake_flashinfer):
     md = mixed_md(spec_of(kv_cache_dtype="fp8_e5m2"))
     md.step_plan.ensure_planned()

@@ -93,6 +93,15 @@ GRAPH_DECODE_ENV = "COMPILED_ATTN_FLASHINFER_GRAPH_DECODE"
 # Prefill through FlashInfer's FA2 kernels on every card: FA3 lacks ALiBi and fp8 KV with 16-bit
 # queries, and each FA3 variant is a separate multi-minute JIT build.
 PREFILL_BACKEND = "fa2"
+# Decode wrappers (eager and graphed) name FA2 rather than FlashInfer's "auto". "auto" picks FA2
+# for every spec we plan (FA3's fp8 KV needs fp8 queries; ours are 16-bit), but first asks
+# whether cuDNN should serve the decode, and that question imports the cudnn-frontend package at
+# every eager plan(); absent, the failed import searches sys.path each time: 0.39 ms of host time a
+# step (cProfile, H200 host, thirty-sixth session), more than a 16-layer decode's whole plan. On
+# Blackwell with that package, "auto" could also move eager decode to cuDNN while the graphs run
+# FA2: eager and graphed steps would no longer use one kernel. (cuDNN graphed decode is ours to
+# pick: GRAPH_DECODE_ENV.)
+DECODE_BACKEND = "fa2"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,7 +397,7 @@ class _WrapperPool:
                 w = fi.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, "NHD", backend=PREFILL_BACKEND)
             else:
                 w = fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace, "NHD", use_tensor_cores=decode_uses_tensor_cores(self.spec)
+                    self._workspace, "NHD", use_tensor_cores=decode_uses_tensor_cores(self.spec), backend=DECODE_BACKEND
                 )
             self._slots[key] = _Slot(w, self.spec.device)
         return self._slots[key]
@@ -676,7 +685,7 @@ class FlashInferState(GraphState):
             return _Slot(TritonGraphDecode(self.spec, lens, tables), self.spec.device)
         wrapper = _flashinfer().BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=decode_uses_tensor_cores(self.spec),
-            paged_kv_indptr_buffer=b["paged_kv_indptr"][: batch_size + 1],
+            backend=DECODE_BACKEND, paged_kv_indptr_buffer=b["paged_kv_indptr"][: batch_size + 1],
             paged_kv_indices_buffer=b["paged_kv_indices"][: batch_size * self.max_blocks_per_seq],
             paged_kv_last_page_len_buffer=b["paged_kv_last_page_len"][:batch_size],
         )
