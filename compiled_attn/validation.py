@@ -56,6 +56,16 @@ INT_DTYPE_KINDS = "iu"
 # Python values: ints, reals, enums
 
 
+def check_model_output(out: object, num_tokens: int) -> torch.Tensor:
+    """`out`, the model's output on `num_tokens` static rows, if it is one tensor [num_tokens, ...]:
+    the graphs keep its rows and hand the step's first ones back, so anything else (a tuple,
+    the last row only) would serve other rows than the step's. ValueError otherwise."""
+    if not isinstance(out, torch.Tensor) or out.shape[:1] != (num_tokens,):
+        got = f"{type(out).__name__} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"the model must return a tensor [num_tokens, ...]; got {got} for {num_tokens}")
+    return out
+
+
 def as_int(name: str, value: object, *, minimum: int | None = 1, why: str = "") -> int:
     """`value` as a python int: ints, numpy ints and 0-d integer CPU tensors pass; floats (even
     4.0), bools, strings, None and other tensors are a ValueError, as is a value outside

@@ -580,10 +580,22 @@ def test_a_model_returning_more_than_one_tensor_is_refused():
     model = build_model(TINY, seed=0, backend="TORCH_SDPA")
     graphs = PiecewiseGraphs(lambda ids, pos, caches: (model(ids, pos, caches), ids), random_caches(spec, 0),
                              sizes=[4], device=torch.device("cpu"), use_cuda_graphs=False, piece_compiler="eager")
-    graphs.capture()
-    md = ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(spec).build([3], [3], [[5]])
-    with pytest.raises(ValueError, match="returns one tensor"):
-        graphs.run(md, torch.tensor([1, 2, 3]), torch.arange(3))
+    with pytest.raises(ValueError, match=r"^the model must return a tensor \[num_tokens, \.\.\.\]; got tuple for 4$"):
+        graphs.capture()  # its warm-up, without CUDA graphs too
+
+
+def test_a_model_returning_other_rows_than_its_tokens_is_refused_before_capture(monkeypatch):
+    """A model returning its last row only would have the graphs hand back a pad row's logits."""
+    torch._dynamo.reset()
+    captured = []
+    monkeypatch.setattr(pw, "capture_graph", lambda *a: captured.append(a) or capture_on_cpu(*a))
+    spec = cpu_spec()
+    model = build_model(TINY, seed=0, backend="TORCH_SDPA")
+    graphs = cpu_graphs(lambda ids, pos, caches: model(ids, pos, caches)[-1:], random_caches(spec, 0), [8])
+    with pytest.raises(ValueError, match=r"^the model must return a tensor \[num_tokens, \.\.\.\]; "
+                                         rf"got Tensor \(1, {TINY.vocab_size}\) for 8$"):
+        graphs.capture()
+    assert not captured
 
 
 def test_capture_stats_report_the_piecewise_graphs(sdpa_model):

@@ -54,7 +54,13 @@ from compiled_attn.graphs.split import (
 )
 from compiled_attn.groups import GroupedMetadata
 from compiled_attn.ops.library import python_kernel
-from compiled_attn.validation import METADATA_KINDS_KEPT, CapturedWrite, check_captured_writes, metadata_kind
+from compiled_attn.validation import (
+    METADATA_KINDS_KEPT,
+    CapturedWrite,
+    check_captured_writes,
+    check_model_output,
+    metadata_kind,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -382,7 +388,7 @@ class PiecewiseGraphs:
             warmups = self.warmup_steps if cuda else int(bucket == self.sizes[0])
             with _on(warm_stream), control.serving(None, skip_ops=True), self._capturing(bucket):
                 for _ in range(warmups):  # the compiled pieces, for real
-                    self._static_step(bucket)
+                    check_model_output(self._static_step(bucket), bucket)
             if cuda:
                 if on_cuda:
                     capture_stream.wait_stream(warm_stream)
@@ -433,9 +439,10 @@ class PiecewiseGraphs:
                 return split(*args)[0]
         output = self._static_step(bucket)
         split, args, output_id, writes = self.backend.recorded.pop(bucket)
+        check_model_output(output, bucket)  # also at the warm-up (capture), before any piece is captured
         if output_id != id(output):
-            raise ValueError(f"piecewise graphs serve a model whose forward returns one tensor, got "
-                             f"{type(output).__name__}")
+            raise ValueError("piecewise graphs serve a model whose forward returns its compiled graph's one output "
+                             "tensor, with no Python after it (compile it with fullgraph=True)")
         self._direct[bucket] = (split, args, writes)
         return output
 

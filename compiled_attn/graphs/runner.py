@@ -54,7 +54,7 @@ from compiled_attn.graphs.piecewise import PIECE_COMPILERS, PiecewiseGraphs
 from compiled_attn.groups import GroupedMetadata
 from compiled_attn.inductor_cache import keep_tuned_configs
 from compiled_attn.metadata import token_positions_of
-from compiled_attn.validation import as_int, check_cache_list
+from compiled_attn.validation import as_int, check_cache_list, check_model_output
 
 logger = logging.getLogger(__name__)
 
@@ -439,9 +439,7 @@ class CUDAGraphRunner:
             out = self.model(ids, pos, self.kv_caches)
         # checked at the warm-up, before a capture (which an error inside would leave open), and
         # at every step without CUDA graphs (a replay runs no Python)
-        if not isinstance(out, torch.Tensor) or out.shape[:1] != (bs,):
-            raise ValueError(f"the model must return a tensor [num_tokens, ...]; got {_describe(out)} for {bs}")
-        return out
+        return check_model_output(out, bs)
 
     def _one_token_calls(self, num_tokens: int) -> contextlib.AbstractContextManager[None]:
         """Around every call of the model: a batch-1 graph Dynamo traces in it gets batch 1's compiles."""
@@ -695,5 +693,3 @@ def _mib(n: int | None) -> str:
     return "unknown" if n is None else f"{n / 2**20:.1f} MiB"
 
 
-def _describe(x: object) -> str:
-    return f"{type(x).__name__} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
