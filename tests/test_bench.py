@@ -200,7 +200,7 @@ def test_piecewise_bench_metadata_plans_at_every_call_as_a_served_step_does(fake
         mds, wrappers = fresh_metadata(backend, spec, [40, 17], [1, 1], builds=builds), {}
         for _ in range(8):
             md = next(mds)
-            md.step_plan.ensure_planned()
+            md.step_plan.ensure_planned(md)
             wrapper = md.step_plan.wrapper("decode")
             wrappers[id(wrapper)] = wrapper
         assert sum(len(w.plans) for w in wrappers.values()) == want  # plan() calls, over the builder's slots

@@ -8,10 +8,12 @@ Kernel variants compile for 10-60 s each, so the GPU feature cases are a pairwis
 from __future__ import annotations
 
 import dataclasses
+import gc
 import random
 import sys
 import types
 import unittest.mock
+import weakref
 
 import numpy as np
 import pytest
@@ -107,7 +109,7 @@ def test_mixed_step_plans_prefill_and_rebased_decode_once(fake_flashinfer):
     spec = spec_of(sliding_window=32, logits_soft_cap=30.0)
     md = mixed_md(spec)
     for _ in range(3):  # three layers, one plan
-        md.step_plan.ensure_planned()
+        md.step_plan.ensure_planned(md)
     pre, dec = md.step_plan.wrapper("prefill"), md.step_plan.wrapper("decode")
     assert len(pre.plans) == 1 and len(dec.plans) == 1
     (qo, kv_indptr, indices, last, *dims), kw = pre.plans[0]
@@ -119,7 +121,7 @@ def test_mixed_step_plans_prefill_and_rebased_decode_once(fake_flashinfer):
     assert kw["window_left"] == 31 and kw["logits_soft_cap"] == 30.0
     assert kw["pos_encoding_mode"] == "NONE" and kw["q_data_type"] == torch.bfloat16
     alibi = mixed_md(spec_of(alibi_slopes=alibi_slopes(8)))
-    alibi.step_plan.ensure_planned()
+    alibi.step_plan.ensure_planned(alibi)
     assert alibi.step_plan.wrapper("prefill").plans[0][1]["pos_encoding_mode"] == "ALIBI"
 
 
@@ -128,18 +130,60 @@ def test_step_replans_a_wrapper_another_step_took_over(fake_flashinfer):
     builder = FlashInferBackend.get_builder_cls()(spec)
     first, second, third = (mixed_md(spec, builder) for _ in range(3))
     for md in (first, second, third, first):
-        md.step_plan.ensure_planned()
+        md.step_plan.ensure_planned(md)
     # first and third share a slot (two slots alternate): first planned again after third
     assert first.step_plan.wrapper("decode") is third.step_plan.wrapper("decode")
     assert first.step_plan.wrapper("decode") is not second.step_plan.wrapper("decode")
     assert len(first.step_plan.wrapper("decode").plans) == 3
 
 
+def test_a_copy_of_the_metadata_plans_from_its_own_fields(fake_flashinfer):
+    builder = FlashInferBackend.get_builder_cls()(spec_of())
+    copy = dataclasses.replace(builder.build([17, 3], [1, 1], [[5, 6], [7]]))  # the built one is gone
+    gc.collect()
+    copy.step_plan.ensure_planned(copy)
+    assert copy.step_plan.wrapper("decode").plans[-1][0][0].tolist() == [0, 2, 3]
+
+
+def test_a_planned_step_is_freed_without_the_collector(fake_flashinfer):
+    # no cycle through its plan: cyclic garbage would wait for the collector (StepPlan's comment)
+    builder = FlashInferBackend.get_builder_cls()(spec_of())
+    md = mixed_md(spec_of(), builder)
+    md.step_plan.ensure_planned(md)
+    freed = weakref.ref(md)
+    gc.disable()
+    try:
+        del md
+        assert freed() is None
+    finally:
+        gc.enable()
+
+
+def test_a_step_planned_again_after_a_failed_plan_took_its_slot(fake_flashinfer):
+    builder = FlashInferBackend.get_builder_cls()(spec_of())
+    first, second = builder.build([17, 3], [1, 1], [[5, 6], [7]]), builder.build([5], [1], [[9]])
+    third = builder.build([40, 20, 9], [1, 1, 1], [[1, 2, 3], [4, 8], [10]])  # first's slot
+    for md in (first, second):
+        md.step_plan.ensure_planned(md)
+    wrapper = first.step_plan.wrapper("decode")
+
+    def failing_plan(*args, **kwargs):  # as FlashInfer's: the new page buffers are in before it raises
+        wrapper.plans.append((args, kwargs))
+        raise RuntimeError("workspace overflow")
+
+    wrapper.plan = failing_plan
+    with pytest.raises(RuntimeError, match="workspace overflow"):
+        third.step_plan.ensure_planned(third)
+    del wrapper.plan
+    first.step_plan.ensure_planned(first)
+    assert wrapper.plans[-1][0][0].tolist() == [0, 2, 3]  # first's own plan again, not third's
+
+
 def test_decode_uses_tensor_cores_from_group_four(fake_flashinfer):
     for heads, kv_heads, want in ((8, 2, True), (8, 1, True), (6, 2, False), (4, 4, False)):
         md = FlashInferBackend.get_builder_cls()(spec_of(num_heads=heads, num_kv_heads=kv_heads)).build(
             [5], [1], [[0]])
-        md.step_plan.ensure_planned()
+        md.step_plan.ensure_planned(md)
         assert md.step_plan.wrapper("decode").init_kwargs["use_tensor_cores"] is want
 
 
@@ -149,7 +193,7 @@ def test_decode_wrappers_run_fa2_never_auto(fake_flashinfer, kv_cache_dtype, num
     # "auto" imports cudnn-frontend at every eager plan (DECODE_BACKEND): neither wrapper may ask for it
     spec = spec_of(num_kv_heads=num_kv_heads, kv_cache_dtype=kv_cache_dtype)
     md = mixed_md(spec)
-    md.step_plan.ensure_planned()
+    md.step_plan.ensure_planned(md)
     state = FlashInferBackend.get_state_cls()(spec)
     with state.graph_capture(2):
         state.graph_capture_get_metadata_for_batch(2)
@@ -159,13 +203,13 @@ def test_decode_wrappers_run_fa2_never_auto(fake_flashinfer, kv_cache_dtype, num
 
 def test_fp8_cache_plans_fp8_kv_dtype(fake_flashinfer):
     md = mixed_md(spec_of(kv_cache_dtype="fp8_e5m2"))
-    md.step_plan.ensure_planned()
+    md.step_plan.ensure_planned(md)
     assert md.step_plan.wrapper("decode").plans[0][1]["kv_data_type"] == torch.float8_e5m2
 
 
 def test_encoder_only_plans_non_causal_ragged(fake_flashinfer):
     md = FlashInferBackend.get_builder_cls()(spec_of(attn_type=KINDS.ENCODER_ONLY)).build([5, 3], [5, 3], [])
-    md.step_plan.ensure_planned()
+    md.step_plan.ensure_planned(md)
     (qo, kv, *_), kw = md.step_plan.wrapper("ragged").plans[0]
     assert qo.tolist() == kv.tolist() == [0, 5, 8] and kw["causal"] is False
 
@@ -191,7 +235,7 @@ def test_split_kv_is_off_from_the_measured_number_of_request_kv_head_pairs(fake_
     for heads, n, want in ((8, big, True), (8, big - 1, False), (2, big, False)):  # (2, 2): CUDA cores
         step = FlashInferBackend.get_builder_cls()(spec_of(num_heads=heads, num_kv_heads=2, num_blocks=n)).build(
             [5] * n, [1] * n, [[i] for i in range(n)])
-        step.step_plan.ensure_planned()
+        step.step_plan.ensure_planned(step)
         assert step.step_plan.wrapper("decode").plans[0][1].get("disable_split_kv", False) is want
 
 

@@ -105,7 +105,7 @@ def test_flashinfer_plans_every_group_with_its_own_window_cap_and_scale(fake_fla
     planned = {}
     for name in specs:
         plan = md.for_group(name).step_plan
-        plan.ensure_planned()
+        plan.ensure_planned(md.for_group(name))
         planned[name] = {k: plan.wrapper(k).plans[0][1] for k in ("prefill", "decode")}
     for kind in ("prefill", "decode"):
         full, local = planned["full"][kind], planned["local"][kind]

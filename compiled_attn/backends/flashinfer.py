@@ -356,23 +356,35 @@ def plan_options(spec: AttentionSpec) -> dict[str, Any]:
 
 
 class _Slot:
-    """A wrapper plus the event fencing its pinned plan buffer, and the plan that owns it now."""
+    """A wrapper plus the event fencing its pinned plan buffer, and what its last plan was made for."""
 
     def __init__(self, wrapper: Any, device: torch.device) -> None:
         self.wrapper = wrapper
         self.fenced = device.type == "cuda"  # CPU specs (tests with a stand-in FlashInfer) have no events
         self.event: torch.cuda.Event | None = None
-        self.owner: object | None = None
+        # weak: a step's metadata owning its slot's plan would be cyclic garbage (StepPlan's comment)
+        self._owner: weakref.ref | None = None
+
+    def planned_for(self, owner: object) -> bool:
+        """Whether the wrapper's last plan, which succeeded, was made for `owner`."""
+        return self._owner is not None and self._owner() is owner
+
+    @property
+    def planned(self) -> bool:
+        return self._owner is not None
 
     def plan(self, owner: object, plan_fn: Callable[[Any], None]) -> None:
         _forbid_capture("planning a FlashInfer wrapper")
         if self.event is not None:
             self.event.synchronize()  # the GPU has copied the previous plan out of the pinned buffer
+        # FlashInfer's plan() swaps in the new page buffers before its module plans, which may
+        # raise: the wrapper then holds neither plan, and the last owner must plan again
+        self._owner = None
         plan_fn(self.wrapper)
         if self.fenced:
             self.event = self.event or torch.cuda.Event()
             self.event.record()
-        self.owner = owner
+        self._owner = weakref.ref(owner)
 
 
 class _WrapperPool:
@@ -438,39 +450,36 @@ class StepPlan(_PlanChecks):
     """The eager wrappers of one builder step, planned on first use (once per step, not per layer).
 
     A wrapper re-planned for another step in between (two steps later, same slot) is re-planned
-    for this one when it runs again, so old metadata stays correct.
+    for this one when it runs again, so old metadata stays correct. A copy of the step's metadata
+    (`dataclasses.replace`) shares this plan object but plans from its own fields.
     """
 
     graph_safe = False
 
-    def __init__(self, pool: _WrapperPool, md: FlashInferMetadata, turn: int) -> None:
+    def __init__(self, pool: _WrapperPool, turn: int) -> None:
         self.spec = pool.spec
         self._pool = pool
-        # weak: the metadata owns its plan, and a reference back would make each step's metadata
-        # (~1 MB of host arrays at 256 requests x 4K tokens) cyclic garbage that only the
-        # collector frees, so later builds fault in fresh pages (~30 a step)
-        self._md_ref = weakref.ref(md)
         self._turn = turn
+        # No reference to the metadata (its `step_plan` is this): a cycle would make each step's
+        # metadata (~1 MB of host arrays at 256 requests x 4K tokens) garbage that only the
+        # collector frees, so later builds fault in fresh pages (~30 a step)
+
+    def ensure_planned(self, md: FlashInferMetadata) -> None:
+        """Plan the wrappers `md`'s tokens run through, unless their last plan was `md`'s."""
         if self.spec.attn_type == AttentionType.ENCODER_ONLY:
-            self._kinds = ("ragged",) if md.num_tokens else ()
+            kinds = ("ragged",) if md.num_tokens else ()
         else:
-            self._kinds = tuple(k for k, n in (("prefill", md.num_prefills), ("decode", md.num_decodes)) if n)
-
-    @property
-    def _md(self) -> FlashInferMetadata:
-        return self._md_ref()  # alive: a plan runs through its metadata's step_plan
-
-    def ensure_planned(self) -> None:
-        for kind in self._kinds:
+            kinds = ("prefill",) * bool(md.num_prefills) + ("decode",) * bool(md.num_decodes)
+        for kind in kinds:
             slot = self._pool.slot(kind, self._turn)
-            if slot.owner is not self:
-                slot.plan(self, getattr(self, f"_plan_{kind}"))
+            if not slot.planned_for(md):
+                slot.plan(md, functools.partial(getattr(self, f"_plan_{kind}"), md))
 
     def wrapper(self, kind: str) -> Any:
         return self._pool.slot(kind, self._turn).wrapper
 
-    def _plan_prefill(self, w: Any) -> None:
-        md, spec, p = self._md, self.spec, self._md.num_prefills
+    def _plan_prefill(self, md: FlashInferMetadata, w: Any) -> None:
+        spec, p = self.spec, md.num_prefills
         kv_indptr = md.paged_kv_indptr[: p + 1]
         w.plan(
             md.qo_indptr[: p + 1], kv_indptr, md.paged_kv_indices[: int(kv_indptr[-1])],
@@ -478,8 +487,8 @@ class StepPlan(_PlanChecks):
             spec.block_size, causal=True, **plan_options(spec),
         )
 
-    def _plan_decode(self, w: Any) -> None:
-        md, spec, p = self._md, self.spec, self._md.num_prefills
+    def _plan_decode(self, md: FlashInferMetadata, w: Any) -> None:
+        spec, p = self.spec, md.num_prefills
         first = int(md.paged_kv_indptr[p])
         w.plan(
             md.paged_kv_indptr[p:] - first, md.paged_kv_indices[first:], md.paged_kv_last_page_len[p:],
@@ -487,10 +496,10 @@ class StepPlan(_PlanChecks):
             **decode_split_options(spec, md.num_decodes),
         )
 
-    def _plan_ragged(self, w: Any) -> None:
+    def _plan_ragged(self, md: FlashInferMetadata, w: Any) -> None:
         spec = self.spec
         w.plan(
-            self._md.qo_indptr, self._md.qo_indptr, spec.num_heads, spec.num_kv_heads, spec.head_size,
+            md.qo_indptr, md.qo_indptr, spec.num_heads, spec.num_kv_heads, spec.head_size,
             causal=False, **plan_options(spec),
         )
 
@@ -537,7 +546,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
             if not md.has("paged_kv_indices"):  # every table entry is live: a view of the table (`after_upload`)
                 md._derive_at_upload("paged_kv_indices")
             md.paged_kv_last_page_len = torch.from_numpy(last)
-        md.step_plan = StepPlan(self._pool, md, self._turn)
+        md.step_plan = StepPlan(self._pool, self._turn)
         self._turn += 1
         return md
 
@@ -563,7 +572,7 @@ class GraphStepPlan(_PlanChecks):
         self.spec = spec
         self.slot = slot
 
-    def ensure_planned(self) -> None:
+    def ensure_planned(self, md: FlashInferMetadata) -> None:
         return None  # planned at creation, then by FlashInferState.begin_forward before each replay
 
     def wrapper(self, kind: str) -> Any:
@@ -739,7 +748,7 @@ class FlashInferState(GraphState):
         # FlashInfer's own attribute: the kernel family its last plan() resolved "auto" to (the
         # stand-ins of the CPU tests have none: they model fa2)
         fa2 = getattr(slot.wrapper, "_backend", "fa2") == "fa2"
-        if split.get("disable_split_kv") and fa2 and slot.owner is not None:
+        if split.get("disable_split_kv") and fa2 and slot.planned:
             # Without split-kv FlashInfer's fa2 schedule is one tile per (request, KV head): it
             # depends on the batch size alone, so the plan made at capture stands, and the page
             # CSR the kernel reads is the one the step's upload wrote: what plan() would copy,

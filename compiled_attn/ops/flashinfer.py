@@ -52,7 +52,7 @@ def flashinfer_attention(
             "whose wrappers were not made for graphs (use_cuda_graph=False); capture decode steps with metadata from "
             "backend.get_state_cls()(spec).graph_capture_get_metadata_for_batch(batch_size)"
         )
-    step.ensure_planned()
+    step.ensure_planned(md)
     if kind == AttentionType.ENCODER_ONLY:
         step.wrapper("ragged").run(query, key, value, out=output)
         return
