@@ -917,6 +917,23 @@ def _stand_in(rows: int, shape: tuple[int, ...], dtype: torch.dtype, device: tor
 # Graph replay: everything a replay would otherwise read unchecked
 
 
+# AttentionSpec's fields a step's metadata and a State's graphs must agree on, besides the cache
+# size (checked first, with its own message), the ALiBi slopes and the device; not the capture
+# limit, which the State's lengths check applies
+SPEC_FIELDS_COMPARED = ("num_heads", "num_kv_heads", "head_size", "dtype", "cache_dtype", "softmax_scale",
+                        "sliding_window", "logits_soft_cap", "attn_type")
+
+
+def spec_differences(got: AttentionSpec, want: AttentionSpec) -> list[str]:
+    """'field got vs want' for each of SPEC_FIELDS_COMPARED where the specs differ, and 'alibi_slopes'."""
+    differ = [f"{name} {getattr(got, name)} vs {getattr(want, name)}" for name in SPEC_FIELDS_COMPARED
+              if getattr(got, name) != getattr(want, name)]
+    a, b = got.alibi_slopes, want.alibi_slopes
+    if (a is None) != (b is None) or (a is not b and a is not None and not torch.equal(a.cpu(), b.cpu())):
+        differ.append("alibi_slopes")
+    return differ
+
+
 def check_graph_step(md: Any, spec: AttentionSpec, backend_name: str, batch_size: int, device: torch.device) -> None:
     """A step that a decode graph captured for `spec` and `batch_size` can replay: checked by every
     State before it copies the step into its static buffers (nothing is checked at replay, so a
@@ -938,6 +955,12 @@ def check_graph_step(md: Any, spec: AttentionSpec, backend_name: str, batch_size
     if (md.num_blocks, md.block_size) != (spec.num_blocks, spec.block_size):
         raise ValueError(f"metadata for num_blocks={md.num_blocks}, block_size={md.block_size} does not match "
                          f"the state's spec ({spec.num_blocks}, {spec.block_size})")
+    # A replay runs the layers on the State's own metadata, so what the step's spec says (a
+    # window its rolled tables assume, FlashInfer's planned scale) is seen by nothing else.
+    differences = [] if md.spec is spec else spec_differences(md.spec, spec)
+    if differences:
+        raise ValueError(f"metadata built for another spec than the state's ({'; '.join(differences)}): build the "
+                         "step with a builder of the state's spec")
     # md.device, md.has, md.is_uploaded: a replay reads the host arrays only, so nothing here uploads the step
     if md.device != device:
         raise ValueError(f"metadata on {md.device}, graph buffers on {device}")

@@ -244,6 +244,22 @@ def test_runner_metadata_for_another_cache_size_raises(runner):
     assert all(same_bits(a, b) for a, b in zip(runner.kv_caches, before, strict=True))
 
 
+@pytest.mark.parametrize(("other", "field"), [(dict(sliding_window=4), "sliding_window"),
+                                               (dict(scale=1.0), "softmax_scale"),
+                                               (dict(logits_soft_cap=5.0), "logits_soft_cap")],
+                         ids=["window", "scale", "soft-cap"])
+def test_runner_metadata_for_another_spec_raises(runner, other, field):
+    # replayed, the step runs on the State's metadata: nothing else would see its own spec's options
+    # (the window's builder rolls tables: blocks before the window are freed, -1)
+    rolling = "sliding_window" in other
+    builder = SDPA.get_builder_cls()(dataclasses.replace(tiny_spec(), **other), rolling_tables=rolling)
+    md = builder.build([30], [1], [[-1] * 6 + [10, 11]] if rolling else [[1, 2, 3, 4, 5, 6, 7, 8]])
+    before = [c.clone() for c in runner.kv_caches]
+    with pytest.raises(ValueError, match=rf"^metadata built for another spec than the state's \({field} "):
+        runner.run(md, torch.tensor([3]), torch.tensor([29]))
+    assert all(same_bits(a, b) for a, b in zip(runner.kv_caches, before, strict=True))
+
+
 def test_runner_after_a_cache_is_reallocated_in_place_raises(runner):
     # same tensor object, new storage (what resize_ / set_ / an offload round trip may do)
     md = SDPA.get_builder_cls()(tiny_spec()).build([5], [1], [[1, 2]])
