@@ -15,6 +15,7 @@ import random
 import threading
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -37,7 +38,7 @@ from compiled_attn.graphs import (
 from compiled_attn.graphs import compiler as compiler_module
 from compiled_attn.graphs import pick_batch_size as pick
 from compiled_attn.graphs import runner as runner_module
-from compiled_attn.graphs.buckets import capture_widths_for, fill_padded
+from compiled_attn.graphs.buckets import capture_widths_for, fill_padded, piecewise_sizes_for
 from compiled_attn.graphs.compiler import COMPILE_OPTIONS, ONE_TOKEN_COMPILES, RunnerCompiler
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
 from compiled_attn.paging import BlockAllocator, Request, last_token_rows, schedule
@@ -64,6 +65,13 @@ def test_capture_sizes_are_filtered_and_largest_first():
 def test_bad_capture_sizes_raise(max_batch_size, sizes):
     with pytest.raises(ValueError):
         capture_sizes_for(max_batch_size, sizes)
+
+
+def test_numpy_ints_are_sizes_as_ints_are():
+    assert capture_sizes_for(np.int64(8), list(np.array([1, 2, 4, 8]))) == [8, 4, 2, 1]
+    assert piecewise_sizes_for(list(np.array([16, 64]))) == [64, 16]
+    assert all(type(s) is int for s in capture_sizes_for(8, list(np.array([1, 2]))) + piecewise_sizes_for(
+        list(np.array([16]))))
 
 
 NOT_A_LIST = pytest.mark.parametrize("sizes", [8, {1, 2}], ids=["int", "set"])  # a set would lose its order

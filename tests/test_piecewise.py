@@ -618,7 +618,9 @@ def test_piecewise_needs_decoder_specs(sdpa_model):
 @pytest.mark.parametrize(("kw", "match"), [
     ({"piecewise_sizes": [8]}, "piecewise=True"),
     ({"piecewise": True, "piece_compiler": "aot"}, "piece_compiler"),
-    ({"piecewise": True, "piecewise_sizes": [0, 8]}, r"^piecewise_sizes must be ints >= 1, got \[0\]$"),
+    ({"piecewise": True, "piecewise_sizes": [0, 8]}, r"^piecewise_sizes must be ints in \[1, 2147483647\], got \[0\]$"),
+    ({"piecewise": True, "piecewise_sizes": [2**31, 64]},  # not dropped: no largest size applies to buckets
+     r"^piecewise_sizes must be ints in \[1, 2147483647\], got \[2147483648\]$"),
     ({"piecewise": True, "piecewise_sizes": 8}, "^piecewise_sizes must be a list of ints, got int$"),
     ({"piecewise": True, "piecewise_sizes": []}, "at least one"),
 ])

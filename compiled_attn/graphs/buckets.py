@@ -58,8 +58,8 @@ def piecewise_sizes_for(sizes: Iterable[int] | None = None) -> list[int]:
     """
     if isinstance(sizes, list | tuple | range) and not len(sizes):
         raise ValueError("piecewise_sizes must name at least one token count")
-    return _largest_first(_checked_sizes(DEFAULT_PIECEWISE_SIZES if sizes is None else sizes, "piecewise_sizes"),
-                          INT32_MAX)
+    return sorted(set(_checked_sizes(DEFAULT_PIECEWISE_SIZES if sizes is None else sizes, "piecewise_sizes")),
+                  reverse=True)
 
 
 def _largest_first(sizes: list[int], max_batch_size: int) -> list[int]:
@@ -71,13 +71,19 @@ def _largest_first(sizes: list[int], max_batch_size: int) -> list[int]:
 
 
 def _checked_sizes(sizes: object, what: str) -> list[int]:
-    """`sizes` as a list, each an int >= 1; ValueError naming `what` otherwise."""
+    """`sizes` as a list of python ints, each in [1, INT32_MAX] (numpy ints too, as `as_int`
+    takes them); ValueError naming `what` and every bad entry otherwise."""
     if not isinstance(sizes, list | tuple | range):
         raise ValueError(f"{what} must be a list of ints, got {type(sizes).__name__}")
-    bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s < 1]
+    checked, bad = [], []
+    for s in sizes:
+        try:
+            checked.append(as_int(what, s))
+        except ValueError:
+            bad.append(s)
     if bad:
-        raise ValueError(f"{what} must be ints >= 1, got {bad}")
-    return list(sizes)
+        raise ValueError(f"{what} must be ints in [1, {INT32_MAX}], got {bad}")
+    return checked
 
 
 def fill_padded(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], pads_from: int,
