@@ -12,7 +12,7 @@ from compiled_attn import demo
 from compiled_attn.bench import suite
 from compiled_attn.bench.report import print_table
 from compiled_attn.cli import backend_name, output_dir, positive_int
-from compiled_attn.integrations.generate import load_tokenizer, run_generate
+from compiled_attn.integrations.generate import prompt_ids_problem, run_generate
 from compiled_attn.integrations.hf_random import FAMILIES, SIZES
 from compiled_attn.registry import BACKEND_CLASSES, get_attn_backend
 
@@ -54,9 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompt and args.random:
             parser.error("--prompt needs --model's tokenizer: with --random, use --num-prompts / --prompt-len")
         # before the model is loaded (without transformers, _generate says what to install)
-        if args.prompt and importlib.util.find_spec("transformers") and load_tokenizer(args.model) is None:
-            parser.error(f"--prompt needs a tokenizer, and {args.model!r} holds none: use --num-prompts / "
-                         "--prompt-len for random prompts")
+        problem = args.prompt and importlib.util.find_spec("transformers") and prompt_ids_problem(args.model,
+                                                                                                   args.prompt)
+        if problem:
+            parser.error(problem)
         if args.backend is not None:
             try:  # before the model is built: the backend's package and device
                 get_attn_backend(args.backend)

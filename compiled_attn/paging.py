@@ -24,7 +24,7 @@ import math
 import operator
 import reprlib
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -251,12 +251,13 @@ class Scheduler:
         """Queue a request; returns its id. ValueError for one that could never be served."""
         return self.add_requests([prompt], max_new_tokens, eos_token_id)[0]
 
-    def add_requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+    def add_requests(self, prompts: Iterable[Sequence[int]], max_new_tokens: int,
                      eos_token_id: int | Sequence[int] | None = None) -> list[int]:
         """Queue requests, all or none: each is checked before any is queued (ValueError naming
         the first that could never be served); returns their ids in order."""
         max_new_tokens = as_int("max_new_tokens", max_new_tokens)
         eos = eos_ids(eos_token_id)
+        prompts = list(prompts)  # a generator, say: counted below
         checked = []
         for i, prompt in enumerate(prompts):
             try:
@@ -274,6 +275,10 @@ class Scheduler:
     def _admissible(self, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], dict[str, int]]:
         """The prompt's tokens and the blocks per group it reserves; ValueError for a prompt that
         is not token ids or a request no cache could hold."""
+        # a bool among ints would become an int64 array (True as token 1): refused as a bool alone is
+        if isinstance(prompt, list | tuple) and not {bool, np.bool_}.isdisjoint(map(type, prompt)):
+            raise ValueError(f"a prompt is a sequence of token ids (ints >= 0 that fit int64), got "
+                             f"{reprlib.repr(prompt)}")
         tokens = np.asarray(prompt.cpu() if isinstance(prompt, torch.Tensor) else prompt)
         if tokens.ndim == 1 and not tokens.size:
             raise ValueError("a prompt needs at least one token")

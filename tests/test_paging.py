@@ -65,6 +65,8 @@ def test_add_requests_queues_all_or_none():
     ({"prompt": [1, 2.5]}, "a prompt is a sequence of token ids"),
     ({"prompt": [1, -2]}, "a prompt is a sequence of token ids"),
     ({"prompt": [[1, 2]]}, "a prompt is a sequence of token ids"),
+    ({"prompt": [5, True]}, "a prompt is a sequence of token ids"),  # not token 1
+    ({"prompt": (np.bool_(False), 3)}, "a prompt is a sequence of token ids"),
     ({"prompt": []}, "a prompt needs at least one token"),
 ], ids=repr)
 def test_requests_of_the_wrong_type_are_a_value_error(kw, match):
@@ -73,6 +75,15 @@ def test_requests_of_the_wrong_type_are_a_value_error(kw, match):
     with pytest.raises(ValueError, match=match):
         sched.add_request(**args)
     assert not sched.has_unfinished()
+
+
+def test_a_generator_of_prompts_is_checked_and_queued_like_a_list():
+    sched = Scheduler(num_blocks=16, block_size=4, group_windows={"full": None})
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: a prompt is a sequence of token ids"):
+        sched.add_requests(iter([[1], [-1]]), 2)
+    assert not sched.has_unfinished()
+    sched.add_requests(iter([[1, 2], [3]]), 2)
+    assert [r.tokens for r in sched.waiting] == [[1, 2], [3]]
 
 
 def test_numpy_and_tensor_ids_are_ints():

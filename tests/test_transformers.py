@@ -8,6 +8,8 @@ model, against transformers in float64."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -342,6 +344,49 @@ def test_cli_generate_refuses_prompt_texts_for_a_folder_without_a_tokenizer(tmp_
         cli.main(["generate", "--model", str(tmp_path), "--prompt", "hello"])
     assert e.value.code == 2
     assert f"--prompt needs a tokenizer, and {str(tmp_path)!r} holds none" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("prompt", "error"), [
+    ("", "--prompt '' encodes to no token"),
+    ("w150", "--prompt 'w150' encodes to token id 150, past the model's vocabulary of 128"),
+], ids=["empty", "past-vocab"])
+def test_cli_generate_refuses_prompts_the_engine_would_refuse_before_the_model_loads(tmp_path, monkeypatch, capsys,
+                                                                                   prompt, error):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from compiled_attn import __main__ as cli
+    from compiled_attn.integrations import generate
+
+    config = hf_random.random_config("llama", "tiny")
+    assert config.vocab_size == 128
+    hf_random.random_model(config).save_pretrained(tmp_path)
+    words = models.WordLevel({f"w{i}": i for i in range(200)} | {"[UNK]": 0}, unk_token="[UNK]")
+    tokenizer = Tokenizer(words)
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(tmp_path)
+    monkeypatch.setattr(generate, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(tmp_path), "--prompt", "w5 w7", "--prompt", prompt])
+    assert e.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+def test_engine_sizes_are_checked_before_a_window_group_derives_its_blocks():
+    model = hf_random.random_model(hf_random.random_config("mistral"))
+    for kw, error in ((dict(block_size=0), "block_size must be >= 1, got 0"),
+                      (dict(max_batch_size=2.5), "max_batch_size must be an int, got 2.5"),
+                      (dict(max_num_batched_tokens=8.0), "max_num_batched_tokens must be an int, got 8.0")):
+        with pytest.raises(ValueError, match=f"^{re.escape(error)}$"):
+            ca_hf.PagedEngine(model, compile=False, cuda_graphs=False, **kw)
+
+
+def test_a_generator_of_prompts_is_served_like_a_list():
+    model = hf_random.random_model(hf_random.random_config("llama", "tiny"))
+    engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=False, cuda_graphs=False)
+    prompts = [[5, 6], [7, 8, 9]]
+    want = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=False, cuda_graphs=False).generate(prompts, 3)
+    assert engine.generate(iter(prompts), 3) == want
 
 
 def test_settings_transformers_passes_must_equal_what_the_engine_read():

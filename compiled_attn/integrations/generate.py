@@ -39,6 +39,27 @@ def load_tokenizer(model_dir: str) -> Any:
         return None
 
 
+def prompt_ids_problem(model_dir: str, prompts: list[str]) -> str | None:
+    """What is wrong with serving `prompts` from the model folder, before its weights load: no
+    tokenizer, a text that encodes to no token, or an id past the config's vocabulary (the
+    engine would refuse each after building itself). None if nothing is."""
+    from transformers import AutoConfig
+
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is None:
+        return (f"--prompt needs a tokenizer, and {model_dir!r} holds none: use --num-prompts / --prompt-len for "
+                "random prompts")
+    vocab = AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size
+    for text in prompts:
+        ids = tokenizer(text)["input_ids"]
+        if not ids:
+            return f"--prompt {text!r} encodes to no token: give a text with at least one"
+        if max(ids) >= vocab:
+            return (f"--prompt {text!r} encodes to token id {max(ids)}, past the model's vocabulary of {vocab}: the "
+                    "folder's tokenizer does not belong to its model")
+    return None
+
+
 def stop_token_ids(model: Any, tokenizer: Any) -> int | list[int] | None:
     """The ids a request stops at, as transformers' `generate` picks them: the checkpoint's
     `generation_config.eos_token_id` (an id or a list: instruct checkpoints list several), else

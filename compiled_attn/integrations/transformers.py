@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from compiled_attn.graphs.runner import WithPostprocess
 from compiled_attn.groups import GroupedMetadata, GroupedState
 from compiled_attn.paging import NULL_BLOCK, ScheduledStep, Scheduler, ServedRequest, window_blocks
 from compiled_attn.registry import BACKEND_CLASSES, ENV_VAR
+from compiled_attn.validation import as_int
 
 IMPLEMENTATION = "compiled_attn"  # the attn_implementation name register() adds
 LAYER_ATTR = "compiled_attn"  # the ca.Attention an engine attaches to each attention module
@@ -249,6 +250,12 @@ class PagedEngine:
         if impl != IMPLEMENTATION:
             raise ValueError(f"the model runs attn_implementation={impl!r}: call ca_hf.register() and load it with "
                              f"attn_implementation={IMPLEMENTATION!r}")
+        # before anything is derived from them (a window group's block count is), naming the engine's arguments
+        block_size, num_blocks, max_batch_size, max_num_batched_tokens, max_seq_len_to_capture = (
+            as_int(name, value) for name, value in (
+                ("block_size", block_size), ("num_blocks", num_blocks), ("max_batch_size", max_batch_size),
+                ("max_num_batched_tokens", max_num_batched_tokens),
+                ("max_seq_len_to_capture", max_seq_len_to_capture)))
         if cuda_graphs and names_no_sizes(capture_sizes):
             raise ValueError("capture_sizes=[] leaves the engine's CUDA graphs nothing to capture: name batch sizes, "
                              "or pass cuda_graphs=False")
@@ -349,10 +356,11 @@ class PagedEngine:
         its id. eos_token_id None: stop only at max_new_tokens."""
         return self._add([prompt], max_new_tokens, eos_token_id)[0]
 
-    def _add(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+    def _add(self, prompts: Iterable[Sequence[int]], max_new_tokens: int,
              eos_token_id: int | Sequence[int] | None) -> list[int]:
         """Queue the prompts, all or none (`Scheduler.add_requests`: ValueError for a prompt id the
         model's embedding table does not hold, too), each with its output record."""
+        prompts = list(prompts)  # read twice: a generator would be spent by the scheduler's checks
         ids = self.scheduler.add_requests(prompts, max_new_tokens, eos_token_id)
         for rid, prompt in zip(ids, prompts, strict=True):
             self._outputs[rid] = RequestOutput(rid, [int(t) for t in prompt], [], False, None,
@@ -390,7 +398,7 @@ class PagedEngine:
                              "(output(request_id).finished)")
         return self._outputs.pop(request_id)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int = 8,
+    def generate(self, prompts: Iterable[Sequence[int]], max_new_tokens: int = 8,
                  eos_token_id: int | Sequence[int] | None = None) -> list[list[int]]:
         """Greedy continuations of every prompt, served together; returns the new tokens of each.
         ValueError before anything is queued if one of them could never be served."""
