@@ -158,23 +158,35 @@ def test_prepare_with_metadata_on_another_device_raises_and_writes_nothing():
     assert all(torch.equal(bufs[k], before[k]) for k in before)
 
 
-@pytest.mark.parametrize(("name", "graph_options", "field", "null_field"), [
-    ("XFORMERS", {"attn_type": T.ENCODER_DECODER}, "encoder_seq_lens_tensor", False),  # decoder metadata, cross graphs
-    ("TORCH_SDPA", {}, "context_lens_tensor", True),  # a field replaced by None
+@pytest.mark.parametrize(("name", "graph_options", "field"), [
+    ("XFORMERS", {"attn_type": T.ENCODER_DECODER}, "encoder_seq_lens_tensor"),  # cross graphs
+    ("TORCH_SDPA", {}, "context_lens_tensor"),
 ])
-def test_prepare_with_metadata_lacking_a_field_the_graph_reads_raises_and_writes_nothing(name, graph_options, field,
-                                                                                         null_field):
+def test_prepare_with_metadata_lacking_a_field_the_graph_reads_raises_and_writes_nothing(name, graph_options, field):
     backend = BACKEND_CLASSES()[name]
-    state = backend.get_state_cls()(spec_for(**graph_options))
+    spec = spec_for(**graph_options)
+    state = backend.get_state_cls()(spec)
+    with state.graph_capture(2):
+        bufs = state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(2))
+        clone = state.graph_clone(2)
+    cross = {"encoder_seq_lens": [9], "cross_block_tables": [[3]]} if graph_options else {}
+    md = dataclasses.replace(backend.get_builder_cls()(spec).build([70], [1], [[5, 6]], **cross), **{field: None})
+    before = {k: t.clone() for k, t in bufs.items()}
+    with pytest.raises(ValueError, match=f"^the graph reads {field}, which this metadata lacks: build it for the "
+                                         "graph's spec"):
+        clone.prepare_graph_input_buffers(bufs, md)
+    assert all(torch.equal(bufs[k], before[k]) for k in before)
+
+
+def test_prepare_with_decoder_metadata_for_cross_graphs_raises_and_writes_nothing():
+    backend = BACKEND_CLASSES()["XFORMERS"]
+    state = backend.get_state_cls()(spec_for(attn_type=T.ENCODER_DECODER))
     with state.graph_capture(2):
         bufs = state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(2))
         clone = state.graph_clone(2)
     md = backend.get_builder_cls()(spec_for()).build([70], [1], [[5, 6]])  # a decoder spec of the same cache
-    if null_field:
-        md = dataclasses.replace(md, **{field: None})
     before = {k: t.clone() for k, t in bufs.items()}
-    with pytest.raises(ValueError, match=f"^the graph reads {field}, which this metadata lacks: build it for the "
-                                         "graph's spec"):
+    with pytest.raises(ValueError, match=r"^metadata built for another spec than the state's \(attn_type "):
         clone.prepare_graph_input_buffers(bufs, md)
     assert all(torch.equal(bufs[k], before[k]) for k in before)
 
