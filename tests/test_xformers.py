@@ -271,6 +271,29 @@ def test_host_path_matches_reference_with_a_float64_kernel(case):
         check_against_reference(dataclasses.replace(case, dtype="float32"), XFormersBackend, "cpu")
 
 
+def test_cross_decode_on_the_graph_state_matches_reference_with_a_float64_kernel():
+    """The op on a cross graph's metadata after a step's refill (what a replay computes), on CPU,
+    against the float64 reference. The State's metadata once lacked the cross slot mapping that
+    the op's checks read."""
+    pytest.importorskip("xformers.ops.fmha")
+    spec = make_spec(attn_type=T.ENCODER_DECODER, dtype=torch.float32, num_blocks=32, max_seq_len_to_capture=256)
+    batch = make_batch(spec, [9, 40], [1, 1], encoder_seq_lens=[100, 7], seed=4)
+    bs, n = 4, 2
+    impl = XFormersBackend.get_impl_cls()(spec.num_heads, spec.head_size, spec.softmax_scale,
+                                         num_kv_heads=spec.num_kv_heads)
+    state = XFormersBackend.get_state_cls()(spec)
+    with state.graph_capture(bs):
+        md_bs = state.graph_capture_get_metadata_for_batch(bs)
+        bufs = state.get_graph_input_buffers(md_bs)
+        clone = state.graph_clone(bs)
+    md = batch.build(XFormersBackend)
+    clone.prepare_graph_input_buffers(bufs, md)
+    clone.begin_forward(md)
+    query = torch.cat([batch.query, torch.randn(bs - n, *batch.query.shape[1:])])  # pad rows: anything
+    with unittest.mock.patch.object(xformers_ops, "run_xformers", dense_float64_kernel):
+        graphed = impl.forward(query, None, None, batch.kv_cache, md_bs, attn_type=T.ENCODER_DECODER)
+    assert rel_err(graphed[:n], reference_forward(batch, T.ENCODER_DECODER)) <= 1e-5
+
 # ---------------------------------------------------------------- GPU: against the float64 reference
 
 

@@ -350,5 +350,7 @@ class XFormersState(GraphState):
             md.max_encoder_seq_len = 1
             md.encoder_seq_lens_tensor = b["encoder_seq_lens_tensor"][:n]
             md.cross_block_tables = b["cross_block_tables"][:n]
+            # a decode step has no prefill, so no encoder token to write (what the layers' checks read)
+            md.cross_slot_mapping = torch.empty(0, dtype=torch.int64, device=self.spec.device)
             md.biases["cross_decode"] = decode_bias(md.decode_q_start, md.encoder_seq_lens_tensor,
                                                     md.cross_block_tables, md.block_size, causal=False)
