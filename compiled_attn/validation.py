@@ -34,6 +34,7 @@ import itertools
 import math
 import numbers
 import operator
+import reprlib
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -984,6 +985,36 @@ def check_graph_step(md: Any, spec: AttentionSpec, backend_name: str, batch_size
                 raise ValueError(f"{name}: request {i} of {int(np.asarray(lens)[i])} tokens needs {int(need[i])} "
                                  f"blocks, but its row holds the {int(checked[i])} that build() checked (metadata "
                                  "copied with other lengths): build the step again")
+    if not own:
+        _check_copied_decode(md, spec)
+
+
+def _check_copied_decode(md: Any, spec: AttentionSpec) -> None:
+    """What `build()` checks of a decode step and a copy with other lengths (`dataclasses.replace`)
+    may have lost: one new token per request, whose slot lies inside its table; with rolling
+    tables, every block its window reads still held; and no block that another request names
+    written (shared prefix blocks are read-only)."""
+    seq = np.asarray(md.seq_lens, dtype=np.int64)
+    query = np.asarray(md.query_lens, dtype=np.int64)
+    if seq.shape != query.shape or (query != 1).any() or (seq < 1).any():
+        raise ValueError(f"a decode graph replays one new token per request (query_lens 1, seq_lens >= 1), got "
+                         f"seq_lens {reprlib.repr(md.seq_lens)} and query_lens {reprlib.repr(md.query_lens)} "
+                         "(metadata copied with other lengths): build the step again")
+    rolled = md.rolled_blocks
+    if rolled is not None:
+        reads = rolled_blocks(seq - 1, spec.sliding_window, spec.block_size)  # what each window reads from
+        early = np.nonzero(reads < rolled)[0]
+        if early.size:
+            i = int(early[0])
+            raise ValueError(f"block_tables: request {i}'s window reads from block entry {int(reads[i])}, but its "
+                             f"table freed the first {int(rolled[i])} (metadata copied with other lengths): build "
+                             "the step again")
+    need = -(-seq // spec.block_size)
+    ids = live_entries(md.block_tables_host, need, rolled)[1]
+    if ids.size and np.unique(ids).size < ids.size:  # a block named twice: is it written?
+        row_ends = np.cumsum(need if rolled is None else need - rolled)
+        check_written_blocks(md.host_arrays()["slot_mapping"], [1] * seq.size, ids, row_ends, spec.block_size,
+                             "block_tables")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from collections.abc import Callable
 
 import pytest
@@ -553,3 +554,31 @@ def test_static_buffers_start_aligned_whatever_their_sizes():
         assert (view.data_ptr() - base) % UPLOAD_ALIGN == 0, name
         assert inputs.host[name].ctypes.data % UPLOAD_ALIGN == inputs.host["a"].ctypes.data % UPLOAD_ALIGN, name
         assert torch.equal(view, torch.full_like(part, -1) if name == "b" else part), name
+
+
+@pytest.mark.parametrize(("window", "built", "copied", "error"), [
+    (None, ([17, 17], [1, 1]), dict(seq_lens=[16, 17]),
+     "block_tables: block 5 is written this step by request 0 and named by request 1 too"),
+    (None, ([17, 17], [1, 1]), dict(query_lens=[2, 0]), "a decode graph replays one new token per request"),
+    (None, ([17, 17], [1, 1]), dict(seq_lens=[0, 17]), "a decode graph replays one new token per request"),
+    (32, ([100, 17], [1, 1]), dict(seq_lens=[60, 17]),
+     "block_tables: request 0's window reads from block entry 1, but its table freed the first 4"),
+], ids=["writes-a-shared-block", "query-lens", "empty-sequence", "window-past-rolled-blocks"])
+def test_a_copied_step_that_build_would_refuse_raises_and_writes_nothing(window, built, copied, error):
+    """Metadata copied with other lengths (`dataclasses.replace`) is checked as `build()` checks
+    a step: block 5, full and shared by both requests, is read-only; with rolling tables (window
+    32, blocks of 16) a request of 100 tokens has freed its first 4 blocks, which 60 tokens read."""
+    spec = spec_for(block_size=16, max_seq_len_to_capture=128, sliding_window=window)
+    backend = BACKEND_CLASSES()["TORCH_SDPA"]
+    state = backend.get_state_cls()(spec)
+    with state.graph_capture(2):
+        bufs = state.get_graph_input_buffers(state.graph_capture_get_metadata_for_batch(2))
+        clone = state.graph_clone(2)
+    builder = backend.get_builder_cls()(spec, rolling_tables=window is not None)
+    tables = [[5, 6, 7, 8, 9, 10, 11], [5, 12]] if window else [[5, 6], [5, 7]]
+    md = builder.build(*built, tables)
+    clone.prepare_graph_input_buffers(bufs, dataclasses.replace(md, seq_lens=[built[0][0], 18]))  # valid: accepted
+    before = {k: t.clone() for k, t in bufs.items()}
+    with pytest.raises(ValueError, match=f"^{re.escape(error)}"):
+        clone.prepare_graph_input_buffers(bufs, dataclasses.replace(md, **copied))
+    assert all(torch.equal(bufs[k], before[k]) for k in before)
