@@ -310,6 +310,7 @@ class GraphState(AttentionState):
     def graph_clone(self, batch_size: int, *, table_width: int | None = None) -> GraphState:
         """A state for the graph of `batch_size` (and `table_width`): shares the static buffers
         and owns what graph_capture_get_metadata_for_batch(batch_size) made, keeping both alive."""
+        batch_size = as_int("batch_size", batch_size)
         width = self._table_width(table_width)
         if (batch_size, width) not in self._made:
             args = f"{batch_size}" if table_width is None else f"{batch_size}, table_width={width}"

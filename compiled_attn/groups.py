@@ -228,8 +228,16 @@ class GroupedState(AttentionState):
         per_group: dict[str, dict[str, torch.Tensor]] = {g: {} for g in self.states}
         for key, t in input_buffers.items():
             g, _, name = key.rpartition(_SEP)  # group names may hold the separator; field names never do
+            if g not in per_group:
+                break
             per_group[g][name] = t
-        return per_group
+        else:
+            if all(per_group.values()):
+                return per_group
+        groups = sorted({key.rpartition(_SEP)[0] for key in input_buffers})
+        raise RuntimeError(f"these buffers are not this state's (groups {groups}, this state's {sorted(self.states)}): "
+                           "prepare a graph's buffers through the clone of the state whose get_graph_input_buffers "
+                           "gave them")
 
     def begin_forward(self, attn_metadata: AttentionMetadata) -> None:
         md = _grouped(attn_metadata)

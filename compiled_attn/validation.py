@@ -288,6 +288,16 @@ def check_total(lens: list[int], what: str) -> None:
         raise ValueError(f"sum({what})={sum(lens)} > {INT32_MAX}: a step's tokens must fit int32")
 
 
+def _holds_a_bool(row: list | tuple) -> bool:
+    """Whether a bool (python, numpy, or a 0-d bool tensor) is among `row`'s entries, which
+    np.asarray would turn into ints among ints. The type scan runs at C speed; entries are
+    looked at one by one only where tensors are among them."""
+    types = set(map(type, row))
+    return not {bool, np.bool_}.isdisjoint(types) or (
+        any(issubclass(t, torch.Tensor) for t in types)
+        and any(isinstance(x, torch.Tensor) and x.dtype == torch.bool for x in row))
+
+
 def _block_row(row: object, what: str) -> np.ndarray:
     """One request's needed block ids as int64 (ints only: not floats, bools, strings or None)."""
     if isinstance(row, torch.Tensor):
@@ -296,7 +306,7 @@ def _block_row(row: object, what: str) -> np.ndarray:
                 f"{what} must hold integer block ids on the host, got a {row.dtype} tensor on {row.device}"
             )
         row = row.numpy()
-    elif isinstance(row, list | tuple) and not {bool, np.bool_}.isdisjoint(map(type, row)):  # C-speed scan
+    elif isinstance(row, list | tuple) and _holds_a_bool(row):
         raise ValueError(f"{what} holds a bool: block ids are ints, got {list(row)!r}")
     try:
         a = np.asarray(row)

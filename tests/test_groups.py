@@ -175,6 +175,25 @@ def test_grouped_state_routes_buffers_of_groups_whose_names_hold_a_slash(names):
     assert {g: bufs[f"{g}/block_tables"][:, :2].tolist() for g in names} == tables
 
 
+@pytest.mark.parametrize("whose", ["other-groups", "a-group-missing"])
+def test_grouped_state_refuses_buffers_not_its_own(whose):
+    spec = spec_of(max_seq_len_to_capture=64)
+
+    def captured(names):
+        grouped = GroupedState({g: SDPA.get_state_cls()(spec) for g in names})
+        with grouped.graph_capture(2):
+            bufs = grouped.get_graph_input_buffers(grouped.graph_capture_get_metadata_for_batch(2))
+            return grouped.graph_clone(2), bufs
+
+    clone, bufs = captured(("a", "b"))
+    other = captured(("x", "y"))[1] if whose == "other-groups" else {k: t for k, t in bufs.items() if k[0] == "a"}
+    md = GroupedMetadata.of({g: SDPA.get_builder_cls()(spec).build([5], [1], [[3]]) for g in ("a", "b")})
+    before = {k: t.clone() for k, t in bufs.items()}
+    with pytest.raises(RuntimeError, match=r"^these buffers are not this state's \(groups \["):
+        clone.prepare_graph_input_buffers(other, md)
+    assert all(torch.equal(bufs[k], before[k]) for k in before)
+
+
 def test_grouped_state_serves_a_runner_whose_groups_differ():
     """Two groups of one model through CUDAGraphRunner's padded static-buffer step (CPU: no capture):
     decode outputs equal the eager step's."""

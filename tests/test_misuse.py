@@ -230,6 +230,15 @@ def runner() -> CUDAGraphRunner:
     return r
 
 
+@pytest.mark.parametrize("batch_size", [2.0, "2"])
+def test_graph_clone_of_a_batch_size_not_an_int_raises_naming_it(batch_size):
+    state = SDPA.get_state_cls()(tiny_spec())
+    with state.graph_capture(2):
+        state.graph_capture_get_metadata_for_batch(2)
+        with pytest.raises(ValueError, match=r"^batch_size must be an int, got "):
+            state.graph_clone(batch_size)
+
+
 def test_graph_clone_before_graph_capture_raises():
     with pytest.raises(RuntimeError, match=r"graph_clone\(2\) before graph_capture"):
         SDPA.get_state_cls()(tiny_spec()).graph_clone(2)

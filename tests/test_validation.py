@@ -298,6 +298,8 @@ BUILD_TYPE_MISTAKES = {
     "tables_none": ([9], [9], None, "block_tables must be a list"),
     "float_tensor_lens": (torch.tensor([9.0]), [9], [[0, 1, 2]], "seq_lens"),
     "bool_among_int_blocks": ([9], [9], [[0, True, 2]], r"^block_tables\[0\] holds a bool: block ids are ints"),
+    "bool_tensor_among_int_blocks": ([9], [9], [[0, torch.tensor(True), 2]],
+                                     r"^block_tables\[0\] holds a bool: block ids are ints"),
     "float_tensor_row": ([9], [9], [torch.tensor([0.0, 1.0, 2.0])],
                          r"^block_tables\[0\] must hold integer block ids on the host, got a torch.float32 tensor"),
     "nested_row": ([9], [9], [[0, [1, 2], 3]], r"^block_tables\[0\] must hold int block ids, got \[0, \[1, 2\], 3\]$"),
