@@ -312,7 +312,9 @@ def _block_row(row: object, what: str) -> np.ndarray:
         a = np.asarray(row)
     except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{what} must hold int block ids, got {row!r}") from None
-    if a.dtype.kind not in INT_DTYPE_KINDS or a.ndim != 1:
+    if a.dtype.kind in INT_DTYPE_KINDS and a.ndim != 1:  # a 3-D table array's row, say
+        raise ValueError(f"{what} must be one row of block ids, got an array of shape {a.shape}")
+    if a.dtype.kind not in INT_DTYPE_KINDS:
         items = list(row) if isinstance(row, list | tuple) else list(np.ravel(a))
         bad = [b for b in items if not isinstance(b, numbers.Integral)]
         if not bad:  # python ints past int64
@@ -347,7 +349,10 @@ def table_rows(block_tables: object, lens: list[int], block_size: int, what: str
                 f"{what}[{i}] has {have} blocks but seq_len={n} needs {need} of block_size={block_size}"
             )
         first = 0 if rolled is None else int(rolled[i])
-        heads.append(table[first:need])
+        try:
+            heads.append(table[first:need])
+        except TypeError:  # sized but not ordered: a set, say
+            raise ValueError(f"{what}[{i}] must be a list of block ids, got {type(table).__name__}") from None
         needs.append(need - first)
     if all(type(h) is list for h in heads):  # lists of python ints: one conversion for the whole step
         flat = list(itertools.chain.from_iterable(heads))
