@@ -30,13 +30,19 @@ def point(text: str) -> tuple[int, int]:
 
 
 def output_dir(text: str) -> str:
-    """A folder the results can be written to, made now: a bad --out fails before the run."""
-    try:
-        os.makedirs(text, exist_ok=True)
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"cannot make folder {text!r}: {e.strerror or e}") from None
-    if not os.access(text, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"folder {text!r} is not writable")
+    """A folder the results can be written to: a writable one, or one that can be made in the
+    nearest existing folder above it. A bad --out fails before the run; nothing is made here
+    (the run makes it), so a command refused for another argument leaves no folder behind."""
+    existing = text
+    while not os.path.exists(existing):
+        parent = os.path.dirname(existing.rstrip(os.sep)) or os.curdir
+        if parent == existing:
+            break
+        existing = parent
+    if not os.path.isdir(existing):
+        raise argparse.ArgumentTypeError(f"cannot make folder {text!r}: {existing!r} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"folder {existing!r} is not writable")
     return text
 
 

@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += distributed.run_ranks(bench_rank, tp_size, batches, args.ctx, not args.eager_model, args.iters,
                                       device_type="cuda")[0]
         print_table(rows)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "tp-bench.json").write_text(json.dumps(rows, indent=1))
     return 0
 

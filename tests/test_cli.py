@@ -4,6 +4,7 @@ any model is built or benchmark run, never with a traceback after the run."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -75,6 +76,20 @@ def test_bench_out_that_is_a_file_exits_before_running(no_runs, a_file):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["bench", "--out", a_file])
     assert exit_.value.code == 2
+
+
+def test_a_refused_bench_command_makes_no_out_folder(no_runs, tmp_path, capsys):
+    out = tmp_path / "new" / "results"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "--out", str(out), "--suite", "nope"])
+    assert exit_.value.code == 2 and not (tmp_path / "new").exists()
+
+
+def test_bench_out_under_a_file_exits_before_running(no_runs, a_file, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "--out", os.path.join(a_file, "results")])
+    assert exit_.value.code == 2
+    assert f"{a_file!r} is not a folder" in capsys.readouterr().err
 
 
 def test_bench_out_that_cannot_be_written_exits_before_running(no_runs, tmp_path, monkeypatch, capsys):

@@ -43,6 +43,7 @@ def write_plots(results: dict, out: str) -> list[str]:
     series = decode_series(results)
     if not series:
         return []
+    os.makedirs(out, exist_ok=True)
     card = results.get("card", "")
     contexts = sorted({ctx for pts in series.values() for _, ctx, _, _ in pts})
     paths = []
