@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from compiled_attn.validation import as_int
+from compiled_attn.validation import as_int, holds_a_bool
 
 ROLLED = -1  # a rolling table's entry whose block went back to the free list (builders ignore it)
 NULL_BLOCK = 0  # never handed out by an allocator that reserves it: rolled entries and graph pads read it
@@ -276,7 +276,7 @@ class Scheduler:
         """The prompt's tokens and the blocks per group it reserves; ValueError for a prompt that
         is not token ids or a request no cache could hold."""
         # a bool among ints would become an int64 array (True as token 1): refused as a bool alone is
-        if isinstance(prompt, list | tuple) and not {bool, np.bool_}.isdisjoint(map(type, prompt)):
+        if isinstance(prompt, list | tuple) and holds_a_bool(prompt):
             raise ValueError(f"a prompt is a sequence of token ids (ints >= 0 that fit int64), got "
                              f"{reprlib.repr(prompt)}")
         tokens = np.asarray(prompt.cpu() if isinstance(prompt, torch.Tensor) else prompt)

@@ -288,14 +288,14 @@ def check_total(lens: list[int], what: str) -> None:
         raise ValueError(f"sum({what})={sum(lens)} > {INT32_MAX}: a step's tokens must fit int32")
 
 
-def _holds_a_bool(row: list | tuple) -> bool:
-    """Whether a bool (python, numpy, or a 0-d bool tensor) is among `row`'s entries, which
-    np.asarray would turn into ints among ints. The type scan runs at C speed; entries are
-    looked at one by one only where tensors are among them."""
+def holds_a_bool(row: list | tuple) -> bool:
+    """Whether a bool (python, numpy, or a 0-d bool tensor or array) is among `row`'s entries,
+    which np.asarray would turn into ints among ints. The type scan runs at C speed; entries are
+    looked at one by one only where tensors or arrays are among them."""
     types = set(map(type, row))
     return not {bool, np.bool_}.isdisjoint(types) or (
-        any(issubclass(t, torch.Tensor) for t in types)
-        and any(isinstance(x, torch.Tensor) and x.dtype == torch.bool for x in row))
+        any(issubclass(t, torch.Tensor | np.ndarray) for t in types)
+        and any(isinstance(x, torch.Tensor | np.ndarray) and x.dtype in (torch.bool, np.bool_) for x in row))
 
 
 def _block_row(row: object, what: str) -> np.ndarray:
@@ -306,7 +306,7 @@ def _block_row(row: object, what: str) -> np.ndarray:
                 f"{what} must hold integer block ids on the host, got a {row.dtype} tensor on {row.device}"
             )
         row = row.numpy()
-    elif isinstance(row, list | tuple) and _holds_a_bool(row):
+    elif isinstance(row, list | tuple) and holds_a_bool(row):
         raise ValueError(f"{what} holds a bool: block ids are ints, got {list(row)!r}")
     try:
         a = np.asarray(row)
@@ -943,7 +943,8 @@ SPEC_FIELDS_COMPARED = ("num_heads", "num_kv_heads", "head_size", "dtype", "cach
 def spec_differences(got: AttentionSpec, want: AttentionSpec) -> list[str]:
     """'field got vs want' for each of SPEC_FIELDS_COMPARED where the specs differ, and 'alibi_slopes'."""
     differ = [f"{name} {getattr(got, name)} vs {getattr(want, name)}" for name in SPEC_FIELDS_COMPARED
-              if getattr(got, name) != getattr(want, name)]
+              if getattr(got, name) != getattr(want, name)
+              and not (name == "softmax_scale" and math.isclose(got.softmax_scale, want.softmax_scale, rel_tol=1e-6))]
     a, b = got.alibi_slopes, want.alibi_slopes
     if (a is None) != (b is None) or (a is not b and a is not None and not torch.equal(a.cpu(), b.cpu())):
         differ.append("alibi_slopes")

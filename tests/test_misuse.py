@@ -253,6 +253,17 @@ def test_runner_metadata_for_another_cache_size_raises(runner):
     assert all(same_bits(a, b) for a, b in zip(runner.kv_caches, before, strict=True))
 
 
+def test_runner_serves_metadata_of_an_equal_spec_made_apart(runner):
+    # a distinct spec object of the same options, its scale written out 1 ulp away (as 1 / sqrt(d)
+    # is from d**-0.5 for head sizes 72 .. 192)
+    spec = dataclasses.replace(tiny_spec(), scale=math.nextafter(tiny_spec().softmax_scale, 1.0))
+    md = SDPA.get_builder_cls()(spec).build([5], [1], [[1, 2]])
+    eager = [c.clone() for c in runner.kv_caches]
+    with ca.set_forward_context(md):
+        want = runner.model(torch.tensor([3]), torch.tensor([4]), eager)
+    torch.testing.assert_close(runner.run(md, torch.tensor([3]), torch.tensor([4])), want)
+
+
 @pytest.mark.parametrize(("other", "field"), [(dict(sliding_window=4), "sliding_window"),
                                                (dict(scale=1.0), "softmax_scale"),
                                                (dict(logits_soft_cap=5.0), "logits_soft_cap")],

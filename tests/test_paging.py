@@ -67,6 +67,8 @@ def test_add_requests_queues_all_or_none():
     ({"prompt": [[1, 2]]}, "a prompt is a sequence of token ids"),
     ({"prompt": [5, True]}, "a prompt is a sequence of token ids"),  # not token 1
     ({"prompt": (np.bool_(False), 3)}, "a prompt is a sequence of token ids"),
+    ({"prompt": [5, torch.tensor(True)]}, "a prompt is a sequence of token ids"),
+    ({"prompt": [5, np.array(True)]}, "a prompt is a sequence of token ids"),
     ({"prompt": []}, "a prompt needs at least one token"),
 ], ids=repr)
 def test_requests_of_the_wrong_type_are_a_value_error(kw, match):

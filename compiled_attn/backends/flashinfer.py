@@ -460,18 +460,22 @@ class StepPlan(_PlanChecks):
         self.spec = pool.spec
         self._pool = pool
         self._turn = turn
-        # No reference to the metadata (its `step_plan` is this): a cycle would make each step's
+        # The metadata is held weakly (its `step_plan` is this): a cycle would make each step's
         # metadata (~1 MB of host arrays at 256 requests x 4K tokens) garbage that only the
-        # collector frees, so later builds fault in fresh pages (~30 a step)
+        # collector frees, so later builds fault in fresh pages (~30 a step).
+        # (metadata, its (kind, slot) pairs): once per step, not at every layer's call
+        self._slots_for: tuple[weakref.ref, tuple[tuple[str, _Slot], ...]] | None = None
 
     def ensure_planned(self, md: FlashInferMetadata) -> None:
         """Plan the wrappers `md`'s tokens run through, unless their last plan was `md`'s."""
-        if self.spec.attn_type == AttentionType.ENCODER_ONLY:
-            kinds = ("ragged",) if md.num_tokens else ()
-        else:
-            kinds = ("prefill",) * bool(md.num_prefills) + ("decode",) * bool(md.num_decodes)
-        for kind in kinds:
-            slot = self._pool.slot(kind, self._turn)
+        cached = self._slots_for
+        if cached is None or cached[0]() is not md:
+            if self.spec.attn_type == AttentionType.ENCODER_ONLY:
+                kinds = ("ragged",) if md.num_tokens else ()
+            else:
+                kinds = ("prefill",) * bool(md.num_prefills) + ("decode",) * bool(md.num_decodes)
+            cached = self._slots_for = (weakref.ref(md), tuple((k, self._pool.slot(k, self._turn)) for k in kinds))
+        for kind, slot in cached[1]:
             if not slot.planned_for(md):
                 slot.plan(md, functools.partial(getattr(self, f"_plan_{kind}"), md))
 
