@@ -6,9 +6,10 @@ per backend with decode graphs at batch 1 and 64 and the piecewise graphs of buc
 Per backend and path ("full B": the decode graph of batch B; "forced 1": a batch-1 decode
 forced through the piecewise graphs, issue 14's <= 1.5x goal): the synced step time, the
 pipelined time per step (no sync: above the synced figure means the host is the bottleneck),
-the runner's own host time per call (`run` on a replay that queues behind a long sleep kernel,
-so the host never waits for the GPU), and a cProfile of pipelined calls (top functions by own
-time, then by cumulative time). Everything is printed and written to DIR/runner-host.txt.
+the forced path's host time per call (from its start on an idle GPU to its return: queued
+behind other work, its plan would wait on the fence of the plan two calls before), and a
+cProfile of pipelined calls (top functions by own time, then by cumulative time). Everything
+is printed and written to DIR/runner-host.txt.
 """
 
 from __future__ import annotations
@@ -42,22 +43,6 @@ def pipelined_us(fn: Callable[[], object], steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e6
 
 
-def host_us(fn: Callable[[], object], calls: int, rounds: int = 5) -> float:
-    """Host microseconds per call with the GPU busy far ahead (a sleep kernel queued first), so
-    that no call waits for the device: what the host alone costs per step (best of `rounds`).
-    Few calls per round: past about a thousand queued launches, launching blocks."""
-    best = float("inf")
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU time at H100 clocks: longer than the timed calls
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, time.perf_counter() - start)
-        torch.cuda.synchronize()
-    return best / calls * 1e6
-
-
 def profile_text(fn: Callable[[], object], steps: int) -> str:
     profiler = cProfile.Profile()
     torch.cuda.synchronize()
@@ -85,18 +70,22 @@ def backend_report(name: str, steps: int) -> list[str]:
                              piecewise=True, piecewise_sizes=[1], progress=False)
     runner.capture()
     paths: dict[str, Callable[[], object]] = {}
-    # each call on the next of several builds of its step: FlashInfer plans once per metadata
-    # object, so one object timed over and over would plan once (piecewise_bench.fresh_metadata)
+    # each call on a build of its own: FlashInfer plans, and a step uploads, once per metadata
+    # object (piecewise_bench.fresh_metadata); the calls below: 3 + 100 synced (and as many host
+    # only, forced), `steps` pipelined, `steps` profiled
+    calls = 2 * 103 + 2 * steps
     for batch in (1, 64):
         ids, pos = step_tokens(spec, [ctx] * batch, [1] * batch, config.vocab_size)
-        mds = fresh_metadata(backend, spec, [ctx] * batch, [1] * batch)
-        paths[f"full {batch}"] = lambda mds=mds, ids=ids, pos=pos: runner.run(next(mds), ids, pos)
+        mds = fresh_metadata(backend, spec, [ctx] * batch, [1] * batch, calls)
+        paths[f"full {batch}"] = lambda mds=mds, ids=ids, pos=pos: runner.run(mds(), ids, pos)
     ids, pos = step_tokens(spec, [ctx], [1], config.vocab_size)
-    forced = fresh_metadata(backend, spec, [ctx], [1])
-    paths["forced 1"] = lambda: runner.piecewise.run(next(forced), ids, pos)
+    forced = fresh_metadata(backend, spec, [ctx], [1], calls)
+    paths["forced 1"] = lambda: runner.piecewise.run(forced(), ids, pos)
     lines = []
     for path, fn in paths.items():
-        host = f", host alone {host_us(fn, 10):.0f} us" if path.startswith("forced") else ""
+        # host time of a call on an idle GPU (a busy one would hold the plan's fence, `_Slot.plan`)
+        alone = eager_time_us(fn, iters=100, launch_only=True) if path.startswith("forced") else None
+        host = "" if alone is None else f", host alone {alone:.0f} us"
         lines.append(f"{card_name()}, {name}, {config.num_layers} layers, ctx {ctx}, {path}: "
                      f"synced {eager_time_us(fn, iters=100):.0f} us, pipelined {pipelined_us(fn, steps):.0f} us{host} "
                      "per step")

@@ -27,9 +27,8 @@ against the compiled model without graphs, each beside the step's summed GPU ker
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -62,17 +61,21 @@ QUICK_BUCKETS = tuple(sorted({min(b for b in BENCH_BUCKETS if b >= sum(q)) for _
 QUICK_CAPTURE_SIZES = ()
 
 
-# FlashInfer plans a step's wrappers once per metadata object, at its first attention op: a path
-# timed on one metadata object over and over plans once and skips it after, where serving (a new
-# metadata each step) and the decode graph's replay plan every step. The builder alternates two
-# wrapper slots, so this many builds of one step by one builder, taken in turn, plan every call.
-FRESH_BUILDS = 4
+# A served step builds new metadata: FlashInfer plans its wrappers at the first attention op, and
+# the step's device fields are uploaded at their first read, each once per metadata object. A
+# path timed on one object over and over would do neither after its first call, where the decode
+# graph's replay plans and copies its step every time; each timed call therefore takes a build of
+# its own (`fresh_metadata`), made before the timing starts.
+def calls_per_path(iters: int) -> int:
+    """The calls one path's timing makes: `eager_time_us`'s 3 warm-ups and `iters` calls, then
+    `kernel_us`'s warm-up and PROFILED_STEPS."""
+    return 3 + iters + 1 + PROFILED_STEPS
 
 
 def step_inputs(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, seq_lens: list[int],
                 query_lens: list[int], vocab: int, seed: int = 0):
     """(metadata, input_ids, positions) of one step: distinct shuffled blocks per request."""
-    return next(fresh_metadata(backend, spec, seq_lens, query_lens, seed, builds=1)), *step_tokens(
+    return fresh_metadata(backend, spec, seq_lens, query_lens, 1, seed)(), *step_tokens(
         spec, seq_lens, query_lens, vocab)
 
 
@@ -85,9 +88,10 @@ def step_tokens(spec: ca.AttentionSpec, seq_lens: list[int], query_lens: list[in
 
 
 def fresh_metadata(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, seq_lens: list[int],
-                   query_lens: list[int], seed: int = 0, builds: int = FRESH_BUILDS) -> Iterator[ca.AttentionMetadata]:
-    """`builds` builds of `step_inputs`' step (the same blocks) by one builder, endlessly in turn:
-    what a timed path takes a metadata from at each call, so that it plans as serving does."""
+                   query_lens: list[int], calls: int, seed: int = 0) -> Callable[[], ca.AttentionMetadata]:
+    """A callable returning, at each of its first `calls` calls, another build of `step_inputs`'
+    step (the same blocks) by one builder, all built now: each call plans and uploads as a served
+    step does, and no build is timed. RuntimeError past `calls`."""
     rng = np.random.default_rng(seed)
     need = [-(-s // spec.block_size) for s in seq_lens]
     blocks = rng.permutation(spec.num_blocks)[: sum(need)].astype(np.int32)
@@ -95,7 +99,15 @@ def fresh_metadata(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, s
     for i, start in enumerate(np.cumsum([0] + need[:-1])):
         tables[i, : need[i]] = blocks[start: start + need[i]]
     builder = backend.get_builder_cls()(spec)
-    return itertools.cycle([builder.build(np.array(seq_lens), np.array(query_lens), tables) for _ in range(builds)])
+    builds = iter([builder.build(np.array(seq_lens), np.array(query_lens), tables) for _ in range(calls)])
+
+    def take() -> ca.AttentionMetadata:
+        md = next(builds, None)
+        if md is None:
+            raise RuntimeError(f"fresh_metadata: its {calls} builds are used, and a build serves one call")
+        return md
+
+    return take
 
 
 def kernel_us(fn: Callable[[], object], steps: int = PROFILED_STEPS) -> float:
@@ -138,7 +150,8 @@ def rows_8b(name: str, iters: int, quick: bool) -> list[dict]:
     first = runner()
     stats, traced = _capture_with_compiles(first)
     rows = [row for what, seq_lens, query_lens in STEPS
-            for row in _step_rows(first, name, what, fresh_metadata(backend, spec, seq_lens, query_lens),
+            for row in _step_rows(first, name, what,
+                                  fresh_metadata(backend, spec, seq_lens, query_lens, 1 + 2 * calls_per_path(iters)),
                                   *step_tokens(spec, seq_lens, query_lens, config.vocab_size), iters)]
     if first.counts["piecewise"] == 0:
         raise RuntimeError("the piecewise rows did not take the piecewise path")
@@ -164,19 +177,19 @@ def _capture_with_compiles(runner: CUDAGraphRunner) -> tuple[dict, dict[str, flo
                    "dynamo_s": spent["compile s"] - spent["backend s"]}
 
 
-def _step_rows(runner: CUDAGraphRunner, name: str, what: str, mds: Iterator[ca.AttentionMetadata],
+def _step_rows(runner: CUDAGraphRunner, name: str, what: str, mds: Callable[[], ca.AttentionMetadata],
                ids: torch.Tensor, pos: torch.Tensor, iters: int) -> list[dict]:
     """The step through the runner's compiled model without graphs, then through runner.run, each
-    call on the next of `mds` (`fresh_metadata`: it plans as a served step does)."""
+    call on a build of its own (`fresh_metadata`: it plans and uploads as a served step does)."""
 
     def compiled() -> torch.Tensor:
-        with ca.set_forward_context(next(mds)):
+        with ca.set_forward_context(mds()):
             return runner.model(ids, pos, runner.kv_caches)
 
     with ca.floats_as_constants():  # the first call traces the runner's compiled model at this size
         compiled()
     rows = []
-    for path, fn in (("compiled", compiled), ("piecewise", lambda: runner.run(next(mds), ids, pos))):
+    for path, fn in (("compiled", compiled), ("piecewise", lambda: runner.run(mds(), ids, pos))):
         us, kernels = eager_time_us(fn, iters=iters), kernel_us(fn)
         rows.append(_row(name, "8B", what, path=path, tokens=ids.shape[0], us=us, kernel_us=kernels,
                          x_kernel=us / kernels))
@@ -208,15 +221,15 @@ def rows_small_decode(name: str, iters: int) -> list[dict]:
                              piecewise=True, piecewise_sizes=[1], progress=False)
     stats = runner.capture()
     ids, pos = step_tokens(spec, [ctx], [1], config.vocab_size)
-    mds = fresh_metadata(backend, spec, [ctx], [1])
+    mds = fresh_metadata(backend, spec, [ctx], [1], 1 + 3 * calls_per_path(iters))
 
     def compiled() -> torch.Tensor:
-        with ca.set_forward_context(next(mds)):
+        with ca.set_forward_context(mds()):
             return runner.model(ids, pos, caches)  # batch 1: the compile the full graph was captured from
 
-    paths = {  # each call on the next of `mds`: every path plans as a served step does
-        "full graph": lambda: runner.run(next(mds), ids, pos),
-        "piecewise (forced)": lambda: runner.piecewise.run(next(mds), ids, pos),
+    paths = {  # each call on a build of its own: every path plans and uploads as a served step does
+        "full graph": lambda: runner.run(mds(), ids, pos),
+        "piecewise (forced)": lambda: runner.piecewise.run(mds(), ids, pos),
         "compiled, no graphs": compiled,
     }
     with ca.floats_as_constants():  # a first call may trace (the capture traced size 1 already)
