@@ -77,6 +77,13 @@ class Attention(nn.Module):
         self.layer_name, self._call = self.impl.register(k_scale, v_scale, self.attn_type, group)
         self.group = group
 
+    def __setstate__(self, state: dict) -> None:
+        # a copy (copy.deepcopy, pickle) carries its original's layer name, which the ops resolve
+        # to the original's options, or to whatever layer takes the name once the original dies
+        super().__setstate__(state)
+        call = self._call
+        self.layer_name, self._call = self.impl.register(call.k_scale, call.v_scale, self.attn_type, self.group)
+
     def forward(
         self,
         query: torch.Tensor,

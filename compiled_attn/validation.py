@@ -189,6 +189,7 @@ def check_impl_options(
             )
         if slopes.device.type != "meta" and not bool(torch.isfinite(slopes).all()):
             raise ValueError(f"alibi_slopes must be finite, got {slopes.tolist()}")
+        slopes = slopes.detach().clone()  # fixed at construction, as checked: not the caller's tensor
     return window, cap, slopes
 
 
@@ -831,9 +832,12 @@ class CheckedKind:
             return False
         if kv_cache is None or self.cache is None:
             return kv_cache is self.cache
-        # the shape and layout too for the same tensor: a cache resized or restrided in place
-        # (`resize_`, `set_`, `as_strided_`) must be checked again
-        if self.cache() is kv_cache and kv_cache.shape == self.cache_facts[0] and kv_cache.is_contiguous():
+        # all of it for the same tensor too: a cache resized or restrided in place (`resize_`,
+        # `set_`, `as_strided_`), or given another dtype or device (`.data =`, as `module.to()` /
+        # `.half()` do to a Parameter), must be checked again
+        facts = self.cache_facts
+        if (self.cache() is kv_cache and kv_cache.shape == facts[0] and kv_cache.dtype is facts[1]
+                and kv_cache.device == facts[2] and kv_cache.is_contiguous()):
             return True
         return _cache_facts(kv_cache) == self.cache_facts
 

@@ -266,3 +266,31 @@ def test_layer_names_take_the_lowest_id_free_among_live_layers():
     later = [layer() for _ in range(3)]
     assert [register_layer(c) for c in later] == [f"StableNamesProbeImpl.decoder.{i}" for i in (0, 1, 3)]
     assert get_layer(names[0]) is later[0] and get_layer(names[2]) is calls[0]
+
+
+@pytest.mark.parametrize("copy_by", ["deepcopy", "pickle"])
+def test_a_copied_layer_runs_its_own_options_once_its_original_is_gone(copy_by):
+    """A copy carried its original's layer name: once the original died and a new layer took the
+    name, the copy's ops ran the new layer's options (here: no window) without a word."""
+    import copy
+    import gc
+    import pickle
+
+    from reference import reference_attention
+
+    h, kv, d, block = 2, 1, 8, 4
+    spec = ca.AttentionSpec(num_heads=h, num_kv_heads=kv, head_size=d, block_size=block, num_blocks=16,
+                            dtype=torch.float32, device="cpu")
+    md = ca.get_attn_backend("TORCH_SDPA").get_builder_cls()(spec).build([12], [12], [[0, 1, 2]])
+    q, k, v = torch.randn(12, h * d), torch.randn(12, kv * d), torch.randn(12, kv * d)
+    original = ca.Attention(h, d, d**-0.5, num_kv_heads=kv, sliding_window=2, backend="TORCH_SDPA")
+    layer = copy.deepcopy(original) if copy_by == "deepcopy" else pickle.loads(pickle.dumps(original))
+    del original
+    gc.collect()
+    taker = ca.Attention(h, d, d**-0.5, num_kv_heads=kv, backend="TORCH_SDPA")  # the freed name's next holder
+    with ca.set_forward_context(md):
+        out = layer(q, k, v, torch.zeros(2, 16, block, kv, d))
+        taker(q, k, v, torch.zeros(2, 16, block, kv, d))
+    want = reference_attention(q.view(12, h, d).double(), k.view(12, kv, d).double(), v.view(12, kv, d).double(),
+                               torch.arange(12), causal=True, scale=d**-0.5, sliding_window=2)
+    torch.testing.assert_close(out.view(12, h, d).double(), want, rtol=1e-5, atol=1e-5)

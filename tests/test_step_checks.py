@@ -271,6 +271,19 @@ def test_a_cache_restrided_in_place_is_checked_again(batch):
         torch.ops.compiled_attn.kv_cache_update(q, k, v, cache, name)
 
 
+def test_a_cache_given_another_dtype_in_place_is_checked_again(batch):
+    """The very tensor the layer passed with, its data replaced by another dtype's (`.data =`, as
+    `module.half()` does to a Parameter): refused before any write, as a new tensor would be."""
+    name, call = sdpa_impl().register(1.0, 1.0, T.DECODER)
+    q, k, v = op_args(batch)
+    cache = batch.kv_cache.clone()
+    both_ops(name, batch.build(SDPA), q, k, v, cache)
+    cache.data = torch.randn(cache.shape, dtype=torch.float64)
+    with Untouched(cache), ca.set_forward_context(batch.build(SDPA)), \
+            pytest.raises(ValueError, match="kv_cache dtype torch.float64"):
+        torch.ops.compiled_attn.kv_cache_update(q, k, v, cache, name)
+
+
 def test_a_layer_does_not_keep_a_dropped_cache_alive(batch):
     name, _keep = sdpa_impl().register(1.0, 1.0, T.DECODER)
     q, k, v = op_args(batch)

@@ -220,6 +220,14 @@ def test_alibi_slopes_must_be_finite(bad):
             make()
 
 
+def test_alibi_slopes_are_kept_as_checked_not_as_the_caller_edits_them_later():
+    slopes = torch.linspace(0.1, 0.8, HQ)
+    kept = [make_spec(alibi_slopes=slopes).alibi_slopes, impl(alibi_slopes=slopes).alibi_slopes]
+    slopes.fill_(math.nan)  # after the finite check
+    for got in kept:
+        assert torch.equal(got, torch.linspace(0.1, 0.8, HQ))
+
+
 SPEC_TYPE_MISTAKES = [
     ("num_heads", 4.0), ("num_heads", "4"), ("num_heads", None), ("num_heads", torch.tensor(4.0)),
     ("head_size", 2**31), ("num_blocks", 2**31), ("block_size", True), ("max_seq_len_to_capture", 2**40),

@@ -147,6 +147,11 @@ class CommonImpl(AttentionImpl):
             self._eager_calls.popitem(last=False)  # its record dies: the registry drops the name
         return out
 
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        # a copy's eager calls register names of their own: the copied ones are its original's
+        self._eager_calls = OrderedDict()
+
     def _eager_name(self, key: tuple[float, float, AttentionType]) -> tuple[str, LayerCall]:
         """The layer name eager calls with these scales and type use, and its record (kept for
         the latest few, once a call with it has run)."""
