@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionState
-from compiled_attn.capabilities import capability_reason
+from compiled_attn.capabilities import capability_reason, spec_needs
 from compiled_attn.metadata import CommonMetadata, aligned_offsets
 from compiled_attn.registry import backends_with
 from compiled_attn.validation import as_int, check_graph_step
@@ -227,7 +227,7 @@ class GraphState(AttentionState):
                                      alibi=spec.alibi_slopes is not None, graphs=True)
         reason = capability_reason(self.backend_cls, **needs)
         if reason is not None:
-            others = backends_with(**needs)
+            others = backends_with(**spec_needs(spec), graphs=True)  # ones that serve all of the spec
             raise NotImplementedError(f"{reason}; " + (f"use {' or '.join(others)}" if others else
                                                       "run these steps eagerly"))
 

@@ -68,25 +68,35 @@ def test_backend_states_override_hooks_only(contract_backend):
 @pytest.mark.parametrize("attn_type", list(T))
 def test_graph_capture_serves_the_attention_types_its_backend_declares(contract_backend, attn_type):
     backend, name = contract_backend, contract_backend.get_name()
-    state = backend.get_state_cls()(spec_for(attn_type=attn_type))
+    spec = spec_for(attn_type=attn_type)
+    state = backend.get_state_cls()(spec)
     if attn_type in backend.graph_attn_types:
         enter_capture(state)
         return
-    capturers = [n for n, b in BACKEND_CLASSES().items() if attn_type in b.graph_attn_types]
+    # backends named instead capture the type and serve the rest of the spec (a CPU one, here)
+    capturers = [n for n, b in BACKEND_CLASSES().items() if attn_type in b.graph_attn_types
+                 and b.unsupported_reason(spec) is None]
     hint = f"use {' or '.join(capturers)}" if capturers else "run these steps eagerly"
     with pytest.raises(NotImplementedError, match=f"^{name} .*; {hint}$"):
         enter_capture(state)
 
 
+def test_a_refused_capture_names_no_backend_that_refuses_the_rest_of_the_spec():
+    # XFORMERS captures cross decode, but not in fp32, on CPU or with soft-cap
+    spec = spec_for(dtype=torch.float32, logits_soft_cap=30.0, attn_type=T.ENCODER_DECODER)
+    with pytest.raises(NotImplementedError, match=r"^TORCH_SDPA captures .*ENCODER_DECODER; run these steps eagerly$"):
+        enter_capture(BACKEND_CLASSES()["TORCH_SDPA"].get_state_cls()(spec))
+
+
 def test_xformers_state_refuses_alibi_naming_states_that_capture_it():
     state = BACKEND_CLASSES()["XFORMERS"].get_state_cls()(spec_for(alibi_slopes=torch.ones(8)))
-    with pytest.raises(NotImplementedError, match="ALiBi eagerly only.*use FLASHINFER or TORCH_SDPA"):
+    with pytest.raises(NotImplementedError, match="ALiBi eagerly only.*; use TORCH_SDPA$"):  # a CPU spec
         enter_capture(state)
 
 
 def test_xformers_state_refuses_block_sizes_its_decode_kernel_cannot_read():
     state = BACKEND_CLASSES()["XFORMERS"].get_state_cls()(spec_for(block_size=16))
-    with pytest.raises(NotImplementedError, match="block_size=16.*use FLASHINFER or TORCH_SDPA"):
+    with pytest.raises(NotImplementedError, match="block_size=16; use TORCH_SDPA$"):  # a CPU spec: not FLASHINFER
         enter_capture(state)
 
 

@@ -115,6 +115,16 @@ def test_auto_when_no_backend_can_serve_spec_lists_reasons():
         ca.get_attn_backend(spec=spec(kv_cache_dtype="fp8"))
 
 
+@pytest.mark.parametrize(("options", "attn_type", "hint"), [
+    (dict(logits_soft_cap=30.0), ca.AttentionType.ENCODER, "use TORCH_SDPA"),  # XFORMERS has no soft-cap
+    (dict(kv_cache_dtype="fp8"), ca.AttentionType.ENCODER_DECODER, "no registered backend has all of them"),
+], ids=["soft-cap", "fp8"])
+def test_a_refused_attention_type_names_backends_that_serve_the_layers_options_too(options, attn_type, hint):
+    impl = BACKEND_CLASSES()["FLASHINFER"].get_impl_cls()(8, 64, 0.125, 2, **options)
+    with pytest.raises(NotImplementedError, match=f"^FLASHINFER does not support {attn_type.name} attention; {hint}$"):
+        impl.register(1.0, 1.0, attn_type)
+
+
 def test_torch_sdpa_capabilities():
     backend = ca.get_attn_backend("TORCH_SDPA")
     assert backend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 2, 64)

@@ -90,14 +90,17 @@ class CommonImpl(AttentionImpl):
 
     def check_supported(self) -> None:
         """NotImplementedError for options this backend lacks, naming backends that have them."""
-        self._require(head_size=self.head_size, kv_cache_dtype=self.kv_cache_dtype,
-                      alibi=self.alibi_slopes is not None, sliding_window=self.sliding_window is not None,
-                      logits_soft_cap=self.logits_soft_cap is not None)
+        self._require(**self._option_needs())
+
+    def _option_needs(self) -> dict[str, object]:
+        return dict(head_size=self.head_size, kv_cache_dtype=self.kv_cache_dtype, alibi=self.alibi_slopes is not None,
+                    sliding_window=self.sliding_window is not None, logits_soft_cap=self.logits_soft_cap is not None)
 
     def _require(self, **needs: object) -> None:
         reason = capability_reason(self.backend_cls, **needs)
         if reason is not None:
-            raise NotImplementedError(f"{reason}; {alternatives(**needs)}")
+            # the backends named instead serve the layer's options too, not only what this one lacks
+            raise NotImplementedError(f"{reason}; {alternatives(**{**self._option_needs(), **needs})}")
 
     def check_attn_type(self, attn_type: AttentionType) -> AttentionType:
         attn_type = as_attn_type(attn_type)
