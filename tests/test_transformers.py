@@ -417,6 +417,37 @@ def test_models_the_engine_cannot_serve_are_refused_naming_why():
         ca_hf.attention_modules(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("family", ["llama4-chunked", "gpt-oss-sinks"])
+def test_layers_transformers_limits_by_a_mask_or_sinks_are_refused(family):
+    """Llama4's chunked layers exist only as a mask, which never reaches this implementation, and
+    gpt-oss passes its sinks as a keyword the paged kernels cannot take: each was served with
+    other numerics (logits 2-4 off) before the engine refused it."""
+    import transformers as tr
+
+    sizes = dict(hf_random.SIZES["tiny"], max_position_embeddings=4096)
+    if family == "llama4-chunked":
+        config = tr.Llama4TextConfig(**sizes, attention_chunk_size=6, num_local_experts=1, interleave_moe_layer_step=1,
+                                     intermediate_size_mlp=128, no_rope_layers=[1, 0, 1])
+        error = r"layer 0 is a 'chunked_attention' layer: PagedEngine serves full and sliding-window causal"
+    else:
+        config = tr.GptOssConfig(**sizes, num_local_experts=2, num_experts_per_tok=1, sliding_window=6,
+                                 layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        error = "layer 0 has attention sinks: PagedEngine's kernels have none"
+    model = hf_random.random_model(config, seed=1)
+    with pytest.raises(ValueError, match=f"^{error}"):
+        ca_hf.PagedEngine(model, block_size=4, num_blocks=128, compile=False, cuda_graphs=False)
+
+
+def test_sinks_passed_to_the_attention_function_are_refused():
+    model = hf_random.random_model(hf_random.random_config("llama", "tiny"))
+    engine = ca_hf.PagedEngine(model, block_size=4, num_blocks=64, compile=False, cuda_graphs=False)
+    module = ca_hf.attention_modules(model)[0]
+    q = torch.randn(1, 4, 3, 16)
+    with pytest.raises(ValueError, match=r"^layer 0 was given attention sinks \(s_aux\)"):
+        ca_hf.attention_forward(module, q, q[:, :2], q[:, :2], None, s_aux=torch.zeros(4),
+                                **{ca_hf.CACHES_KWARG: engine.kv_caches})
+
+
 def test_a_mask_or_dropout_the_engine_would_ignore_is_refused():
     """transformers passes no mask to this implementation; one that arrives anyway (the model's own
     chunked or bidirectional attention, a caller's 4-D mask) or attention dropout would be ignored

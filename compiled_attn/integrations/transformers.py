@@ -38,6 +38,7 @@ from compiled_attn.validation import as_int
 
 IMPLEMENTATION = "compiled_attn"  # the attn_implementation name register() adds
 LAYER_ATTR = "compiled_attn"  # the ca.Attention an engine attaches to each attention module
+SINK_KWARGS = ("s_aux", "sinks")  # the attention function's keywords for per-head sink logits (gpt-oss: s_aux)
 CACHES_KWARG = "compiled_attn_kv_caches"  # the model keyword carrying the caches to the attention function
 
 
@@ -81,6 +82,10 @@ def attention_forward(
                          "PagedEngine serves causal attention per request (with the layer's window) only")
     if dropout:
         raise ValueError(f"attention dropout {dropout} (a model in training mode?): call model.eval() first")
+    sinks = [name for name in SINK_KWARGS if kwargs.get(name) is not None]
+    if sinks:  # layer_settings refuses the modules known to keep them; this catches the rest
+        raise ValueError(f"layer {module.layer_idx} was given attention sinks ({sinks[0]}): PagedEngine's kernels "
+                         "have none")
     _, num_heads, num_tokens, head_size = query.shape
     q = query[0].transpose(0, 1).reshape(num_tokens, num_heads * head_size)
     k = key[0].transpose(0, 1).reshape(num_tokens, -1)
@@ -137,6 +142,15 @@ def layer_settings(module: nn.Module) -> LayerSettings:
     config = module.config
     if not getattr(module, "is_causal", True):
         raise ValueError(f"layer {module.layer_idx} is not causal: PagedEngine serves decoder-only causal LMs")
+    # a layer type transformers expresses by its mask alone (Llama4's chunked attention, say): no
+    # mask reaches this implementation (it has no mask function), so it would attend causally
+    layer_types = getattr(config, "layer_types", None)
+    kind = layer_types[module.layer_idx] if isinstance(layer_types, list | tuple) else None
+    if kind not in (None, "full_attention", "sliding_attention"):
+        raise ValueError(f"layer {module.layer_idx} is a {kind!r} layer: PagedEngine serves full and "
+                         "sliding-window causal attention only")
+    if getattr(module, "sinks", None) is not None:  # gpt-oss: passed as `s_aux`, which no kernel here takes
+        raise ValueError(f"layer {module.layer_idx} has attention sinks: PagedEngine's kernels have none")
     window = module.sliding_window if hasattr(module, "sliding_window") else getattr(config, "sliding_window", None)
     return LayerSettings(
         num_heads=config.num_attention_heads,
