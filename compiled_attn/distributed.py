@@ -108,10 +108,16 @@ def check_capture_sizes_agree(sizes: Sequence[int], group: dist.ProcessGroup | N
     exchanges the lists with `all_gather_object` (host objects; on NCCL the current CUDA device
     must be this rank's).
     """
-    gathered = _gathered(list(sizes), group)
-    if gathered is not None and any(s != gathered[0] for s in gathered):
-        per_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(gathered))
-        raise ValueError(f"ranks disagree on the {what} ({per_rank}); pass the same sizes on all")
+    check_ranks_agree(list(sizes), group, what, "sizes")
+
+
+def check_ranks_agree(value: Any, group: dist.ProcessGroup | None, what: str, fix: str) -> None:
+    """ValueError on every rank unless all ranks hold an equal `value` (`what` it is; the error
+    says to pass the same `fix` on all). Exchanged with `all_gather_object`: a collective."""
+    gathered = _gathered(value, group)
+    if gathered is not None and any(v != gathered[0] for v in gathered):
+        per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(gathered))
+        raise ValueError(f"ranks disagree on the {what} ({per_rank}); pass the same {fix} on all")
 
 
 def failed_on_any_rank(failed: dict[str, str], group: dist.ProcessGroup | None) -> dict[str, str]:

@@ -223,6 +223,12 @@ def gloo_rank_checks(group: dist.ProcessGroup, device: torch.device) -> dict:
         build_model(TINY, seed=0, backend=SDPA, device="cuda", tp_group=group)
     except ValueError as e:
         out["device_error"] = str(e)
+    deeper = dataclasses.replace(TINY, num_layers=2 + rank)
+    for what, kw in (("seed", dict(seed=rank)), ("config", dict(config=deeper))):
+        try:  # another seed: no seed's model; another layer count: a hang at the extra layer's all-reduce
+            build_model(**{"config": TINY, "seed": 0, **kw}, backend=SDPA, tp_group=group)
+        except ValueError as e:
+            out[f"build_{what}_error"] = str(e)
     # a group named per device type runs CPU collectives through gloo as a "gloo" group does
     per_type = dist.new_group(backend="cpu:gloo,cuda:gloo")
     tpm.check_group_device(per_type, "cpu")  # refused until the check read the backend per device type
@@ -317,6 +323,13 @@ def test_ranks_disagreeing_on_capture_sizes_raise_on_every_rank(ranks):
         assert "ranks disagree" in r["sizes_error"] and "rank 1: [8, 4, 2]" in r["sizes_error"]
         assert "disagree on the piecewise buckets" in r["buckets_error"] and "rank 1: [16, 8]" in r["buckets_error"]
         assert "disagree on the decode graphs' block-table widths" in r["widths_error"]
+
+
+def test_ranks_building_different_models_raise_on_every_rank(ranks):
+    for r in ranks:
+        for what in ("seed", "config"):
+            assert r[f"build_{what}_error"].startswith("ranks disagree on the model (config, seed, backend, dtype")
+            assert r[f"build_{what}_error"].endswith("; pass the same build_model arguments on all")
 
 
 def test_gloo_group_for_a_cuda_model_raises(ranks):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import compiled_attn as ca
+from compiled_attn.distributed import check_ranks_agree
 from compiled_attn.models import tp as tpm
 
 
@@ -170,9 +171,15 @@ def build_model(
 
     With `tp_group`, this rank's shard: every weight is drawn at its full size in the unsharded
     model's order and sliced, so all ranks together hold exactly the unsharded model of `seed`.
-    The group must suit `device` (NCCL for CUDA, gloo for CPU).
+    The group must suit `device` (NCCL for CUDA, gloo for CPU), and every rank must pass the same
+    arguments: ValueError on every rank otherwise (a collective: on NCCL the current CUDA device
+    must be this rank's, as `distributed.run_ranks` sets it).
     """
     tpm.check_group_device(tp_group, device)
+    # every rank must shard one model: another config would wait at a collective the others never
+    # make (a hang), another seed or init device draw weights no single seed gives
+    check_ranks_agree((config, seed, backend, str(dtype), str(torch.device(init_device)), kv_cache_dtype), tp_group,
+                      "model (config, seed, backend, dtype, init_device, kv_cache_dtype)", "build_model arguments")
     with torch.device("meta"):
         model = Llama(config, backend, tp_group, kv_cache_dtype)
     model = model.to_empty(device=device)
