@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from compiled_attn.validation import as_int
+
 
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 for the rendezvous (the store listens on loopback only)."""
@@ -41,8 +43,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, device_type: 
     device_type "cuda": rank r uses cuda:r with an NCCL group; "cpu": gloo. Default: CUDA when
     there are at least `world_size` GPUs, else CPU.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    world_size = as_int("world_size", world_size)  # before anything is spawned
     if device_type is None:
         device_type = default_device_type(world_size)
     if device_type not in ("cuda", "cpu"):  # rank r takes cuda:r: a device index or another type has no meaning here

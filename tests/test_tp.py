@@ -48,7 +48,9 @@ def test_local_head_counts(num_heads, num_kv_heads, tp_size, local):
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "tp_size", "match"),
-    [(6, 2, 4, "num_heads=6"), (8, 6, 4, "num_kv_heads=6"), (12, 2, 3, "multiple of num_kv_heads"), (8, 2, 0, ">= 1")],
+    [(6, 2, 4, "num_heads=6"), (8, 6, 4, "num_kv_heads=6"), (12, 2, 3, "multiple of num_kv_heads"), (8, 2, 0, ">= 1"),
+     (8, 2, True, "^tp_size must be an int, got True$"), (8, 2, 2.0, "^tp_size must be an int, got 2.0$"),
+     (8, 0, 2, "^num_kv_heads must be >= 1, got 0$")],
 )
 def test_heads_that_do_not_split_raise(num_heads, num_kv_heads, tp_size, match):
     with pytest.raises(ValueError, match=match):
@@ -88,8 +90,10 @@ def never_run(group, device):
 
 def test_run_ranks_refuses_a_world_it_cannot_make_before_spawning(monkeypatch):
     monkeypatch.setattr(distributed.mp, "start_processes", lambda *a, **k: pytest.fail("a rank was spawned"))
-    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
-        distributed.run_ranks(never_run, 0, device_type="cpu")
+    for bad, error in ((0, "world_size must be >= 1, got 0"), (True, "world_size must be an int, got True"),
+                       (2.0, "world_size must be an int, got 2.0")):
+        with pytest.raises(ValueError, match=f"^{error}$"):
+            distributed.run_ranks(never_run, bad, device_type="cpu")
     n = torch.cuda.device_count() + 1
     with pytest.raises(ValueError, match=f"{n} ranks on CUDA need {n} GPUs, found {n - 1}"):
         distributed.run_ranks(never_run, n, device_type="cuda")

@@ -31,7 +31,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from compiled_attn.validation import indexed_device
+from compiled_attn.validation import as_int, indexed_device
 
 # torch 2.13 renamed the functional all-gather (the old name warns on every eager call); 2.11 has
 # only the old name
@@ -66,8 +66,8 @@ def local_head_counts(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[
     >>> local_head_counts(32, 8, 2), local_head_counts(16, 4, 8)
     ((16, 4), (2, 1))
     """
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    tp_size = as_int("tp_size", tp_size)  # not a bool (True would be one rank) nor a float
+    num_heads, num_kv_heads = as_int("num_heads", num_heads), as_int("num_kv_heads", num_kv_heads)
     if num_heads % tp_size:
         raise ValueError(f"num_heads={num_heads} is not divisible by tp_size={tp_size}: each rank needs whole heads")
     if num_kv_heads >= tp_size:
