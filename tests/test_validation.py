@@ -485,3 +485,16 @@ def test_layer_options_are_fixed_at_construction(option):
     with pytest.raises(AttributeError, match=f"{option} is fixed at construction"):
         setattr(layer_impl, option, 3)
     assert getattr(layer_impl, option) is before
+
+
+@pytest.mark.parametrize(("fields", "error"), [
+    (dict(num_kv_heads=0), "^LlamaConfig.num_kv_heads must be >= 1, got 0$"),
+    (dict(vocab_size=2.0), "^LlamaConfig.vocab_size must be an int, got 2.0$"),
+    (dict(num_heads=6), "^LlamaConfig: hidden_size=256 must split into num_heads=6 heads"),
+    (dict(num_kv_heads=3), "and those into num_kv_heads=3 groups of equal size$"),
+], ids=["zero-kv-heads", "float-vocab", "heads-split-hidden", "kv-heads-split-heads"])
+def test_a_llama_config_that_cannot_make_a_model_is_refused_naming_the_field(fields, error):
+    from compiled_attn.models.llama import LlamaConfig
+
+    with pytest.raises(ValueError, match=error):
+        LlamaConfig(**fields)

@@ -19,6 +19,7 @@ from torch import nn
 import compiled_attn as ca
 from compiled_attn.distributed import check_ranks_agree
 from compiled_attn.models import tp as tpm
+from compiled_attn.validation import as_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,14 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     max_position: int = 8192
     norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "max_position"):
+            as_int(f"LlamaConfig.{name}", getattr(self, name))
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"LlamaConfig: hidden_size={self.hidden_size} must split into num_heads={self.num_heads}"
+                             f" heads, and those into num_kv_heads={self.num_kv_heads} groups of equal size")
 
     @property
     def head_size(self) -> int:
