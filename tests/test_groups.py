@@ -158,15 +158,21 @@ def grouped_model(specs: dict[str, ca.AttentionSpec], seed: int):
     return model, caches
 
 
+def clone_for_two(states: dict) -> tuple[GroupedState, dict[str, torch.Tensor]]:
+    """A GroupedState of `states` made ready for batch 2 (static buffers, its metadata), and the
+    clone that graph's refills go through with those buffers."""
+    grouped = GroupedState(states)
+    with grouped.graph_capture(2):
+        bufs = grouped.get_graph_input_buffers(grouped.graph_capture_get_metadata_for_batch(2))
+        return grouped.graph_clone(2), bufs
+
+
 @pytest.mark.parametrize("names", [("full", "layers/sliding"), ("a", "a/b")])
 def test_grouped_state_routes_buffers_of_groups_whose_names_hold_a_slash(names):
     """Group names are any str: the flat buffer keys ("group/field") split at the last "/", so a
     name holding one (or another group's name and a "/") still gets its own buffers."""
     spec = spec_of(max_seq_len_to_capture=64)
-    grouped = GroupedState({g: SDPA.get_state_cls()(spec) for g in names})
-    with grouped.graph_capture(2):
-        bufs = grouped.get_graph_input_buffers(grouped.graph_capture_get_metadata_for_batch(2))
-        clone = grouped.graph_clone(2)
+    clone, bufs = clone_for_two({g: SDPA.get_state_cls()(spec) for g in names})
     tables = {names[0]: [[1, 0], [2, 3]], names[1]: [[4, 0], [5, 6]]}  # one step, each group its blocks
     md = GroupedMetadata.of({g: SDPA.get_builder_cls()(spec).build([12, 31], [1, 1], [row[: 1 + i] for i, row
                                                                                      in enumerate(tables[g])])
@@ -178,15 +184,11 @@ def test_grouped_state_routes_buffers_of_groups_whose_names_hold_a_slash(names):
 @pytest.mark.parametrize("whose", ["other-groups", "a-group-missing"])
 def test_grouped_state_refuses_buffers_not_its_own(whose):
     spec = spec_of(max_seq_len_to_capture=64)
-
-    def captured(names):
-        grouped = GroupedState({g: SDPA.get_state_cls()(spec) for g in names})
-        with grouped.graph_capture(2):
-            bufs = grouped.get_graph_input_buffers(grouped.graph_capture_get_metadata_for_batch(2))
-            return grouped.graph_clone(2), bufs
-
-    clone, bufs = captured(("a", "b"))
-    other = captured(("x", "y"))[1] if whose == "other-groups" else {k: t for k, t in bufs.items() if k[0] == "a"}
+    clone, bufs = clone_for_two({g: SDPA.get_state_cls()(spec) for g in ("a", "b")})
+    if whose == "other-groups":
+        other = clone_for_two({g: SDPA.get_state_cls()(spec) for g in ("x", "y")})[1]
+    else:
+        other = {k: t for k, t in bufs.items() if k[0] == "a"}
     md = GroupedMetadata.of({g: SDPA.get_builder_cls()(spec).build([5], [1], [[3]]) for g in ("a", "b")})
     before = {k: t.clone() for k, t in bufs.items()}
     with pytest.raises(RuntimeError, match=r"^these buffers are not this state's \(groups \["):
@@ -327,10 +329,7 @@ def test_grouped_state_captures_the_upload_only_when_every_group_does():
     runner keeps calling prepare without `upload` (each group uploads there); the capturing
     group's upload still runs (queued twice, it writes the same bytes)."""
     spec = spec_of(max_seq_len_to_capture=64)
-    grouped = GroupedState({"a": SDPA.get_state_cls()(spec), "b": PrepareUploadsState(spec)})
-    with grouped.graph_capture(2):
-        bufs = grouped.get_graph_input_buffers(grouped.graph_capture_get_metadata_for_batch(2))
-        clone = grouped.graph_clone(2)
+    clone, bufs = clone_for_two({"a": SDPA.get_state_cls()(spec), "b": PrepareUploadsState(spec)})
     mds = {g: SDPA.get_builder_cls()(spec).build([12, 31], [1, 1], [[1], [2, 3]]) for g in ("a", "b")}
     md = GroupedMetadata.of(mds)
     clone.states["a"].prepare_graph_input_buffers(clone._per_group(bufs)["a"], mds["a"], upload=False)  # its mirror
@@ -353,10 +352,7 @@ def test_a_grouped_state_calls_the_prepare_a_groups_state_overrides():
             super().prepare_graph_input_buffers(input_buffers, attn_metadata, upload=upload)
 
     spec = spec_of(max_seq_len_to_capture=64)
-    grouped = GroupedState({"a": SDPA.get_state_cls()(spec), "b": Recording(spec)})
-    with grouped.graph_capture(2):
-        bufs = grouped.get_graph_input_buffers(grouped.graph_capture_get_metadata_for_batch(2))
-        clone = grouped.graph_clone(2)
+    clone, bufs = clone_for_two({"a": SDPA.get_state_cls()(spec), "b": Recording(spec)})
     mds = {g: SDPA.get_builder_cls()(spec).build([12, 31], [1, 1], [[1], [2, 3]]) for g in ("a", "b")}
     clone.prepare_graph_input_buffers(bufs, GroupedMetadata.of(mds))
     assert calls == [mds["b"]] and bufs["a/seq_lens_tensor"].tolist() == bufs["b/seq_lens_tensor"].tolist() == [12, 31]
