@@ -225,19 +225,15 @@ class GroupedState(AttentionState):
         return all([state.upload_graph_input_buffers(per_group[g]) for g, state in self.states.items()])
 
     def _per_group(self, input_buffers: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-        per_group: dict[str, dict[str, torch.Tensor]] = {g: {} for g in self.states}
+        per_group: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in input_buffers.items():
             g, _, name = key.rpartition(_SEP)  # group names may hold the separator; field names never do
-            if g not in per_group:
-                break
-            per_group[g][name] = t
-        else:
-            if all(per_group.values()):
-                return per_group
-        groups = sorted({key.rpartition(_SEP)[0] for key in input_buffers})
-        raise RuntimeError(f"these buffers are not this state's (groups {groups}, this state's {sorted(self.states)}): "
-                           "prepare a graph's buffers through the clone of the state whose get_graph_input_buffers "
-                           "gave them")
+            per_group.setdefault(g, {})[name] = t
+        if per_group.keys() != self.states.keys():  # another state's groups, or some of its own missing
+            raise RuntimeError(f"these buffers are not this state's (groups {sorted(per_group)}, this state's "
+                               f"{sorted(self.states)}): prepare a graph's buffers through the clone of the state "
+                               "whose get_graph_input_buffers gave them")
+        return per_group
 
     def begin_forward(self, attn_metadata: AttentionMetadata) -> None:
         md = _grouped(attn_metadata)

@@ -388,7 +388,7 @@ class PiecewiseGraphs:
             warmups = self.warmup_steps if cuda else int(bucket == self.sizes[0])
             with _on(warm_stream), control.serving(None, skip_ops=True), self._capturing(bucket):
                 for _ in range(warmups):  # the compiled pieces, for real
-                    check_model_output(self._static_step(bucket), bucket)
+                    self._static_step(bucket)
             if cuda:
                 if on_cuda:
                     capture_stream.wait_stream(warm_stream)
@@ -418,8 +418,10 @@ class PiecewiseGraphs:
         return capturing_pieces(self._slots[:bucket]) if self.captures_writes else contextlib.nullcontext()
 
     def _static_step(self, bucket: int) -> torch.Tensor:
+        """The model on the first `bucket` rows of the static inputs, its output checked (at the
+        warm-up: before any piece of the bucket is captured)."""
         ids, pos = self._input_ids[:bucket], self._positions[:bucket]
-        return self._call(ids, pos, self.kv_caches)
+        return check_model_output(self._call(ids, pos, self.kv_caches), bucket)
 
     def _bucket_step(self, bucket: int) -> torch.Tensor:
         """The model on the static inputs of `bucket` (under the caller's `control.serving`).
@@ -439,7 +441,6 @@ class PiecewiseGraphs:
                 return split(*args)[0]
         output = self._static_step(bucket)
         split, args, output_id, writes = self.backend.recorded.pop(bucket)
-        check_model_output(output, bucket)  # also at the warm-up (capture), before any piece is captured
         if output_id != id(output):
             raise ValueError("piecewise graphs serve a model whose forward returns its compiled graph's one output "
                              "tensor, with no Python after it (compile it with fullgraph=True)")
