@@ -15,6 +15,7 @@ import compiled_attn as ca
 from compiled_attn.bench import decode_loop as dl
 from compiled_attn.bench.compiles import compile_counts, compiles_line, counts_since, reset_dynamo
 from compiled_attn.bench.decode_loop import PEER_INDUCTOR, GptFastDecoder, fresh_draws
+from compiled_attn.bench.gaps import gap_table
 from compiled_attn.bench.kernel_table import Kernel, per_layer_table
 from compiled_attn.bench.piecewise_bench import QUICK_BUCKETS, STEPS, step_inputs
 from compiled_attn.bench.plots import decode_series
@@ -112,6 +113,30 @@ def test_kernel_table_keeps_copies_per_step_and_one_layer_whole():
     assert {r["kernel"]: r["where"] for r in one["rows"]} == {"Memcpy HtoD (Pinned -> Device)": "step",
                                                              "gemv": "layer", "attn": "layer"}
     assert one["us/layer"] == 8.0 and one["kernels/layer"] == 2
+
+
+def test_gap_table_splits_a_steps_idle_time_by_its_sides_and_the_hosts_part():
+    """Two steps of a graph, an eager kernel launched late, another graph: lead, tail and gaps sum
+    with the busy time to the wall; a gap is host-bound for as long as its launch call outlasted
+    the work before it."""
+    def step(t0: float, corr: int) -> list[dict]:
+        def x(cat, name, ts, dur, c=None):
+            return {"ph": "X", "cat": cat, "name": name, "ts": t0 + ts, "dur": dur,
+                    "args": {} if c is None else {"correlation": corr + c}}
+        return [x("user_annotation", f"step {corr}", 0, 100),
+                x("cuda_runtime", "cudaGraphLaunch", 1, 4, 0), x("kernel", "mm", 10, 10, 0),
+                x("kernel", "norm", 21, 9, 0),
+                x("cuda_runtime", "cudaLaunchKernel", 25, 10, 1), x("kernel", "attn", 40, 10, 1),
+                x("cuda_runtime", "cudaGraphLaunch", 36, 2, 2), x("kernel", "mm", 52, 8, 2),
+                x("gpu_user_annotation", "step", 0, 100)]
+    table = gap_table(step(0.0, 0) + step(200.0, 10))
+    assert table["steps"] == 2
+    assert (table["wall us/step"], table["busy us/step"]) == (100, 37)
+    assert (table["lead us/step"], table["gaps us/step"], table["tail us/step"]) == (10, 13, 40)
+    assert [(r["from"], r["to"], r["gaps/step"], r["us/step"], r["host-bound us/step"]) for r in table["rows"]] == [
+        ("graph", "attn", 1, 10, 5), ("attn", "graph", 1, 2, 0), ("graph", "graph, same launch", 1, 1, 0)]
+    with pytest.raises(ValueError, match="record_function"):
+        gap_table([e for e in step(0.0, 0) if e["cat"] != "user_annotation"])
 
 
 def test_gpt_fast_peer_decodes_like_the_paged_model():

@@ -411,6 +411,44 @@ def test_cross_attention_decode_reads_the_cache():
 
 
 @pytest.mark.gpu
+def test_cross_decode_graph_replays_match_reference():
+    """A captured cross-decode graph replayed over steps of other batch sizes, self and encoder
+    lengths, against the float64 reference: the README's cross graphs, whose capture once raised
+    in the op's checks (the State's metadata lacked the cross slot mapping)."""
+    spec = gpu_spec(attn_type=T.ENCODER_DECODER, max_seq_len_to_capture=512)
+    bs, hq, d = 4, spec.num_heads, spec.head_size
+    impl = XFormersBackend.get_impl_cls()(hq, d, spec.softmax_scale, num_kv_heads=spec.num_kv_heads)
+    layer_name, _call = impl.register(1.0, 1.0, T.ENCODER_DECODER)  # _call keeps the name alive
+    steps = [make_batch(spec, [9, 40], [1, 1], encoder_seq_lens=[100, 7], seed=4),
+             make_batch(spec, [300, 2, 65, 17], [1, 1, 1, 1], encoder_seq_lens=[1, 250, 64, 33], seed=5),
+             make_batch(spec, [129], [1], encoder_seq_lens=[400], seed=6)]
+    kv_cache = steps[0].kv_cache.clone()
+    query = torch.randn(bs, hq * d, dtype=spec.dtype, device="cuda")
+    state = XFormersBackend.get_state_cls()(spec)
+    with state.graph_capture(bs):
+        md_bs = state.graph_capture_get_metadata_for_batch(bs)
+        bufs = state.get_graph_input_buffers(md_bs)
+        graph_state = state.graph_clone(bs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), set_forward_context(md_bs):
+            impl.run(query, None, None, kv_cache, T.ENCODER_DECODER, layer_name)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), set_forward_context(md_bs):
+            out = impl.run(query, None, None, kv_cache, T.ENCODER_DECODER, layer_name)
+    for i, batch in enumerate(steps):
+        n = len(batch.seq_lens)
+        md = batch.build(XFormersBackend)
+        kv_cache.copy_(batch.kv_cache)
+        query[:n].copy_(batch.query.view(n, -1))
+        graph_state.prepare_graph_input_buffers(bufs, md)
+        graph_state.begin_forward(md)
+        graph.replay()
+        assert rel_err(out[:n].cpu(), reference_forward(batch, T.ENCODER_DECODER)) <= 1e-2, f"step {i}"
+
+
+@pytest.mark.gpu
 def test_encoder_matches_reference():
     spec = gpu_spec(attn_type=T.ENCODER)
     batch = make_batch(spec, [3, 4], [3, 4], encoder_seq_lens=[50, 129], seed=5)

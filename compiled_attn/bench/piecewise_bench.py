@@ -135,7 +135,8 @@ def _spec(backend: type[ca.AttentionBackend], config: LlamaConfig, num_tokens: i
                                  dtype=torch.bfloat16, device="cuda", max_seq_len_to_capture=max_seq_len_to_capture)
 
 
-def rows_8b(name: str, iters: int, quick: bool) -> list[dict]:
+def setup_8b(name: str, quick: bool) -> tuple[LlamaConfig, ca.AttentionSpec, Callable[[], CUDAGraphRunner]]:
+    """The 8B shape's config, spec and a maker of its (uncaptured) runners, all on one model and caches."""
     config = LlamaConfig.llama3_8b()
     backend = ca.get_attn_backend(name)
     spec = _spec(backend, config, 64 * 1100 + 8 * 512, max_seq_len_to_capture=2048)
@@ -147,10 +148,16 @@ def rows_8b(name: str, iters: int, quick: bool) -> list[dict]:
         return CUDAGraphRunner(model, backend, spec, caches, compile=True, capture_sizes=capture_sizes,
                                piecewise=True, piecewise_sizes=buckets, progress=False)
 
+    return config, spec, runner
+
+
+def rows_8b(name: str, iters: int, quick: bool) -> list[dict]:
+    config, spec, runner = setup_8b(name, quick)
+    backend = ca.get_attn_backend(name)
     first = runner()
     stats, traced = _capture_with_compiles(first)
     rows = [row for what, seq_lens, query_lens in STEPS
-            for row in _step_rows(first, name, what,
+            for row in step_rows(first, name, what,
                                   fresh_metadata(backend, spec, seq_lens, query_lens, 1 + 2 * calls_per_path(iters)),
                                   *step_tokens(spec, seq_lens, query_lens, config.vocab_size), iters)]
     if first.counts["piecewise"] == 0:
@@ -177,7 +184,7 @@ def _capture_with_compiles(runner: CUDAGraphRunner) -> tuple[dict, dict[str, flo
                    "dynamo_s": spent["compile s"] - spent["backend s"]}
 
 
-def _step_rows(runner: CUDAGraphRunner, name: str, what: str, mds: Callable[[], ca.AttentionMetadata],
+def step_rows(runner: CUDAGraphRunner, name: str, what: str, mds: Callable[[], ca.AttentionMetadata],
                ids: torch.Tensor, pos: torch.Tensor, iters: int) -> list[dict]:
     """The step through the runner's compiled model without graphs, then through runner.run, each
     call on a build of its own (`fresh_metadata`: it plans and uploads as a served step does)."""
