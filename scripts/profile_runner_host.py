@@ -1,10 +1,11 @@
 """Where `CUDAGraphRunner.run`'s host time goes: the bench's 16-layer model (ctx 512), one runner
-per backend with decode graphs at batch 1 and 64 and the piecewise graphs of bucket 1.
+per backend with decode graphs at batch 1 and 64 and the piecewise graphs of buckets 1 and 320.
 
     python scripts/profile_runner_host.py [--backend FLASHINFER ...] [--steps 300] [--out DIR]
 
 Per backend and path ("full B": the decode graph of batch B; "forced 1": a batch-1 decode
-forced through the piecewise graphs, issue 14's <= 1.5x goal): the synced step time, the
+forced through the piecewise graphs, issue 14's <= 1.5x goal; "mixed": 63 decodes at the
+context and a 256-token prompt chunk, 319 tokens in bucket 320): the synced step time, the
 pipelined time per step (no sync: above the synced figure means the host is the bottleneck),
 the forced path's host time per call (from its start on an idle GPU to its return: queued
 behind other work, its plan would wait on the fence of the plan two calls before), and a
@@ -31,6 +32,9 @@ from compiled_attn.bench.timing import card_name, eager_time_us
 from compiled_attn.capabilities import smallest_block_size
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models.llama import allocate_kv_caches, build_model
+
+# the mixed step: 63 decodes and a 256-token chunk of a prompt whose first 256 tokens are cached
+MIXED_CHUNK, MIXED_BUCKET = 256, 320
 
 
 def pipelined_us(fn: Callable[[], object], steps: int) -> float:
@@ -67,7 +71,7 @@ def backend_report(name: str, steps: int) -> list[str]:
     model = build_model(config, seed=0, backend=name, dtype=torch.bfloat16, device="cuda", init_device="cuda")
     caches = [c.normal_() for c in allocate_kv_caches(config, backend, spec)]
     runner = CUDAGraphRunner(model, backend, spec, caches, compile=True, capture_sizes=[1, 64], max_batch_size=64,
-                             piecewise=True, piecewise_sizes=[1], progress=False)
+                             piecewise=True, piecewise_sizes=[1, MIXED_BUCKET], progress=False)
     runner.capture()
     paths: dict[str, Callable[[], object]] = {}
     # each call on a build of its own: FlashInfer plans, and a step uploads, once per metadata
@@ -81,15 +85,19 @@ def backend_report(name: str, steps: int) -> list[str]:
     ids, pos = step_tokens(spec, [ctx], [1], config.vocab_size)
     forced = fresh_metadata(backend, spec, [ctx], [1], calls)
     paths["forced 1"] = lambda: runner.piecewise.run(forced(), ids, pos)
+    seq_lens, query_lens = [ctx] + [ctx] * 63, [MIXED_CHUNK] + [1] * 63
+    ids_m, pos_m = step_tokens(spec, seq_lens, query_lens, config.vocab_size)
+    mixed = fresh_metadata(backend, spec, seq_lens, query_lens, calls)
+    paths["mixed"] = lambda: runner.run(mixed(), ids_m, pos_m)
     lines = []
     for path, fn in paths.items():
         # host time of a call on an idle GPU (a busy one would hold the plan's fence, `_Slot.plan`)
-        alone = eager_time_us(fn, iters=100, launch_only=True) if path.startswith("forced") else None
+        alone = eager_time_us(fn, iters=100, launch_only=True) if path in ("forced 1", "mixed") else None
         host = "" if alone is None else f", host alone {alone:.0f} us"
         lines.append(f"{card_name()}, {name}, {config.num_layers} layers, ctx {ctx}, {path}: "
                      f"synced {eager_time_us(fn, iters=100):.0f} us, pipelined {pipelined_us(fn, steps):.0f} us{host} "
                      "per step")
-    for path in ("full 64", "forced 1"):
+    for path in ("full 64", "forced 1", "mixed"):
         lines.append(f"-- {name}, {path}: cProfile of {steps} pipelined calls --\n{profile_text(paths[path], steps)}")
     return lines
 
