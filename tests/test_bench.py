@@ -15,7 +15,7 @@ import compiled_attn as ca
 from compiled_attn.bench import decode_loop as dl
 from compiled_attn.bench.compiles import compile_counts, compiles_line, counts_since, reset_dynamo
 from compiled_attn.bench.decode_loop import PEER_INDUCTOR, GptFastDecoder, fresh_draws
-from compiled_attn.bench.gaps import gap_table
+from compiled_attn.bench.gaps import gap_table, host_during_gaps
 from compiled_attn.bench.kernel_table import Kernel, per_layer_table
 from compiled_attn.bench.piecewise_bench import QUICK_BUCKETS, STEPS, step_inputs
 from compiled_attn.bench.plots import decode_series
@@ -137,6 +137,10 @@ def test_gap_table_splits_a_steps_idle_time_by_its_sides_and_the_hosts_part():
         ("graph", "attn", 1, 10, 5), ("attn", "graph", 1, 2, 0), ("graph", "graph, same launch", 1, 1, 0)]
     with pytest.raises(ValueError, match="record_function"):
         gap_table([e for e in step(0.0, 0) if e["cat"] != "user_annotation"])
+    frames = [{"ph": "X", "cat": "python_function", "name": name, "ts": 200.0 + ts, "dur": dur}
+              for name, ts, dur in (("runner.run", 0, 100), ("plan", 26, 8), ("check", 31, 1))]
+    assert host_during_gaps(step(0.0, 0) + step(200.0, 10) + frames, step=1, min_gap_us=5) == [
+        "+0 us: 10 us idle before mm", "+30 us: 10 us idle before attn", "    +26 8 us plan"]
 
 
 def test_gpt_fast_peer_decodes_like_the_paged_model():

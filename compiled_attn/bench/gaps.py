@@ -82,3 +82,29 @@ def markdown(table: dict, title: str, top: int = 12) -> str:
         lines.append(f"| `{r['from']}` | `{r['to']}` | {r['gaps/step']:.1f} | {r['us/step']:.1f} | "
                      f"{r['host-bound us/step']:.1f} |")
     return "\n".join(lines)
+
+
+def host_during_gaps(events: list[dict], step: int = 0, min_gap_us: float = 20.0, per_gap: int = 10,
+                     prefix: str = "step ") -> list[str]:
+    """A diagnostic for traces taken with `with_stack=True`: per gap of at least `min_gap_us`
+    before a device event of step `step`, the Python functions that ran over at least a quarter
+    of it and took at most 4x as long (the frames that explain it, not the step's outer ones)."""
+    spans = [e for e in events if e.get("ph") == "X"]
+    ranges = sorted((e for e in spans if e.get("cat") == "user_annotation" and e["name"].startswith(prefix)),
+                    key=lambda e: e["ts"])
+    begin = ranges[step]["ts"]
+    end = begin + ranges[step]["dur"]
+    device = sorted((e for e in spans if e.get("cat") in DEVICE_CATEGORIES and begin <= e["ts"] < end),
+                    key=lambda e: e["ts"])
+    python = [e for e in spans if e.get("cat") == "python_function" and begin <= e["ts"] < end]
+    lines, done = [], begin
+    for e in device:
+        gap = e["ts"] - done
+        if gap >= min_gap_us:
+            lines.append(f"+{done - begin:.0f} us: {gap:.0f} us idle before {e['name'][:60]}")
+            frames = [f for f in python if f["dur"] <= 4 * gap
+                      and min(f["ts"] + f["dur"], e["ts"]) - max(f["ts"], done) >= gap / 4]
+            for f in sorted(frames, key=lambda f: f["ts"])[:per_gap]:
+                lines.append(f"    +{f['ts'] - begin:.0f} {f['dur']:.0f} us {f['name'][:100]}")
+        done = max(done, e["ts"] + e["dur"])
+    return lines
