@@ -2,7 +2,7 @@
 
 The quick runner of `piecewise_bench` (the 8B shape, the buckets its steps take, no decode
 graph): its bench rows for the mixed and prefill steps, then per step a `torch.profiler` trace
-(CPU and CUDA) of synced piecewise calls, each on a build of its own, reduced by
+(CPU and CUDA) of synced piecewise steps, each building its metadata then calling the runner, reduced by
 `compiled_attn.bench.gaps` to the GPU's idle time: lead, tail, and the gaps between device events
 keyed by their sides, with the part the host was late for.
 
@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import compiled_attn as ca
 from compiled_attn.bench import gaps, graphs_bench
-from compiled_attn.bench.piecewise_bench import STEPS, calls_per_path, fresh_metadata, setup_8b, step_rows, step_tokens
+from compiled_attn.bench.piecewise_bench import STEPS, setup_8b, step_builds, step_rows, step_tokens
 from compiled_attn.bench.report import print_table
 from compiled_attn.bench.timing import card_name
 from compiled_attn.capabilities import smallest_block_size
@@ -79,13 +79,13 @@ def main() -> None:
     rows, texts = [], [f"card: {card_name()}, backend {args.backend}, {args.model} model"]
     for what, seq_lens, query_lens in steps:
         ids, pos = step_tokens(spec, seq_lens, query_lens, config.vocab_size)
-        mds = fresh_metadata(backend, spec, seq_lens, query_lens, 1 + 2 * calls_per_path(ITERS))
-        rows += step_rows(runner, args.backend, what, mds, ids, pos, ITERS)
-        served = fresh_metadata(backend, spec, seq_lens, query_lens, 1 + args.steps + 3 * args.stacks)
-        table = gaps.gap_table(traced_steps(lambda s=served, i=ids, p=pos: runner.run(s(), i, p), args.steps))
-        texts.append(gaps.markdown(table, f"piecewise, {what}"))
+        build = step_builds(backend, spec, seq_lens, query_lens)
+        rows += step_rows(runner, args.backend, what, build, ids, pos, ITERS)
+        # each call on a build made inside its step's range (what a synced serving loop runs)
+        table = gaps.gap_table(traced_steps(lambda b=build, i=ids, p=pos: runner.run(b(), i, p), args.steps))
+        texts.append(gaps.markdown(table, f"piecewise, build + run, {what}"))
         if args.stacks:
-            events = traced_steps(lambda s=served, i=ids, p=pos: runner.run(s(), i, p), 2, with_stack=True)
+            events = traced_steps(lambda b=build, i=ids, p=pos: runner.run(b(), i, p), 2, with_stack=True)
             texts.append("host during the gaps of a step traced with stacks:\n" +
                          "\n".join(gaps.host_during_gaps(events, step=1)))
     print_table(rows)

@@ -27,7 +27,7 @@ import torch
 
 import compiled_attn as ca
 from compiled_attn.bench import graphs_bench
-from compiled_attn.bench.piecewise_bench import fresh_metadata, step_tokens
+from compiled_attn.bench.piecewise_bench import step_builds, step_tokens
 from compiled_attn.bench.timing import card_name, eager_time_us
 from compiled_attn.capabilities import smallest_block_size
 from compiled_attn.graphs import CUDAGraphRunner
@@ -74,20 +74,18 @@ def backend_report(name: str, steps: int) -> list[str]:
                              piecewise=True, piecewise_sizes=[1, MIXED_BUCKET], progress=False)
     runner.capture()
     paths: dict[str, Callable[[], object]] = {}
-    # each call on a build of its own: FlashInfer plans, and a step uploads, once per metadata
-    # object (piecewise_bench.fresh_metadata); the calls below: 3 + 100 synced (and as many host
-    # only, forced), `steps` pipelined, `steps` profiled
-    calls = 2 * 103 + 2 * steps
+    # each call builds its step first (timed with it: the host work of a served step): FlashInfer
+    # plans, and a step uploads, once per metadata object (piecewise_bench.step_builds)
     for batch in (1, 64):
         ids, pos = step_tokens(spec, [ctx] * batch, [1] * batch, config.vocab_size)
-        mds = fresh_metadata(backend, spec, [ctx] * batch, [1] * batch, calls)
-        paths[f"full {batch}"] = lambda mds=mds, ids=ids, pos=pos: runner.run(mds(), ids, pos)
+        build = step_builds(backend, spec, [ctx] * batch, [1] * batch)
+        paths[f"full {batch}"] = lambda b=build, ids=ids, pos=pos: runner.run(b(), ids, pos)
     ids, pos = step_tokens(spec, [ctx], [1], config.vocab_size)
-    forced = fresh_metadata(backend, spec, [ctx], [1], calls)
+    forced = step_builds(backend, spec, [ctx], [1])
     paths["forced 1"] = lambda: runner.piecewise.run(forced(), ids, pos)
     seq_lens, query_lens = [ctx] + [ctx] * 63, [MIXED_CHUNK] + [1] * 63
     ids_m, pos_m = step_tokens(spec, seq_lens, query_lens, config.vocab_size)
-    mixed = fresh_metadata(backend, spec, seq_lens, query_lens, calls)
+    mixed = step_builds(backend, spec, seq_lens, query_lens)
     paths["mixed"] = lambda: runner.run(mixed(), ids_m, pos_m)
     lines = []
     for path, fn in paths.items():

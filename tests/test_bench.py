@@ -215,19 +215,19 @@ def test_paired_pipelined_overhead_finds_a_known_cost_and_patches_only_the_raw_c
     assert len(raw_saw) == 50 and all(raw_saw)
 
 
-def test_piecewise_bench_metadata_plans_and_uploads_at_every_call_as_a_served_step_does(fake_flashinfer):
+def test_piecewise_bench_builds_plan_and_upload_at_every_call_as_a_served_step_does(fake_flashinfer):
     """A FlashInfer step plans its wrappers, and a step uploads its device fields, once per
-    metadata object: the bench's timed paths take a build of their own at each call, so every
-    call plans and uploads (the forced piecewise decode, timed on one metadata, did neither after
-    its first call: 1.044x the full graph, which does both every replay)."""
-    from compiled_attn.bench.piecewise_bench import fresh_metadata
+    metadata object: the bench's timed calls each run on a build of their own, so every call
+    plans and uploads (the forced piecewise decode, timed on one metadata, did neither after its
+    first call: 1.044x the full graph, which does both every replay)."""
+    from compiled_attn.bench.piecewise_bench import step_builds
 
     spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, num_blocks=64,
                             dtype=torch.bfloat16, device="cpu")
     backend = ca.registry.BACKEND_CLASSES()["FLASHINFER"]
-    mds, wrappers, seen = fresh_metadata(backend, spec, [40, 17], [1, 1], 8), {}, set()
+    build, wrappers, seen = step_builds(backend, spec, [40, 17], [1, 1]), {}, set()
     for _ in range(8):
-        md = mds()
+        md = build()
         assert id(md) not in seen and not md.is_uploaded("slot_mapping")
         seen.add(id(md))
         md.step_plan.ensure_planned(md)
@@ -235,8 +235,7 @@ def test_piecewise_bench_metadata_plans_and_uploads_at_every_call_as_a_served_st
         wrappers[id(wrapper)] = wrapper
         assert md.seq_lens_tensor.tolist() == [40, 17]
     assert sum(len(w.plans) for w in wrappers.values()) == 8  # plan() calls, over the builder's two slots
-    with pytest.raises(RuntimeError, match="its 8 builds are used"):
-        mds()
+    assert torch.equal(build().slot_mapping, build().slot_mapping)  # the same blocks at every build
 
 
 def test_piecewise_bench_steps_are_the_issues_mixed_and_prefill_steps():

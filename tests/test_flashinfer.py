@@ -128,13 +128,41 @@ def test_mixed_step_plans_prefill_and_rebased_decode_once(fake_flashinfer):
 def test_step_replans_a_wrapper_another_step_took_over(fake_flashinfer):
     spec = spec_of()
     builder = FlashInferBackend.get_builder_cls()(spec)
-    first, second, third = (mixed_md(spec, builder) for _ in range(3))
-    for md in (first, second, third, first):
-        md.step_plan.ensure_planned(md)
+    first, second, third = (mixed_md(spec, builder) for _ in range(3))  # each planned by build()
     # first and third share a slot (two slots alternate): first planned again after third
     assert first.step_plan.wrapper("decode") is third.step_plan.wrapper("decode")
     assert first.step_plan.wrapper("decode") is not second.step_plan.wrapper("decode")
-    assert len(first.step_plan.wrapper("decode").plans) == 3
+    first.step_plan.ensure_planned(first)
+    third.step_plan.ensure_planned(first)  # the slot's plan is first's: nothing to do
+    assert len(first.step_plan.wrapper("decode").plans) == 3  # first's (build), third's (build), first's
+
+
+def test_build_plans_a_step_holding_prefills_and_leaves_a_decode_step_to_its_first_use(fake_flashinfer):
+    """A step with prefills never replays as a decode graph: build() plans it (a serving loop's
+    build overlaps the GPU's previous step); a decode-only step may replay as a graph, whose State
+    plans its own wrappers, so its eager wrapper is planned only where it runs eagerly."""
+    spec = spec_of()
+    builder = FlashInferBackend.get_builder_cls()(spec)
+    mixed = mixed_md(spec, builder)
+    assert mixed.step_plan.wrapper("prefill").plans and mixed.step_plan.wrapper("decode").plans
+    decode = builder.build([17, 2], [1, 1], [[6, 7], [8]])
+    assert decode.step_plan.wrapper("decode").plans == []
+    decode.step_plan.ensure_planned(decode)
+    assert decode.step_plan.wrapper("decode").plans[-1][0][0].tolist() == [0, 2, 3]
+
+
+def test_without_flashinfer_build_plans_nothing(monkeypatch):
+    """Where FlashInfer does not import, the builder still builds (the page layout is host work
+    that tools and CPU tests inspect); the step plans at its first use, where the import's error
+    names what is missing."""
+    def missing() -> None:
+        raise ModuleNotFoundError("No module named 'flashinfer'")
+
+    monkeypatch.setattr(fib, "_flashinfer", missing)
+    md = mixed_md(spec_of())
+    assert md.qo_indptr.tolist() == [0, 20, 25, 26, 27]
+    with pytest.raises(ModuleNotFoundError, match="flashinfer"):
+        md.step_plan.ensure_planned(md)
 
 
 def test_a_copy_of_the_metadata_plans_from_its_own_fields(fake_flashinfer):
@@ -637,9 +665,10 @@ def test_layer_values_differing_from_the_spec_raise_at_forward(over):
         torch.ops.compiled_attn.flashinfer_attention(**op_args(spec, md.num_tokens, "cpu", name))
 
 
-def test_an_encoder_only_query_dtype_unlike_the_spec_raises_before_planning(fake_flashinfer):
+def test_an_encoder_only_query_dtype_unlike_the_spec_raises_before_running(fake_flashinfer):
     """ENCODER_ONLY reads no cache, so the plan's own check is the one that sees a query (and
-    key / value) of another dtype than the spec planned for."""
+    key / value) of another dtype than the spec planned for; the refused call neither runs nor
+    plans again (build() planned the step: every token is a prefill)."""
     spec = spec_of(attn_type=KINDS.ENCODER_ONLY)
     md = FlashInferBackend.get_builder_cls()(spec).build([5, 3], [5, 3], [])
     name, _keep = layer_of(spec)
@@ -647,7 +676,7 @@ def test_an_encoder_only_query_dtype_unlike_the_spec_raises_before_planning(fake
     with ca.set_forward_context(md), pytest.raises(ValueError,
                                                    match=r"query dtype torch.float16 != spec dtype torch.bfloat16"):
         torch.ops.compiled_attn.flashinfer_attention(**args)
-    assert md.step_plan.wrapper("ragged").plans == []
+    assert len(md.step_plan.wrapper("ragged").plans) == 1  # (the stand-in has no run(): none was made)
 
 
 def test_fake_kernel_on_cuda_fake_tensors():

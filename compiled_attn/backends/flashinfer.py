@@ -1,7 +1,8 @@
 """FLASHINFER: paged attention through FlashInfer's planned prefill / decode / ragged wrappers.
 
-Capabilities, Metadata, Builder (host work: FlashInfer's CSR page layout, lazy once-per-step
-planning), State (GraphState's hooks: the page buffers, one graph wrapper per batch size), Impl.
+Capabilities, Metadata, Builder (host work: FlashInfer's CSR page layout, once-per-step
+planning: in build() for a step holding prefills, else at its first eager use), State
+(GraphState's hooks: the page buffers, one graph wrapper per batch size), Impl.
 
 FlashInfer is imported lazily, inside the functions that plan, so this module imports (and its
 builder runs) on machines without it: CPU tests inspect the page layout and the fake kernel.
@@ -190,7 +191,8 @@ class FlashInferMetadata(CommonMetadata):
     paged_kv_indptr:        CPU int32 [num_seqs + 1], prefix sums of pages per request
     paged_kv_indices:       device int32 [paged_kv_indptr[-1]], the pages of each request in order
     paged_kv_last_page_len: CPU int32 [num_seqs], tokens in each request's last page (1..block_size)
-    step_plan:              the wrappers this step runs with, planned once on first use
+    step_plan:              the wrappers this step runs with, planned once: by build() for a step
+                            holding prefills, else at the first eager use
 
     The indptr / last-page tensors stay on the host: `plan()` reads them there, and device
     copies would make it sync. For ENCODER_ONLY (no cache) only qo_indptr is set.
@@ -238,11 +240,20 @@ def _flashinfer() -> Any:
     return flashinfer
 
 
+def _imports_flashinfer() -> bool:
+    try:
+        _flashinfer()
+    except ImportError:
+        return False
+    return True
+
+
 def _forbid_capture(what: str) -> None:
     if stream_capturing():
         raise RuntimeError(
-            f"{NAME}: {what} inside CUDA-graph capture; plan outside the graph (builder metadata "
-            "plans on first eager use; graph metadata via FlashInferState.begin_forward)"
+            f"{NAME}: {what} inside CUDA-graph capture; plan outside the graph (builder metadata plans "
+            "in build() when it holds prefills, else on first eager use; graph metadata via "
+            "FlashInferState.begin_forward)"
         )
 
 
@@ -447,7 +458,8 @@ class _PlanChecks:
 
 
 class StepPlan(_PlanChecks):
-    """The eager wrappers of one builder step, planned on first use (once per step, not per layer).
+    """The eager wrappers of one builder step, planned once per step, not per layer: by the
+    builder for a step holding prefills, else at its first eager use.
 
     A wrapper re-planned for another step in between (two steps later, same slot) is re-planned
     for this one when it runs again, so old metadata stays correct. A copy of the step's metadata
@@ -513,7 +525,12 @@ class StepPlan(_PlanChecks):
 
 
 class FlashInferMetadataBuilder(CommonMetadataBuilder):
-    """Common metadata plus the page CSR; planning is deferred to the step's first forward.
+    """Common metadata plus the page CSR. A step holding prefills is planned here (where
+    FlashInfer imports): it never
+    replays as a decode graph, and a serving loop's build() overlaps the GPU's previous step,
+    where a plan at the first attention op held the GPU idle (the 8B mixed step's largest gap,
+    thirty-seventh session). A decode-only step plans at its first eager use: most replay as
+    graphs, whose State plans its own wrappers.
 
     Example::
 
@@ -532,6 +549,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
             raise NotImplementedError(reason)
         self._pool = _WrapperPool(spec)
         self._turn = 0
+        self._plans_in_build = _imports_flashinfer()  # without it (layout inspection, CPU tests) build() plans nothing
 
     def build(
         self,
@@ -552,6 +570,8 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
             md.paged_kv_last_page_len = torch.from_numpy(last)
         md.step_plan = StepPlan(self._pool, self._turn)
         self._turn += 1
+        if md.num_prefills and self._plans_in_build:
+            md.step_plan.ensure_planned(md)
         return md
 
     def add_backend_fields(self, step: HostStep) -> dict[str, Any]:

@@ -4,22 +4,24 @@ against the compiled model without graphs, each beside the step's summed GPU ker
 - 8B shape (`LlamaConfig.llama3_8b()`, bf16, random weights), one runner with `compile=True`
   (decode graphs at the 35 default sizes), `piecewise=True` with the default token buckets plus
   4096 (so that the prefill step below has a bucket), captured into one pool (quick: the two
-  buckets the steps take and no decode graph, `capture_sizes=[]`). Steps:
-  *mixed*: 63 decodes at ctx 1024 + one 256-token prompt chunk (its first 256 tokens cached),
-  319 tokens in the 320 bucket; *prefill*: 8 prompts x 512 new tokens, 4096 tokens.
-  Paths: "compiled" is the runner's compiled model called directly under the step's metadata
-  (what the runner runs for these steps without piecewise graphs); "piecewise" is `runner.run`.
-  `us`: host wall time per step, synced; `kernel_us`: the step's device kernels (and copies)
-  summed from a `torch.profiler` trace; `x_kernel` = us / kernel_us (goal <= 1.10: GPU >= 90 %
-  busy). Capture rows: that runner's capture (the first, with the compiles) and (not quick) a
-  second runner captured after `torch._dynamo.reset()` (Inductor's caches warm, Dynamo traces again): total
-  seconds, the piecewise part, the pieces' compile, `graphs_only_s` (inside the capture calls of
-  both kinds of graphs: no warm-up, no compile) and the pool.
-- The 16-layer bench model (`graphs_bench.CONFIG`) at batch 1, ctx 512: a 1-token decode
-  replayed as the full decode graph, forced through the piecewise graphs (bucket 1: every piece
-  replayed, the ops eager between them), and compiled without graphs; `x_graph` = us / the full
-  graph's (goal for the piecewise row: <= 1.5); then that runner's capture row (decode size 1
-  and bucket 1).
+  buckets the steps take and no decode graph, `capture_sizes=[]`). Steps: *mixed*: 63 decodes at
+  ctx 1024 + one 256-token prompt chunk (its first 256 tokens cached), 319 tokens in the 320
+  bucket; *prefill*: 8 prompts x 512 new tokens, 4096 tokens. Paths: "compiled" is the runner's
+  compiled model called directly under the step's metadata (what the runner runs for these steps
+  without piecewise graphs); "piecewise" is `runner.run`. `us`: wall time of the call per step,
+  synced, on a build made just before it (as a served step: FlashInfer plans a step holding
+  prefills in build()); `us_with_build`: the build and the call (what a synced loop pays; a
+  pipelined one builds while the GPU runs the step before); `kernel_us`: the step's device kernels
+  (and copies) summed from a `torch.profiler` trace; `x_kernel` = us / kernel_us (goal <= 1.10:
+  GPU >= 90 % busy). Capture rows: that runner's capture (the first, with the compiles) and (not
+  quick) a second runner captured after `torch._dynamo.reset()` (Inductor's caches warm, Dynamo
+  traces again): total seconds, the piecewise part, the pieces' compile, `graphs_only_s` (inside
+  the capture calls of both kinds of graphs: no warm-up, no compile) and the pool.
+- The 16-layer bench model (`graphs_bench.CONFIG`) at batch 1, ctx 512: a 1-token decode replayed
+  as the full decode graph, forced through the piecewise graphs (bucket 1: every piece replayed,
+  the ops eager between them), and compiled without graphs; `x_graph` = us / the full graph's
+  (goal for the piecewise row: <= 1.5), `x_graph_with_build` the same with the builds; then that
+  runner's capture row (decode size 1 and bucket 1).
 
     python -m compiled_attn.bench.piecewise_bench [--quick] [--backend FLASHINFER ...]
 """
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -40,7 +44,7 @@ from compiled_attn.bench.compiles import compile_counts, reset_dynamo
 from compiled_attn.bench.kernel_table import cuda_kernels
 from compiled_attn.bench.models import shared_model
 from compiled_attn.bench.report import print_table
-from compiled_attn.bench.timing import card_name, eager_time_us
+from compiled_attn.bench.timing import card_name
 from compiled_attn.capabilities import smallest_block_size
 from compiled_attn.graphs import DEFAULT_PIECEWISE_SIZES, CUDAGraphRunner
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
@@ -61,22 +65,16 @@ QUICK_BUCKETS = tuple(sorted({min(b for b in BENCH_BUCKETS if b >= sum(q)) for _
 QUICK_CAPTURE_SIZES = ()
 
 
-# A served step builds new metadata: FlashInfer plans its wrappers at the first attention op, and
-# the step's device fields are uploaded at their first read, each once per metadata object. A
-# path timed on one object over and over would do neither after its first call, where the decode
-# graph's replay plans and copies its step every time; each timed call therefore takes a build of
-# its own (`fresh_metadata`), made before the timing starts.
-def calls_per_path(iters: int) -> int:
-    """The calls one path's timing makes: `eager_time_us`'s 3 warm-ups and `iters` calls, then
-    `kernel_us`'s warm-up and PROFILED_STEPS."""
-    return 3 + iters + 1 + PROFILED_STEPS
-
-
+# A served step builds new metadata: FlashInfer plans its wrappers (in build() for a step holding
+# prefills, else at the first attention op) and the step's device fields are uploaded at their
+# first read, each once per metadata object. A path timed on one object over and over would do
+# none of that after its first call, where the decode graph's replay plans and copies its step
+# every time. Each timed call therefore runs on a build made just before it, as a synced serving
+# loop makes it (`served_us`): `us` times the call alone, `us_with_build` the build and the call.
 def step_inputs(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, seq_lens: list[int],
                 query_lens: list[int], vocab: int, seed: int = 0):
     """(metadata, input_ids, positions) of one step: distinct shuffled blocks per request."""
-    return fresh_metadata(backend, spec, seq_lens, query_lens, 1, seed)(), *step_tokens(
-        spec, seq_lens, query_lens, vocab)
+    return step_builds(backend, spec, seq_lens, query_lens, seed)(), *step_tokens(spec, seq_lens, query_lens, vocab)
 
 
 def step_tokens(spec: ca.AttentionSpec, seq_lens: list[int], query_lens: list[int],
@@ -87,11 +85,10 @@ def step_tokens(spec: ca.AttentionSpec, seq_lens: list[int], query_lens: list[in
     return ids, pos
 
 
-def fresh_metadata(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, seq_lens: list[int],
-                   query_lens: list[int], calls: int, seed: int = 0) -> Callable[[], ca.AttentionMetadata]:
-    """A callable returning, at each of its first `calls` calls, another build of `step_inputs`'
-    step (the same blocks) by one builder, all built now: each call plans and uploads as a served
-    step does, and no build is timed. RuntimeError past `calls`."""
+def step_builds(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, seq_lens: list[int],
+                query_lens: list[int], seed: int = 0) -> Callable[[], ca.AttentionMetadata]:
+    """A callable that builds the step (the same blocks every time) with one builder, a new
+    metadata object at each call: each plans and uploads as a served step does."""
     rng = np.random.default_rng(seed)
     need = [-(-s // spec.block_size) for s in seq_lens]
     blocks = rng.permutation(spec.num_blocks)[: sum(need)].astype(np.int32)
@@ -99,15 +96,28 @@ def fresh_metadata(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, s
     for i, start in enumerate(np.cumsum([0] + need[:-1])):
         tables[i, : need[i]] = blocks[start: start + need[i]]
     builder = backend.get_builder_cls()(spec)
-    builds = iter([builder.build(np.array(seq_lens), np.array(query_lens), tables) for _ in range(calls)])
+    seq_lens_np, query_lens_np = np.array(seq_lens), np.array(query_lens)
+    return lambda: builder.build(seq_lens_np, query_lens_np, tables)
 
-    def take() -> ca.AttentionMetadata:
-        md = next(builds, None)
-        if md is None:
-            raise RuntimeError(f"fresh_metadata: its {calls} builds are used, and a build serves one call")
-        return md
 
-    return take
+def served_us(build: Callable[[], ca.AttentionMetadata], run: Callable[[ca.AttentionMetadata], object],
+              iters: int) -> tuple[float, float]:
+    """Median microseconds of `run(md)` on a build made just before it, synced after each call:
+    (the call alone, the build and the call). 3 warm-up calls first."""
+    for _ in range(3):
+        run(build())
+    torch.cuda.synchronize()
+    alone, whole = [], []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        md = build()
+        t1 = time.perf_counter()
+        run(md)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        alone.append((t2 - t1) * 1e6)
+        whole.append((t2 - t0) * 1e6)
+    return statistics.median(alone), statistics.median(whole)
 
 
 def kernel_us(fn: Callable[[], object], steps: int = PROFILED_STEPS) -> float:
@@ -157,9 +167,8 @@ def rows_8b(name: str, iters: int, quick: bool) -> list[dict]:
     first = runner()
     stats, traced = _capture_with_compiles(first)
     rows = [row for what, seq_lens, query_lens in STEPS
-            for row in step_rows(first, name, what,
-                                  fresh_metadata(backend, spec, seq_lens, query_lens, 1 + 2 * calls_per_path(iters)),
-                                  *step_tokens(spec, seq_lens, query_lens, config.vocab_size), iters)]
+            for row in step_rows(first, name, what, step_builds(backend, spec, seq_lens, query_lens),
+                                 *step_tokens(spec, seq_lens, query_lens, config.vocab_size), iters)]
     if first.counts["piecewise"] == 0:
         raise RuntimeError("the piecewise rows did not take the piecewise path")
     rows.append(_capture_row(name, "8B", "first capture (compiles included)", stats, traced))
@@ -184,22 +193,23 @@ def _capture_with_compiles(runner: CUDAGraphRunner) -> tuple[dict, dict[str, flo
                    "dynamo_s": spent["compile s"] - spent["backend s"]}
 
 
-def step_rows(runner: CUDAGraphRunner, name: str, what: str, mds: Callable[[], ca.AttentionMetadata],
-               ids: torch.Tensor, pos: torch.Tensor, iters: int) -> list[dict]:
+def step_rows(runner: CUDAGraphRunner, name: str, what: str, build: Callable[[], ca.AttentionMetadata],
+              ids: torch.Tensor, pos: torch.Tensor, iters: int) -> list[dict]:
     """The step through the runner's compiled model without graphs, then through runner.run, each
-    call on a build of its own (`fresh_metadata`: it plans and uploads as a served step does)."""
+    call on a build made just before it (`served_us`)."""
 
-    def compiled() -> torch.Tensor:
-        with ca.set_forward_context(mds()):
+    def compiled(md: ca.AttentionMetadata) -> torch.Tensor:
+        with ca.set_forward_context(md):
             return runner.model(ids, pos, runner.kv_caches)
 
     with ca.floats_as_constants():  # the first call traces the runner's compiled model at this size
-        compiled()
+        compiled(build())
     rows = []
-    for path, fn in (("compiled", compiled), ("piecewise", lambda: runner.run(mds(), ids, pos))):
-        us, kernels = eager_time_us(fn, iters=iters), kernel_us(fn)
+    for path, run in (("compiled", compiled), ("piecewise", lambda md: runner.run(md, ids, pos))):
+        us, with_build = served_us(build, run, iters)
+        kernels = kernel_us(lambda run=run: run(build()))
         rows.append(_row(name, "8B", what, path=path, tokens=ids.shape[0], us=us, kernel_us=kernels,
-                         x_kernel=us / kernels))
+                         x_kernel=us / kernels, us_with_build=with_build, x_kernel_with_build=with_build / kernels))
     return rows
 
 
@@ -228,25 +238,29 @@ def rows_small_decode(name: str, iters: int) -> list[dict]:
                              piecewise=True, piecewise_sizes=[1], progress=False)
     stats = runner.capture()
     ids, pos = step_tokens(spec, [ctx], [1], config.vocab_size)
-    mds = fresh_metadata(backend, spec, [ctx], [1], 1 + 3 * calls_per_path(iters))
+    build = step_builds(backend, spec, [ctx], [1])
 
-    def compiled() -> torch.Tensor:
-        with ca.set_forward_context(mds()):
+    def compiled(md: ca.AttentionMetadata) -> torch.Tensor:
+        with ca.set_forward_context(md):
             return runner.model(ids, pos, caches)  # batch 1: the compile the full graph was captured from
 
-    paths = {  # each call on a build of its own: every path plans and uploads as a served step does
-        "full graph": lambda: runner.run(mds(), ids, pos),
-        "piecewise (forced)": lambda: runner.piecewise.run(mds(), ids, pos),
+    paths = {  # each call on a build made just before it: every path plans and uploads as a served step does
+        "full graph": lambda md: runner.run(md, ids, pos),
+        "piecewise (forced)": lambda md: runner.piecewise.run(md, ids, pos),
         "compiled, no graphs": compiled,
     }
     with ca.floats_as_constants():  # a first call may trace (the capture traced size 1 already)
-        compiled()
-    times = {path: eager_time_us(fn, iters=iters) for path, fn in paths.items()}
+        compiled(build())
+    times = {path: served_us(build, run, iters) for path, run in paths.items()}
     what = f"decode B=1, ctx {ctx}, {config.num_layers} layers"
     kept = stats["one_token"]["compile"]  # batch 1's compile (the pieces: cuBLAS's GEMMs, a symbolic token count)
-    return [_row(name, "16-layer", what, path=path, tokens=1, us=us, kernel_us=kernel_us(paths[path]),
-                 x_graph=us / times["full graph"], one_token=kept) for path, us in times.items()] + [
-        _capture_row(name, "16-layer", f"capture: decode size 1 and bucket 1, {config.num_layers} layers", stats)]
+    full, full_with_build = times["full graph"]
+    rows = [_row(name, "16-layer", what, path=path, tokens=1, us=us, kernel_us=kernel_us(lambda r=run: r(build())),
+                 x_graph=us / full, us_with_build=with_build, x_graph_with_build=with_build / full_with_build,
+                 one_token=kept)
+            for (path, run), (us, with_build) in zip(paths.items(), times.values(), strict=True)]
+    return rows + [_capture_row(name, "16-layer", f"capture: decode size 1 and bucket 1, {config.num_layers} layers",
+                                stats)]
 
 
 def run(quick: bool, backends: tuple[str, ...] | None = None) -> list[dict]:
