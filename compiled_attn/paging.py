@@ -276,13 +276,11 @@ class Scheduler:
         """The prompt's tokens and the blocks per group it reserves; ValueError for a prompt that
         is not token ids or a request no cache could hold."""
         # a bool among ints would become an int64 array (True as token 1): refused as a bool alone is
-        if isinstance(prompt, list | tuple) and holds_a_bool(prompt):
-            raise ValueError(f"a prompt is a sequence of token ids (ints >= 0 that fit int64), got "
-                             f"{reprlib.repr(prompt)}")
-        tokens = np.asarray(prompt.cpu() if isinstance(prompt, torch.Tensor) else prompt)
-        if tokens.ndim == 1 and not tokens.size:
+        tokens = None if isinstance(prompt, list | tuple) and holds_a_bool(prompt) else np.asarray(
+            prompt.cpu() if isinstance(prompt, torch.Tensor) else prompt)
+        if tokens is not None and tokens.ndim == 1 and not tokens.size:
             raise ValueError("a prompt needs at least one token")
-        if (tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or tokens.min() < 0
+        if (tokens is None or tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or tokens.min() < 0
                 or tokens.max() > _MAX_TOKEN_ID):
             raise ValueError(f"a prompt is a sequence of token ids (ints >= 0 that fit int64), got "
                              f"{reprlib.repr(prompt)}")
