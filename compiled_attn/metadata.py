@@ -272,7 +272,7 @@ class CommonMetadata(AttentionMetadata):
                 raise RuntimeError("this metadata was not made by a builder; it has no views")
             enc = self.encoder_seq_lens
             cross = self.cross_block_tables_list
-            self._views[name] = self._builder.build(
+            self._views[name] = self._builder.build_view(
                 self.seq_lens[lo:hi],
                 self.query_lens[lo:hi],
                 self.block_tables_list[lo:hi],
@@ -453,6 +453,12 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         self._block_ids = BlockIdCheck(spec.num_blocks)  # block_tables', step after step
         check_device_available(self.device)
         self._check_backend_serves(spec)
+
+    def build_view(self, *args: Any, **kwargs: Any) -> CommonMetadata:
+        """`build()` for a view of a built step (`prefill_metadata`, `decode_metadata`): a backend
+        whose build() does per-step work that a view, made for inspection, must not repeat
+        (FlashInfer's plan) overrides it."""
+        return self.build(*args, **kwargs)
 
     def _check_backend_serves(self, spec: AttentionSpec) -> None:
         """NotImplementedError for spec options this builder's backend lacks (and would otherwise

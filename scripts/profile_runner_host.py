@@ -1,5 +1,6 @@
-"""Where `CUDAGraphRunner.run`'s host time goes: the bench's 16-layer model (ctx 512), one runner
-per backend with decode graphs at batch 1 and 64 and the piecewise graphs of buckets 1 and 320.
+"""Where a served step's host time goes (its `build()`, then `CUDAGraphRunner.run`): the bench's
+16-layer model (ctx 512), one runner per backend with decode graphs at batch 1 and 64 and the
+piecewise graphs of buckets 1 and 320. Every timed call builds its step first.
 
     python scripts/profile_runner_host.py [--backend FLASHINFER ...] [--steps 300] [--out DIR]
 

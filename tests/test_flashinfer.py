@@ -128,40 +128,55 @@ def test_mixed_step_plans_prefill_and_rebased_decode_once(fake_flashinfer):
 def test_step_replans_a_wrapper_another_step_took_over(fake_flashinfer):
     spec = spec_of()
     builder = FlashInferBackend.get_builder_cls()(spec)
-    first, second, third = (mixed_md(spec, builder) for _ in range(3))  # each planned by build()
+    first, second, third = (mixed_md(spec, builder) for _ in range(3))
+    for md in (first, second, third, first):
+        md.step_plan.ensure_planned(md)
     # first and third share a slot (two slots alternate): first planned again after third
     assert first.step_plan.wrapper("decode") is third.step_plan.wrapper("decode")
     assert first.step_plan.wrapper("decode") is not second.step_plan.wrapper("decode")
-    first.step_plan.ensure_planned(first)
-    third.step_plan.ensure_planned(first)  # the slot's plan is first's: nothing to do
-    assert len(first.step_plan.wrapper("decode").plans) == 3  # first's (build), third's (build), first's
+    assert len(first.step_plan.wrapper("decode").plans) == 3
 
 
-def test_build_plans_a_step_holding_prefills_and_leaves_a_decode_step_to_its_first_use(fake_flashinfer):
-    """A step with prefills never replays as a decode graph: build() plans it (a serving loop's
-    build overlaps the GPU's previous step); a decode-only step may replay as a graph, whose State
-    plans its own wrappers, so its eager wrapper is planned only where it runs eagerly."""
+def test_build_plans_a_step_holding_prefills_and_leaves_a_decode_step_to_its_first_use(fake_flashinfer,
+                                                                                       monkeypatch):
+    """A step with prefills never replays as a decode graph: build() plans it (a loop that builds
+    while the GPU runs the previous step overlaps the plan with it), uploading its device fields
+    with it; a decode-only step may replay as a graph, whose State plans its own wrappers, so its
+    eager wrapper is planned only where it runs eagerly. A view (made for inspection) plans
+    nothing, and evicts no step's plan."""
+    monkeypatch.setattr(fib, "plans_in_build", lambda spec: True)  # a CUDA spec's answer, on this CPU spec
     spec = spec_of()
     builder = FlashInferBackend.get_builder_cls()(spec)
     mixed = mixed_md(spec, builder)
-    assert mixed.step_plan.wrapper("prefill").plans and mixed.step_plan.wrapper("decode").plans
+    prefill, decode_wrapper = mixed.step_plan.wrapper("prefill"), mixed.step_plan.wrapper("decode")
+    assert len(prefill.plans) == 1 and len(decode_wrapper.plans) == 1 and mixed.is_uploaded("slot_mapping")
+    assert mixed.prefill_metadata.num_seqs == 2 and mixed.decode_metadata.num_seqs == 2
+    mixed.step_plan.ensure_planned(mixed)
+    assert len(prefill.plans) == 1 and len(decode_wrapper.plans) == 1  # the views planned nothing
     decode = builder.build([17, 2], [1, 1], [[6, 7], [8]])
-    assert decode.step_plan.wrapper("decode").plans == []
+    assert decode.step_plan.wrapper("decode").plans == [] and not decode.is_uploaded("slot_mapping")
     decode.step_plan.ensure_planned(decode)
     assert decode.step_plan.wrapper("decode").plans[-1][0][0].tolist() == [0, 2, 3]
 
 
-def test_without_flashinfer_build_plans_nothing(monkeypatch):
-    """Where FlashInfer does not import, the builder still builds (the page layout is host work
-    that tools and CPU tests inspect); the step plans at its first use, where the import's error
-    names what is missing."""
+@pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'flashinfer'"),
+                                   OSError("libcudart.so.13: cannot open shared object file")])
+def test_plans_in_build_only_on_cuda_where_flashinfer_loads(monkeypatch, error):
+    """A CPU spec's builder never plans in build() (page layout, CPU tests); a CUDA one does where
+    FlashInfer loads, and where it does not (not installed, a CUDA library missing) builds
+    without planning: the step's first use raises, naming what is missing."""
+    cuda = dataclasses.replace(spec_of(), device=torch.device("cuda"))
+    monkeypatch.setattr(fib, "_flashinfer", lambda: types.SimpleNamespace())
+    assert fib.plans_in_build(cuda) and not fib.plans_in_build(spec_of())
+
     def missing() -> None:
-        raise ModuleNotFoundError("No module named 'flashinfer'")
+        raise error
 
     monkeypatch.setattr(fib, "_flashinfer", missing)
+    assert not fib.plans_in_build(cuda)
     md = mixed_md(spec_of())
     assert md.qo_indptr.tolist() == [0, 20, 25, 26, 27]
-    with pytest.raises(ModuleNotFoundError, match="flashinfer"):
+    with pytest.raises(type(error), match=str(error).split(":")[0][:20]):
         md.step_plan.ensure_planned(md)
 
 
@@ -665,10 +680,9 @@ def test_layer_values_differing_from_the_spec_raise_at_forward(over):
         torch.ops.compiled_attn.flashinfer_attention(**op_args(spec, md.num_tokens, "cpu", name))
 
 
-def test_an_encoder_only_query_dtype_unlike_the_spec_raises_before_running(fake_flashinfer):
+def test_an_encoder_only_query_dtype_unlike_the_spec_raises_before_planning(fake_flashinfer):
     """ENCODER_ONLY reads no cache, so the plan's own check is the one that sees a query (and
-    key / value) of another dtype than the spec planned for; the refused call neither runs nor
-    plans again (build() planned the step: every token is a prefill)."""
+    key / value) of another dtype than the spec planned for."""
     spec = spec_of(attn_type=KINDS.ENCODER_ONLY)
     md = FlashInferBackend.get_builder_cls()(spec).build([5, 3], [5, 3], [])
     name, _keep = layer_of(spec)
@@ -676,7 +690,7 @@ def test_an_encoder_only_query_dtype_unlike_the_spec_raises_before_running(fake_
     with ca.set_forward_context(md), pytest.raises(ValueError,
                                                    match=r"query dtype torch.float16 != spec dtype torch.bfloat16"):
         torch.ops.compiled_attn.flashinfer_attention(**args)
-    assert len(md.step_plan.wrapper("ragged").plans) == 1  # (the stand-in has no run(): none was made)
+    assert md.step_plan.wrapper("ragged").plans == []
 
 
 def test_fake_kernel_on_cuda_fake_tensors():

@@ -5,7 +5,8 @@ planning: in build() for a step holding prefills, else at its first eager use), 
 (GraphState's hooks: the page buffers, one graph wrapper per batch size), Impl.
 
 FlashInfer is imported lazily, inside the functions that plan, so this module imports (and its
-builder runs) on machines without it: CPU tests inspect the page layout and the fake kernel.
+builder runs, planning nothing in build(): `plans_in_build`) on machines without it: CPU tests
+inspect the page layout and the fake kernel.
 
 Planning bakes scale, window, soft-cap, ALiBi and causality into the wrappers, so they come
 from the spec; a layer whose values differ raises ValueError at its first forward.
@@ -240,10 +241,16 @@ def _flashinfer() -> Any:
     return flashinfer
 
 
-def _imports_flashinfer() -> bool:
+def plans_in_build(spec: AttentionSpec) -> bool:
+    """Whether a builder of `spec` plans its steps that hold prefills in build(): on CUDA where
+    FlashInfer loads. A CPU spec's builder (page layout, CPU tests with a stand-in FlashInfer) and
+    a machine without a working FlashInfer leave every step to plan at its first use, where the
+    error, if any, names what is missing."""
+    if spec.device.type != "cuda":
+        return False
     try:
         _flashinfer()
-    except ImportError:
+    except Exception:  # ImportError, or OSError for a missing CUDA library: build() still builds
         return False
     return True
 
@@ -525,12 +532,12 @@ class StepPlan(_PlanChecks):
 
 
 class FlashInferMetadataBuilder(CommonMetadataBuilder):
-    """Common metadata plus the page CSR. A step holding prefills is planned here (where
-    FlashInfer imports): it never
-    replays as a decode graph, and a serving loop's build() overlaps the GPU's previous step,
-    where a plan at the first attention op held the GPU idle (the 8B mixed step's largest gap,
-    thirty-seventh session). A decode-only step plans at its first eager use: most replay as
-    graphs, whose State plans its own wrappers.
+    """Common metadata plus the page CSR. A step holding prefills is planned here (on CUDA where
+    FlashInfer loads: `plans_in_build`), and so uploads its device fields here: it never
+    replays as a decode graph, and a loop that builds while the GPU runs the previous step
+    overlaps the plan with it, where a plan at the first attention op held the GPU idle (the 8B
+    mixed step's largest gap, thirty-seventh session). A decode-only step plans at its first
+    eager use: most replay as graphs, whose State plans its own wrappers.
 
     Example::
 
@@ -549,7 +556,7 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
             raise NotImplementedError(reason)
         self._pool = _WrapperPool(spec)
         self._turn = 0
-        self._plans_in_build = _imports_flashinfer()  # without it (layout inspection, CPU tests) build() plans nothing
+        self._plans_in_build: bool | None = None  # `plans_in_build`, asked at the first step holding prefills
 
     def build(
         self,
@@ -559,6 +566,23 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
         encoder_seq_lens: list[int] | None = None,
         cross_block_tables: list[list[int]] | None = None,
     ) -> FlashInferMetadata:
+        md = self.build_view(seq_lens, query_lens, block_tables, encoder_seq_lens, cross_block_tables)
+        if md.num_prefills:
+            if self._plans_in_build is None:
+                self._plans_in_build = plans_in_build(self.spec)
+            if self._plans_in_build:
+                md.step_plan.ensure_planned(md)  # reads the page list: the step's device fields upload here
+        return md
+
+    def build_view(
+        self,
+        seq_lens: list[int],
+        query_lens: list[int],
+        block_tables: list[list[int]],
+        encoder_seq_lens: list[int] | None = None,
+        cross_block_tables: list[list[int]] | None = None,
+    ) -> FlashInferMetadata:
+        """The step unplanned (a view's build, and build()'s first half): it plans at its first use."""
         md = super().build(seq_lens, query_lens, block_tables, encoder_seq_lens, cross_block_tables)
         host = md.host_arrays()
         md.qo_indptr = torch.from_numpy(host["query_start_loc"])
@@ -570,8 +594,6 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
             md.paged_kv_last_page_len = torch.from_numpy(last)
         md.step_plan = StepPlan(self._pool, self._turn)
         self._turn += 1
-        if md.num_prefills and self._plans_in_build:
-            md.step_plan.ensure_planned(md)
         return md
 
     def add_backend_fields(self, step: HostStep) -> dict[str, Any]:

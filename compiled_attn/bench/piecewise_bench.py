@@ -9,10 +9,11 @@ against the compiled model without graphs, each beside the step's summed GPU ker
   bucket; *prefill*: 8 prompts x 512 new tokens, 4096 tokens. Paths: "compiled" is the runner's
   compiled model called directly under the step's metadata (what the runner runs for these steps
   without piecewise graphs); "piecewise" is `runner.run`. `us`: wall time of the call per step,
-  synced, on a build made just before it (as a served step: FlashInfer plans a step holding
-  prefills in build()); `us_with_build`: the build and the call (what a synced loop pays; a
-  pipelined one builds while the GPU runs the step before); `kernel_us`: the step's device kernels
-  (and copies) summed from a `torch.profiler` trace; `x_kernel` = us / kernel_us (goal <= 1.10:
+  synced, on a build made just before it (as a served step: FlashInfer plans, and so uploads, a
+  step holding prefills in build()); `us_with_build`: the build and the call (what a synced loop
+  pays; a loop that builds while the GPU runs the step before hides the build); `kernel_us`: the
+  step's device kernels and copies, the build's upload and plan copies included, summed from a
+  `torch.profiler` trace of builds and calls; `x_kernel` = us / kernel_us (goal <= 1.10:
   GPU >= 90 % busy). Capture rows: that runner's capture (the first, with the compiles) and (not
   quick) a second runner captured after `torch._dynamo.reset()` (Inductor's caches warm, Dynamo
   traces again): total seconds, the piecewise part, the pieces' compile, `graphs_only_s` (inside
@@ -66,11 +67,12 @@ QUICK_CAPTURE_SIZES = ()
 
 
 # A served step builds new metadata: FlashInfer plans its wrappers (in build() for a step holding
-# prefills, else at the first attention op) and the step's device fields are uploaded at their
-# first read, each once per metadata object. A path timed on one object over and over would do
-# none of that after its first call, where the decode graph's replay plans and copies its step
-# every time. Each timed call therefore runs on a build made just before it, as a synced serving
-# loop makes it (`served_us`): `us` times the call alone, `us_with_build` the build and the call.
+# prefills, uploading its device fields there; else at the first attention op) and the step's
+# device fields are uploaded at their first read, each once per metadata object. A path timed on
+# one object over and over would do none of that after its first call, where the decode graph's
+# replay plans and copies its step every time. Each timed call therefore runs on a build made
+# just before it, as a synced serving loop makes it (`served_us`): `us` times the call alone,
+# `us_with_build` the build and the call.
 def step_inputs(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, seq_lens: list[int],
                 query_lens: list[int], vocab: int, seed: int = 0):
     """(metadata, input_ids, positions) of one step: distinct shuffled blocks per request."""
