@@ -129,8 +129,10 @@ def test_step_replans_a_wrapper_another_step_took_over(fake_flashinfer):
     spec = spec_of()
     builder = FlashInferBackend.get_builder_cls()(spec)
     first, second, third = (mixed_md(spec, builder) for _ in range(3))
-    for md in (first, second, third, first):
+    for md in (first, second, third):
         md.step_plan.ensure_planned(md)
+    assert not first.step_plan.is_planned(first) and third.step_plan.is_planned(third)
+    first.step_plan.ensure_planned(first)
     # first and third share a slot (two slots alternate): first planned again after third
     assert first.step_plan.wrapper("decode") is third.step_plan.wrapper("decode")
     assert first.step_plan.wrapper("decode") is not second.step_plan.wrapper("decode")
@@ -150,12 +152,15 @@ def test_build_plans_a_step_holding_prefills_and_leaves_a_decode_step_to_its_fir
     mixed = mixed_md(spec, builder)
     prefill, decode_wrapper = mixed.step_plan.wrapper("prefill"), mixed.step_plan.wrapper("decode")
     assert len(prefill.plans) == 1 and len(decode_wrapper.plans) == 1 and mixed.is_uploaded("slot_mapping")
+    assert mixed.step_plan.is_planned(mixed)
     assert mixed.prefill_metadata.num_seqs == 2 and mixed.decode_metadata.num_seqs == 2
     mixed.step_plan.ensure_planned(mixed)
     assert len(prefill.plans) == 1 and len(decode_wrapper.plans) == 1  # the views planned nothing
     decode = builder.build([17, 2], [1, 1], [[6, 7], [8]])
     assert decode.step_plan.wrapper("decode").plans == [] and not decode.is_uploaded("slot_mapping")
+    assert not decode.step_plan.is_planned(decode)
     decode.step_plan.ensure_planned(decode)
+    assert decode.step_plan.is_planned(decode)
     assert decode.step_plan.wrapper("decode").plans[-1][0][0].tolist() == [0, 2, 3]
 
 

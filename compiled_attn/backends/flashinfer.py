@@ -498,6 +498,11 @@ class StepPlan(_PlanChecks):
             if not slot.planned_for(md):
                 slot.plan(md, functools.partial(getattr(self, f"_plan_{kind}"), md))
 
+    def is_planned(self, md: FlashInferMetadata) -> bool:
+        """Whether every wrapper `md`'s tokens run through holds `md`'s plan (its next use plans nothing)."""
+        cached = self._slots_for
+        return cached is not None and cached[0]() is md and all(slot.planned_for(md) for _, slot in cached[1])
+
     def wrapper(self, kind: str) -> Any:
         return self._pool.slot(kind, self._turn).wrapper
 
