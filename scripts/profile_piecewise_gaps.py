@@ -80,7 +80,7 @@ def main() -> None:
     for what, seq_lens, query_lens in steps:
         ids, pos = step_tokens(spec, seq_lens, query_lens, config.vocab_size)
         build = step_builds(backend, spec, seq_lens, query_lens)
-        rows += step_rows(runner, args.backend, what, build, ids, pos, ITERS)
+        rows += step_rows(runner, args.backend, what, build, ids, pos, ITERS, model=args.model)
         # each call on a build made inside its step's range (what a synced serving loop runs)
         table = gaps.gap_table(traced_steps(lambda b=build, i=ids, p=pos: runner.run(b(), i, p), args.steps))
         texts.append(gaps.markdown(table, f"piecewise, build + run, {what}"))

@@ -137,6 +137,11 @@ def test_gap_table_splits_a_steps_idle_time_by_its_sides_and_the_hosts_part():
         ("graph", "attn", 1, 10, 5), ("attn", "graph", 1, 2, 0), ("graph", "graph, same launch", 1, 1, 0)]
     with pytest.raises(ValueError, match="record_function"):
         gap_table([e for e in step(0.0, 0) if e["cat"] != "user_annotation"])
+    overlapping = step(0.0, 0) + [{"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy", "ts": 15.0, "dur": 10.0,
+                                   "args": {}}]  # from inside mm over the 1 us gap into norm
+    table = gap_table(overlapping)
+    assert (table["busy us/step"], table["gaps us/step"]) == (38, 12)  # the union (10-30 us): none counted twice
+    assert sum(table[f"{k} us/step"] for k in ("busy", "lead", "gaps", "tail")) == table["wall us/step"]
     frames = [{"ph": "X", "cat": "python_function", "name": name, "ts": 200.0 + ts, "dur": dur}
               for name, ts, dur in (("runner.run", 0, 100), ("plan", 26, 8), ("check", 31, 1))]
     assert host_during_gaps(step(0.0, 0) + step(200.0, 10) + frames, step=1, min_gap_us=5) == [

@@ -164,6 +164,21 @@ def test_build_plans_a_step_holding_prefills_and_leaves_a_decode_step_to_its_fir
     assert decode.step_plan.wrapper("decode").plans[-1][0][0].tolist() == [0, 2, 3]
 
 
+def test_a_build_under_fake_tensor_mode_leaves_its_plan_to_its_first_use(fake_flashinfer, monkeypatch):
+    """A build under FakeTensorMode (as a trace may make one) has fake host tensors, which a plan
+    cannot read (DataDependentOutputException), and would leave a fake workspace in the builder's
+    wrappers for every later step: it builds without planning, and the next real build plans."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(fib, "plans_in_build", lambda spec: True)
+    builder = FlashInferBackend.get_builder_cls()(spec_of())
+    with FakeTensorMode():
+        traced = mixed_md(spec_of(), builder)
+    assert not traced.step_plan.is_planned(traced) and traced.step_plan.wrapper("prefill").plans == []
+    md = mixed_md(spec_of(), builder)
+    assert md.step_plan.is_planned(md) and md.step_plan.wrapper("prefill").plans[0][0][0].tolist() == [0, 20, 25]
+
+
 @pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'flashinfer'"),
                                    OSError("libcudart.so.13: cannot open shared object file")])
 def test_plans_in_build_only_on_cuda_where_flashinfer_loads(monkeypatch, error):

@@ -1020,8 +1020,11 @@ def test_mutated_forward_raises_the_documented_error_or_is_correct(name, path, m
 
 
 @pytest.mark.parametrize(("name", "path", "mutation", "default"), forward_params(GPU_PLAN, marks=pytest.mark.gpu))
-def test_mutated_forward_on_the_device(name, path, mutation, default):
+def test_mutated_forward_on_the_device(name, path, mutation, default, monkeypatch):
     backend = available(name, "cuda")
+    # a mutated step may be FlashInfer metadata of a variant no test builds (an uncached JIT build
+    # in build()); left to its first use, the op refuses it before any plan
+    monkeypatch.setattr(fib, "plans_in_build", lambda spec: False)
 
     @fuzz_settings(examples(default))
     @given(st.data())

@@ -259,7 +259,7 @@ def _forbid_capture(what: str) -> None:
     if stream_capturing():
         raise RuntimeError(
             f"{NAME}: {what} inside CUDA-graph capture; plan outside the graph (builder metadata plans "
-            "in build() when it holds prefills, else on first eager use; graph metadata via "
+            "in build() when it holds prefills (on CUDA), else on first eager use; graph metadata via "
             "FlashInferState.begin_forward)"
         )
 
@@ -538,7 +538,8 @@ class StepPlan(_PlanChecks):
 
 class FlashInferMetadataBuilder(CommonMetadataBuilder):
     """Common metadata plus the page CSR. A step holding prefills is planned here (on CUDA where
-    FlashInfer loads: `plans_in_build`), and so uploads its device fields here: it never
+    FlashInfer loads: `plans_in_build`; a decoder step's plan reads its page list, so its device
+    fields upload here too): it never
     replays as a decode graph, and a loop that builds while the GPU runs the previous step
     overlaps the plan with it, where a plan at the first attention op held the GPU idle (the 8B
     mixed step's largest gap, thirty-seventh session). A decode-only step plans at its first
@@ -575,8 +576,9 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
         if md.num_prefills:
             if self._plans_in_build is None:
                 self._plans_in_build = plans_in_build(self.spec)
-            if self._plans_in_build:
-                md.step_plan.ensure_planned(md)  # reads the page list: the step's device fields upload here
+            # a build under FakeTensorMode (a trace's) has fake host tensors: it plans at its first real use
+            if self._plans_in_build and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+                md.step_plan.ensure_planned(md)  # a decoder's plan reads the page list: its fields upload here
         return md
 
     def build_view(

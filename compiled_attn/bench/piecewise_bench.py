@@ -196,7 +196,7 @@ def _capture_with_compiles(runner: CUDAGraphRunner) -> tuple[dict, dict[str, flo
 
 
 def step_rows(runner: CUDAGraphRunner, name: str, what: str, build: Callable[[], ca.AttentionMetadata],
-              ids: torch.Tensor, pos: torch.Tensor, iters: int) -> list[dict]:
+              ids: torch.Tensor, pos: torch.Tensor, iters: int, model: str = "8B") -> list[dict]:
     """The step through the runner's compiled model without graphs, then through runner.run, each
     call on a build made just before it (`served_us`)."""
 
@@ -210,7 +210,7 @@ def step_rows(runner: CUDAGraphRunner, name: str, what: str, build: Callable[[],
     for path, run in (("compiled", compiled), ("piecewise", lambda md: runner.run(md, ids, pos))):
         us, with_build = served_us(build, run, iters)
         kernels = kernel_us(lambda run=run: run(build()))
-        rows.append(_row(name, "8B", what, path=path, tokens=ids.shape[0], us=us, kernel_us=kernels,
+        rows.append(_row(name, model, what, path=path, tokens=ids.shape[0], us=us, kernel_us=kernels,
                          x_kernel=us / kernels, us_with_build=with_build, x_kernel_with_build=with_build / kernels))
     return rows
 
