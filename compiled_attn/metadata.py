@@ -47,6 +47,10 @@ from compiled_attn.validation import (
 _UPLOAD_LOCK = threading.RLock()
 
 
+def fake_mode_active() -> bool:
+    """Whether a FakeTensorMode is active (a trace's): tensors made now would be fake."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
 class DeviceField:
     """A device tensor field of the metadata. A builder's step leaves these unset until the first
     read of any of them, which makes the step's one upload (`CommonMetadata.upload_pending`). A
@@ -182,7 +186,7 @@ class CommonMetadata(AttentionMetadata):
                     "a builder's metadata is first read inside a CUDA-graph capture, where its upload cannot run: "
                     "capture with a State's metadata (graph_capture_get_metadata_for_batch), or read the step's "
                     "fields (md.upload_pending()) before the capture")
-            if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+            if not fake_mode_active():
                 tensors = upload(arrays, device)
             else:
                 with unset_fake_temporarily():  # the metadata keeps real tensors, whoever reads it first

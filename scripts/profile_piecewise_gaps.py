@@ -82,10 +82,13 @@ def main() -> None:
         build = step_builds(backend, spec, seq_lens, query_lens)
         rows += step_rows(runner, args.backend, what, build, ids, pos, ITERS, model=args.model)
         # each call on a build made inside its step's range (what a synced serving loop runs)
-        table = gaps.gap_table(traced_steps(lambda b=build, i=ids, p=pos: runner.run(b(), i, p), args.steps))
+        def served(b=build, i=ids, p=pos) -> torch.Tensor:
+            return runner.run(b(), i, p)
+
+        table = gaps.gap_table(traced_steps(served, args.steps))
         texts.append(gaps.markdown(table, f"piecewise, build + run, {what}"))
         if args.stacks:
-            events = traced_steps(lambda b=build, i=ids, p=pos: runner.run(b(), i, p), 2, with_stack=True)
+            events = traced_steps(served, 2, with_stack=True)
             texts.append("host during the gaps of a step traced with stacks:\n" +
                          "\n".join(gaps.host_during_gaps(events, step=1)))
     print_table(rows)

@@ -303,6 +303,26 @@ def gpu_spec(**kw) -> ca.AttentionSpec:
     return ca.AttentionSpec(**opts)
 
 
+def capture_op_graph(spec, bs: int, run):
+    """`run()` (an op call on the forward context's metadata) captured as a CUDA graph on an
+    XFORMERS State's metadata of batch size `bs`, after a warm-up on a side stream: (the graph,
+    its output, the State clone and input buffers a step is refilled through)."""
+    state = XFormersBackend.get_state_cls()(spec)
+    with state.graph_capture(bs):
+        md_bs = state.graph_capture_get_metadata_for_batch(bs)
+        bufs = state.get_graph_input_buffers(md_bs)
+        graph_state = state.graph_clone(bs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), set_forward_context(md_bs):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), set_forward_context(md_bs):
+            out = run()
+    return graph, out, graph_state, bufs
+
+
 def run_impl(spec, batch, attn_type=T.DECODER, query=None, key=None, value=None, kv_cache=None):
     impl = XFormersBackend.get_impl_cls()(
         spec.num_heads, spec.head_size, spec.softmax_scale, num_kv_heads=spec.num_kv_heads,
@@ -424,19 +444,8 @@ def test_cross_decode_graph_replays_match_reference():
              make_batch(spec, [129], [1], encoder_seq_lens=[400], seed=6)]
     kv_cache = steps[0].kv_cache.clone()
     query = torch.randn(bs, hq * d, dtype=spec.dtype, device="cuda")
-    state = XFormersBackend.get_state_cls()(spec)
-    with state.graph_capture(bs):
-        md_bs = state.graph_capture_get_metadata_for_batch(bs)
-        bufs = state.get_graph_input_buffers(md_bs)
-        graph_state = state.graph_clone(bs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), set_forward_context(md_bs):
-            impl.run(query, None, None, kv_cache, T.ENCODER_DECODER, layer_name)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), set_forward_context(md_bs):
-            out = impl.run(query, None, None, kv_cache, T.ENCODER_DECODER, layer_name)
+    graph, out, graph_state, bufs = capture_op_graph(
+        spec, bs, lambda: impl.run(query, None, None, kv_cache, T.ENCODER_DECODER, layer_name))
     for i, batch in enumerate(steps):
         n = len(batch.seq_lens)
         md = batch.build(XFormersBackend)
@@ -490,19 +499,8 @@ def test_graph_replays_with_changing_lengths_equal_eager():
     kv_cache = torch.randn(2, spec.num_blocks, 64, hkv, d, dtype=spec.dtype, device="cuda")
     widths = {"q": hq * d, "k": hkv * d, "v": hkv * d}
     static = {n: torch.randn(bs, w, dtype=spec.dtype, device="cuda") for n, w in widths.items()}
-    state = backend.get_state_cls()(spec)
-    with state.graph_capture(bs):
-        md_bs = state.graph_capture_get_metadata_for_batch(bs)
-        bufs = state.get_graph_input_buffers(md_bs)
-        graph_state = state.graph_clone(bs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), set_forward_context(md_bs):
-            impl.run(static["q"], static["k"], static["v"], kv_cache, T.DECODER, layer_name)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), set_forward_context(md_bs):
-            out = impl.run(static["q"], static["k"], static["v"], kv_cache, T.DECODER, layer_name)
+    graph, out, graph_state, bufs = capture_op_graph(
+        spec, bs, lambda: impl.run(static["q"], static["k"], static["v"], kv_cache, T.DECODER, layer_name))
     builder = backend.get_builder_cls()(spec)
     g = torch.Generator().manual_seed(0)
     for step in range(100):

@@ -39,7 +39,14 @@ import torch
 from compiled_attn.abstract import AttentionBackend, AttentionSpec, AttentionType
 from compiled_attn.backends.common import CommonImpl
 from compiled_attn.graph_state import SCRATCH_BLOCK, GraphState
-from compiled_attn.metadata import CommonMetadata, CommonMetadataBuilder, DeviceField, HostStep, prefix_sums
+from compiled_attn.metadata import (
+    CommonMetadata,
+    CommonMetadataBuilder,
+    DeviceField,
+    HostStep,
+    fake_mode_active,
+    prefix_sums,
+)
 from compiled_attn.ops.flashinfer import stream_capturing  # importing registers the op
 
 NAME = "FLASHINFER"
@@ -577,20 +584,13 @@ class FlashInferMetadataBuilder(CommonMetadataBuilder):
             if self._plans_in_build is None:
                 self._plans_in_build = plans_in_build(self.spec)
             # a build under FakeTensorMode (a trace's) has fake host tensors: it plans at its first real use
-            if self._plans_in_build and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+            if self._plans_in_build and not fake_mode_active():
                 md.step_plan.ensure_planned(md)  # a decoder's plan reads the page list: its fields upload here
         return md
 
-    def build_view(
-        self,
-        seq_lens: list[int],
-        query_lens: list[int],
-        block_tables: list[list[int]],
-        encoder_seq_lens: list[int] | None = None,
-        cross_block_tables: list[list[int]] | None = None,
-    ) -> FlashInferMetadata:
+    def build_view(self, *args: Any, **kwargs: Any) -> FlashInferMetadata:
         """The step unplanned (a view's build, and build()'s first half): it plans at its first use."""
-        md = super().build(seq_lens, query_lens, block_tables, encoder_seq_lens, cross_block_tables)
+        md = super().build(*args, **kwargs)
         host = md.host_arrays()
         md.qo_indptr = torch.from_numpy(host["query_start_loc"])
         if self.spec.attn_type == AttentionType.DECODER:

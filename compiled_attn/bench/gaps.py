@@ -19,15 +19,6 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 NAME_WIDTH = 72  # FlashInfer's prefill and tensor-core decode kernels differ past 48 characters
 
 
-def sum_gaps(events: list[dict]) -> float:
-    """The idle time between device events in start order (overlaps counted once)."""
-    idle, done = 0.0, events[0]["ts"] + events[0]["dur"]
-    for e in events[1:]:
-        idle += max(0.0, e["ts"] - done)
-        done = max(done, e["ts"] + e["dur"])
-    return idle
-
-
 def gap_table(events: list[dict], prefix: str = "step ") -> dict:
     """rows (per pair of sides, most idle first): gaps and idle us per step, and the host-bound
     part; totals per step: wall, busy (summed device time), lead, gaps and tail."""
@@ -59,7 +50,7 @@ def gap_table(events: list[dict], prefix: str = "step ") -> dict:
             raise ValueError(f"{step['name']!r} has no device events (profiled without CUDA activity?)")
         totals["wall"] += end - begin
         totals["lead"] += mine[0]["ts"] - begin
-        last, done = mine[0], mine[0]["ts"] + mine[0]["dur"]
+        last, done, idle = mine[0], mine[0]["ts"] + mine[0]["dur"], 0.0
         for e in mine[1:]:
             gap = e["ts"] - done
             if gap > 0:
@@ -69,12 +60,13 @@ def gap_table(events: list[dict], prefix: str = "step ") -> dict:
                 entry[0] += 1
                 entry[1] += gap
                 entry[2] += waited
-                totals["gaps"] += gap
+                idle += gap
             if e["ts"] + e["dur"] > done:
                 last, done = e, e["ts"] + e["dur"]
         # busy: the device events' union (overlapping ones counted once), so that lead + gaps +
         # tail + busy is the wall time; an event past the range's end (no synchronize) counts to it
-        totals["busy"] += done - mine[0]["ts"] - sum_gaps(mine)
+        totals["gaps"] += idle
+        totals["busy"] += done - mine[0]["ts"] - idle
         totals["tail"] += max(0.0, end - done)
     n = len(steps)
     rows = [{"from": a, "to": b, "gaps/step": c / n, "us/step": us / n, "host-bound us/step": host / n}
