@@ -230,11 +230,11 @@ def test_piecewise_bench_builds_plan_and_upload_at_every_call_as_a_served_step_d
     spec = ca.AttentionSpec(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, num_blocks=64,
                             dtype=torch.bfloat16, device="cpu")
     backend = ca.registry.BACKEND_CLASSES()["FLASHINFER"]
-    build, wrappers, seen = step_builds(backend, spec, [40, 17], [1, 1]), {}, set()
+    build, wrappers, built = step_builds(backend, spec, [40, 17], [1, 1]), {}, []
     for _ in range(8):
-        md = build()
-        assert id(md) not in seen and not md.is_uploaded("slot_mapping")
-        seen.add(id(md))
+        md = build()  # kept alive in `built`: a freed object's id() may be reused by the next build
+        assert all(md is not old for old in built) and not md.is_uploaded("slot_mapping")
+        built.append(md)
         md.step_plan.ensure_planned(md)
         wrapper = md.step_plan.wrapper("decode")
         wrappers[id(wrapper)] = wrapper
