@@ -734,9 +734,10 @@ def check_output(query: torch.Tensor, output: object) -> None:
 def head_dim_contiguous(t: torch.Tensor) -> bool:
     """Whether each head of `t` ([..., head_size]) is one run of memory. Rows and heads may have
     any strides (a fused QKV projection's column slices); the kernels read a head as one run
-    (FlashInfer's would misread a strided one). is_contiguous() first: a flag, where stride(-1)
-    costs twice the host time (the repeat calls' checks run it too)."""
-    return t.is_contiguous() or t.stride(-1) == 1
+    (FlashInfer's would misread a strided one). is_contiguous() first: a flag, where the strides
+    cost about twice its host time (the repeat calls' checks run it too); stride()[-1] is cheaper
+    than stride(-1), which parses a dim (a contiguous tensor, 0-d included, never gets there)."""
+    return t.is_contiguous() or t.stride()[-1] == 1
 
 
 def _check_head_dim(name: str, t: torch.Tensor) -> None:

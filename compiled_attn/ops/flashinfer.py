@@ -58,7 +58,7 @@ def flashinfer_attention(
         step.wrapper("ragged").run(query, key, value, out=output)
         return
     scales = dict(k_scale=call.k_scale, v_scale=call.v_scale) if kv_cache.dtype.itemsize == 1 else {}
-    cache = (kv_cache[0], kv_cache[1])  # [num_blocks, block_size, num_kv_heads, head_size] each
+    cache = kv_cache.unbind()  # ([num_blocks, block_size, num_kv_heads, head_size],) * 2: one host call, not two
     n_pre, mixed = md.num_prefill_tokens, md.num_prefills and md.num_decode_tokens
     if md.num_prefills:  # whole tensors unless the step is mixed (each slice is a host call)
         q, out = (query[:n_pre], output[:n_pre]) if mixed else (query, output)
