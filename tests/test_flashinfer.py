@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import random
 import sys
 import types
@@ -123,6 +124,31 @@ def test_mixed_step_plans_prefill_and_rebased_decode_once(fake_flashinfer):
     alibi = mixed_md(spec_of(alibi_slopes=alibi_slopes(8)))
     alibi.step_plan.ensure_planned(alibi)
     assert alibi.step_plan.wrapper("prefill").plans[0][1]["pos_encoding_mode"] == "ALIBI"
+
+
+def test_a_mixed_step_as_prefill_plans_one_wrapper_over_every_row(fake_flashinfer, monkeypatch):
+    """MIXED_STEP_ENV=prefill: the prefill wrapper plans the decodes' rows and pages too (FlashInfer's
+    causal mask aligns each query to its last key, so a 1-token row sees its whole context); the
+    decode wrapper plans nothing. A decode-only step still plans the decode wrapper."""
+    monkeypatch.setenv(fib.MIXED_STEP_ENV, "prefill")
+    builder = FlashInferBackend.get_builder_cls()(spec_of())
+    md = mixed_md(spec_of(), builder)
+    for _ in range(3):
+        md.step_plan.ensure_planned(md)
+    assert md.step_plan.is_planned(md) and md.step_plan.wrapper("decode").plans == []
+    (plan, kw), = md.step_plan.wrapper("prefill").plans
+    assert [t.tolist() for t in plan[:4]] == [[0, 20, 25, 26, 27], [0, 2, 5, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8],
+                                              [4, 8, 1, 2]]
+    assert kw["causal"] is True
+    decode = builder.build([9, 3], [1, 1], [[2], [4]])
+    decode.step_plan.ensure_planned(decode)
+    assert decode.step_plan.wrapper("decode").plans[-1][0][0].tolist() == [0, 1, 2]
+
+
+def test_mixed_step_choice_is_checked(monkeypatch):
+    monkeypatch.setenv(fib.MIXED_STEP_ENV, "both")
+    with pytest.raises(ValueError, match="COMPILED_ATTN_FLASHINFER_MIXED='both': use split or prefill"):
+        FlashInferBackend.get_builder_cls()(spec_of())
 
 
 def test_step_replans_a_wrapper_another_step_took_over(fake_flashinfer):
@@ -790,13 +816,16 @@ DENSE_FLASHINFER = types.SimpleNamespace(
 )
 
 
+@pytest.mark.parametrize("mixed", ["split", "prefill"])
 @given(case=cases(FlashInferBackend, "cuda", CI_LIMITS))
 @differential_settings(CI_LIMITS)
-def test_host_path_matches_reference_with_dense_flashinfer(case):
+def test_host_path_matches_reference_with_dense_flashinfer(mixed, case):
     """Everything of the backend but FlashInfer's kernels, on CPU, for drawn cases: page layout,
-    per-step planning (prefill, rebased decode, ragged), options, fp8 scales, output rows."""
+    per-step planning (prefill, rebased decode, ragged; mixed steps either way: MIXED_STEP_ENV),
+    options, fp8 scales, output rows."""
     with unittest.mock.patch.object(fib, "_flashinfer", lambda: DENSE_FLASHINFER), \
-            unittest.mock.patch.object(fib, "WORKSPACE_BYTES", 1024):
+            unittest.mock.patch.object(fib, "WORKSPACE_BYTES", 1024), \
+            unittest.mock.patch.dict(os.environ, {fib.MIXED_STEP_ENV: mixed}):
         check_against_reference(case, FlashInferBackend, "cpu")
 
 
@@ -849,8 +878,11 @@ def run_and_compare(spec, seq_lens, query_lens, *, seed=0, k_scale=1.0, v_scale=
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mixed", ["split", "prefill"])
 @pytest.mark.parametrize("case", FEATURE_CASES, ids=[c[0] for c in FEATURE_CASES])
-def test_mixed_batch_matches_reference(case):
+def test_mixed_batch_matches_reference(case, mixed, monkeypatch):
+    """Both ways of running a mixed step (MIXED_STEP_ENV) on FlashInfer's kernels."""
+    monkeypatch.setenv(fib.MIXED_STEP_ENV, mixed)
     spec = case_spec(case)
     fp8 = spec.cache_dtype.itemsize == 1
     seq_lens, query_lens = random_lengths(FEATURE_CASES.index(case), 3, 5)

@@ -111,6 +111,14 @@ PREFILL_BACKEND = "fa2"
 # FA2: eager and graphed steps would no longer use one kernel. (cuDNN graphed decode is ours to
 # pick: GRAPH_DECODE_ENV.)
 DECODE_BACKEND = "fa2"
+# How a step holding prefills and decodes runs: "split" (default: the prefill wrapper over the
+# prefill rows, the decode wrapper over the decode rows; two plans, two kernels and two run()
+# calls a layer) or "prefill" (the prefill wrapper plans and runs every row: one of each). Tensor-
+# core decode (GQA group >= 4: `decode_uses_tensor_cores`) is FlashInfer's prefill kernel already,
+# so "prefill" saves a plan per step and a run() per layer, about 25-40 us of host time each
+# (thirty-seventh session's cProfile), at the cost of the decode plan's split-kv choice and of one
+# tile size for both kinds of row. Not yet timed on a GPU: the default stays "split".
+MIXED_STEP_ENV = "COMPILED_ATTN_FLASHINFER_MIXED"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,6 +279,14 @@ def _forbid_capture(what: str) -> None:
         )
 
 
+def mixed_as_prefill() -> bool:
+    """Whether a mixed step runs every row through the prefill wrapper (MIXED_STEP_ENV)."""
+    choice = os.environ.get(MIXED_STEP_ENV) or "split"
+    if choice not in ("split", "prefill"):
+        raise ValueError(f"{MIXED_STEP_ENV}={choice!r}: use split or prefill")
+    return choice == "prefill"
+
+
 def decode_uses_tensor_cores(spec: AttentionSpec) -> bool:
     """Tensor-core decode from GQA group 4 up (measured faster; the only kernel for 5, 7, > 8)."""
     return spec.num_heads // spec.num_kv_heads > MAX_CUDA_CORE_GROUP
@@ -417,6 +433,7 @@ class _WrapperPool:
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec
+        self.mixed_as_prefill = spec.attn_type == AttentionType.DECODER and mixed_as_prefill()
         self._workspace: torch.Tensor | None = None
         self._slots: dict[tuple[str, int], _Slot] = {}
 
@@ -484,6 +501,7 @@ class StepPlan(_PlanChecks):
 
     def __init__(self, pool: _WrapperPool, turn: int) -> None:
         self.spec = pool.spec
+        self.mixed_as_prefill = pool.mixed_as_prefill  # MIXED_STEP_ENV, read once per builder
         self._pool = pool
         self._turn = turn
         # The metadata is held weakly (its `step_plan` is this): a cycle would make each step's
@@ -499,7 +517,8 @@ class StepPlan(_PlanChecks):
             if self.spec.attn_type == AttentionType.ENCODER_ONLY:
                 kinds = ("ragged",) if md.num_tokens else ()
             else:
-                kinds = ("prefill",) * bool(md.num_prefills) + ("decode",) * bool(md.num_decodes)
+                decode_apart = md.num_decodes and not (md.num_prefills and self.mixed_as_prefill)
+                kinds = ("prefill",) * bool(md.num_prefills) + ("decode",) * bool(decode_apart)
             cached = self._slots_for = (weakref.ref(md), tuple((k, self._pool.slot(k, self._turn)) for k in kinds))
         for kind, slot in cached[1]:
             if not slot.planned_for(md):
@@ -514,7 +533,8 @@ class StepPlan(_PlanChecks):
         return self._pool.slot(kind, self._turn).wrapper
 
     def _plan_prefill(self, md: FlashInferMetadata, w: Any) -> None:
-        spec, p = self.spec, md.num_prefills
+        # causal, aligned to each request's last key: a decode row (one query) sees its whole context
+        spec, p = self.spec, md.num_seqs if self.mixed_as_prefill else md.num_prefills
         kv_indptr = md.paged_kv_indptr[: p + 1]
         w.plan(
             md.qo_indptr[: p + 1], kv_indptr, md.paged_kv_indices[: int(kv_indptr[-1])],

@@ -10,7 +10,8 @@ against the compiled model without graphs, each beside the step's summed GPU ker
   compiled model called directly under the step's metadata (what the runner runs for these steps
   without piecewise graphs); "piecewise" is `runner.run`. `us`: wall time of the call per step,
   synced, on a build made just before it (as a served step: FlashInfer plans, and so uploads, a
-  step holding prefills in build()); `us_with_build`: the build and the call (what a synced loop
+  step holding prefills in build(); FLASHINFER's mixed step also planned and run as one prefill,
+  `MIXED_STEP_ENV=prefill`, a row of its own); `us_with_build`: the build and the call (what a synced loop
   pays; a loop that builds while the GPU runs the step before hides the build); `kernel_us`: the
   step's device kernels and copies, the build's upload and plan copies included, summed from a
   `torch.profiler` trace of builds and calls; `x_kernel` = us / kernel_us (goal <= 1.10:
@@ -31,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import time
+import unittest.mock
 from collections.abc import Callable
 
 import numpy as np
@@ -40,6 +43,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import compiled_attn as ca
+from compiled_attn.backends.flashinfer import MIXED_STEP_ENV
 from compiled_attn.bench import graphs_bench
 from compiled_attn.bench.compiles import compile_counts, reset_dynamo
 from compiled_attn.bench.kernel_table import cuda_kernels
@@ -168,9 +172,16 @@ def rows_8b(name: str, iters: int, quick: bool) -> list[dict]:
     backend = ca.get_attn_backend(name)
     first = runner()
     stats, traced = _capture_with_compiles(first)
-    rows = [row for what, seq_lens, query_lens in STEPS
-            for row in step_rows(first, name, what, step_builds(backend, spec, seq_lens, query_lens),
-                                 *step_tokens(spec, seq_lens, query_lens, config.vocab_size), iters)]
+    steps = [(what, step_builds(backend, spec, seq_lens, query_lens), seq_lens, query_lens)
+             for what, seq_lens, query_lens in STEPS]
+    if name == "FLASHINFER":  # the mixed step planned and run as one prefill (MIXED_STEP_ENV), same runner
+        what, seq_lens, query_lens = STEPS[0]
+        with unittest.mock.patch.dict(os.environ, {MIXED_STEP_ENV: "prefill"}):
+            steps.insert(1, (f"{what}, {MIXED_STEP_ENV}=prefill", step_builds(backend, spec, seq_lens, query_lens),
+                             seq_lens, query_lens))
+    rows = [row for what, build, seq_lens, query_lens in steps
+            for row in step_rows(first, name, what, build, *step_tokens(spec, seq_lens, query_lens,
+                                                                         config.vocab_size), iters)]
     if first.counts["piecewise"] == 0:
         raise RuntimeError("the piecewise rows did not take the piecewise path")
     rows.append(_capture_row(name, "8B", "first capture (compiles included)", stats, traced))

@@ -59,13 +59,15 @@ def flashinfer_attention(
         return
     scales = dict(k_scale=call.k_scale, v_scale=call.v_scale) if kv_cache.dtype.itemsize == 1 else {}
     cache = kv_cache.unbind()  # ([num_blocks, block_size, num_kv_heads, head_size],) * 2: one host call, not two
-    n_pre, mixed = md.num_prefill_tokens, md.num_prefills and md.num_decode_tokens
-    if md.num_prefills:  # whole tensors unless the step is mixed (each slice is a host call)
-        q, out = (query[:n_pre], output[:n_pre]) if mixed else (query, output)
-        step.wrapper("prefill").run(q, cache, out=out, **scales)
+    if md.num_prefills and (not md.num_decode_tokens or step.mixed_as_prefill):  # one wrapper, every row
+        step.wrapper("prefill").run(query, cache, out=output, **scales)
+        return
+    if md.num_prefills:  # mixed, split: each slice is a host call
+        n_pre = md.num_prefill_tokens
+        step.wrapper("prefill").run(query[:n_pre], cache, out=output[:n_pre], **scales)
+        query, output = query[n_pre:], output[n_pre:]
     if md.num_decode_tokens:
-        q, out = (query[n_pre:], output[n_pre:]) if mixed else (query, output)
-        step.wrapper("decode").run(q, cache, out=out, **scales)
+        step.wrapper("decode").run(query, cache, out=output, **scales)
 
 
 @register_fake("flashinfer_attention")
