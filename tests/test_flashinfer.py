@@ -145,10 +145,12 @@ def test_a_mixed_step_as_prefill_plans_one_wrapper_over_every_row(fake_flashinfe
     assert decode.step_plan.wrapper("decode").plans[-1][0][0].tolist() == [0, 1, 2]
 
 
-def test_mixed_step_choice_is_checked(monkeypatch):
+@pytest.mark.parametrize("attn_type", [KINDS.DECODER, KINDS.ENCODER_ONLY])
+def test_mixed_step_choice_is_checked(attn_type, monkeypatch):
+    """Checked by every builder, those of specs that never mix (ENCODER_ONLY) too."""
     monkeypatch.setenv(fib.MIXED_STEP_ENV, "both")
     with pytest.raises(ValueError, match="COMPILED_ATTN_FLASHINFER_MIXED='both': use split or prefill"):
-        FlashInferBackend.get_builder_cls()(spec_of())
+        FlashInferBackend.get_builder_cls()(spec_of(attn_type=attn_type))
 
 
 def test_step_replans_a_wrapper_another_step_took_over(fake_flashinfer):
@@ -788,6 +790,8 @@ class DenseWrapper:
         )
 
     def run(self, q, kv, value=None, *, out, k_scale=None, v_scale=None) -> None:
+        # FlashInfer's prefill run() refuses a query of other rows than its plan's (decode: one per request)
+        assert q.shape[0] == out.shape[0] == self.qo[-1]
         if self.graph_buffers is not None:  # what the buffers hold now, as FlashInfer's graph kernels
             indptr, self.indices, self.last = self.graph_buffers
             self.kv_indptr = indptr.tolist()

@@ -433,7 +433,8 @@ class _WrapperPool:
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec
-        self.mixed_as_prefill = spec.attn_type == AttentionType.DECODER and mixed_as_prefill()
+        choice = mixed_as_prefill()  # checked for every spec: a wrong value raises wherever it is set
+        self.mixed_as_prefill = spec.attn_type == AttentionType.DECODER and choice
         self._workspace: torch.Tensor | None = None
         self._slots: dict[tuple[str, int], _Slot] = {}
 
@@ -461,6 +462,7 @@ class _PlanChecks:
     """What every step plan checks at each op call: the layer and inputs match the spec."""
 
     spec: AttentionSpec
+    mixed_as_prefill = False  # a mixed step's every row through the prefill wrapper (StepPlan: MIXED_STEP_ENV)
 
     def check_call(
         self,
