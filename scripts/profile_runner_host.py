@@ -6,7 +6,8 @@ piecewise graphs of buckets 1 and 320. Every timed call builds its step first.
 
 Per backend and path ("full B": the decode graph of batch B; "forced 1": a batch-1 decode
 forced through the piecewise graphs, issue 14's <= 1.5x goal; "mixed": 63 decodes at the
-context and a 256-token prompt chunk, 319 tokens in bucket 320): the synced step time, the
+context and a 256-token prompt chunk, 319 tokens in bucket 320; FLASHINFER's "mixed, one
+prefill": that step with COMPILED_ATTN_FLASHINFER_MIXED=prefill): the synced step time, the
 pipelined time per step (no sync: above the synced figure means the host is the bottleneck),
 the forced path's host time per call (from its start on an idle GPU to its return: queued
 behind other work, its plan would wait on the fence of the plan two calls before), and a
@@ -22,11 +23,13 @@ import io
 import os
 import pstats
 import time
+import unittest.mock
 from collections.abc import Callable
 
 import torch
 
 import compiled_attn as ca
+from compiled_attn.backends.flashinfer import MIXED_STEP_ENV
 from compiled_attn.bench import graphs_bench
 from compiled_attn.bench.piecewise_bench import step_builds, step_tokens
 from compiled_attn.bench.timing import card_name, eager_time_us
@@ -88,15 +91,19 @@ def backend_report(name: str, steps: int) -> list[str]:
     ids_m, pos_m = step_tokens(spec, seq_lens, query_lens, config.vocab_size)
     mixed = step_builds(backend, spec, seq_lens, query_lens)
     paths["mixed"] = lambda: runner.run(mixed(), ids_m, pos_m)
+    if name == "FLASHINFER":  # the same step planned and run as one prefill (its builder reads the choice)
+        with unittest.mock.patch.dict(os.environ, {MIXED_STEP_ENV: "prefill"}):
+            one_prefill = step_builds(backend, spec, seq_lens, query_lens)
+        paths["mixed, one prefill"] = lambda: runner.run(one_prefill(), ids_m, pos_m)
     lines = []
     for path, fn in paths.items():
         # host time of a call on an idle GPU (a busy one would hold the plan's fence, `_Slot.plan`)
-        alone = eager_time_us(fn, iters=100, launch_only=True) if path in ("forced 1", "mixed") else None
+        alone = eager_time_us(fn, iters=100, launch_only=True) if path.startswith(("forced", "mixed")) else None
         host = "" if alone is None else f", host alone {alone:.0f} us"
         lines.append(f"{card_name()}, {name}, {config.num_layers} layers, ctx {ctx}, {path}: "
                      f"synced {eager_time_us(fn, iters=100):.0f} us, pipelined {pipelined_us(fn, steps):.0f} us{host} "
                      "per step")
-    for path in ("full 64", "forced 1", "mixed"):
+    for path in ("full 64", "forced 1", *(p for p in paths if p.startswith("mixed"))):
         lines.append(f"-- {name}, {path}: cProfile of {steps} pipelined calls --\n{profile_text(paths[path], steps)}")
     return lines
 
