@@ -14,7 +14,10 @@
 # FUZZ_EXAMPLES examples per mutation; "hunt" looks for the differential example that faults or
 # mismatches on HUNT_BACKEND); "piecewise": the piecewise-graph GPU tests (tests/test_piecewise.py,
 # every backend; PW_TESTS=0 skips them) and the piecewise bench suite (PW_BENCH_ARGS, default --quick:
-# the first available backend; "" for all), each under its own timeout; "hf": the transformers
+# the first available backend; "" for all), each under its own timeout; "mixed": FLASHINFER's mixed step
+# both ways (COMPILED_ATTN_FLASHINFER_MIXED split / prefill): the piecewise bench's quick rows (8B, then the
+# 16-layer forced decode; MIXED_BENCH_TIMEOUT) and scripts/profile_runner_host.py (16 layers; MIXED_HOST_TIMEOUT);
+# "hf": the transformers
 # integration's GPU tests (HF_TEST_ARGS narrows them, e.g. "-k FLASHINFER"); "hfbench":
 # `bench.hf_engine`, the parts in HF_BENCH_PARTS (default b1; b64, adapter: one per device command,
 # each compiles the 8B shape several times): engine vs transformers' static cache + compile at B=1,
@@ -186,6 +189,14 @@ if [[ " $PARTS " == *" piecewise "* ]]; then
   fi
   timeout "${PW_BENCH_TIMEOUT:-330}" python3 -m compiled_attn bench --suite piecewise_bench ${PW_BENCH_ARGS---quick} \
     --out "$OUT" 2>&1 | tee "$OUT/piecewise-bench.log" | grep -v " - INFO - " | tail -30
+  status=$(( status || PIPESTATUS[0] ))
+fi
+if [[ " $PARTS " == *" mixed "* ]]; then  # a mixed step split (default) vs one FlashInfer prefill, same runners
+  timeout "${MIXED_BENCH_TIMEOUT:-480}" python3 -m compiled_attn bench --suite piecewise_bench --quick \
+    --backend FLASHINFER --out "$OUT" 2>&1 | tee "$OUT/mixed-bench.log" | grep -v " - INFO - " | tail -30
+  status=$(( status || PIPESTATUS[0] ))
+  timeout "${MIXED_HOST_TIMEOUT:-200}" python3 scripts/profile_runner_host.py --backend FLASHINFER --steps 100 \
+    --out "$OUT" 2>&1 | tee "$OUT/mixed-host.log" | grep "per step"
   status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ " $PARTS " == *" hf "* ]]; then
