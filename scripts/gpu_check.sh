@@ -15,9 +15,9 @@
 # mismatches on HUNT_BACKEND); "piecewise": the piecewise-graph GPU tests (tests/test_piecewise.py,
 # every backend; PW_TESTS=0 skips them) and the piecewise bench suite (PW_BENCH_ARGS, default --quick:
 # the first available backend; "" for all), each under its own timeout; "mixed": FLASHINFER's mixed step
-# both ways (COMPILED_ATTN_FLASHINFER_MIXED split / prefill): the piecewise bench's quick rows (8B, then the
-# 16-layer forced decode; MIXED_BENCH_TIMEOUT) and scripts/profile_runner_host.py (16 layers; MIXED_HOST_TIMEOUT);
-# "hf": the transformers
+# both ways (COMPILED_ATTN_FLASHINFER_MIXED split / prefill) in the piecewise bench's quick rows (8B, then the
+# 16-layer forced decode; MIXED_BENCH_TIMEOUT); "mixedhost": the same through scripts/profile_runner_host.py (16
+# layers, host time and cProfile; MIXED_HOST_TIMEOUT; one device call each); "hf": the transformers
 # integration's GPU tests (HF_TEST_ARGS narrows them, e.g. "-k FLASHINFER"); "hfbench":
 # `bench.hf_engine`, the parts in HF_BENCH_PARTS (default b1; b64, adapter: one per device command,
 # each compiles the 8B shape several times): engine vs transformers' static cache + compile at B=1,
@@ -191,11 +191,13 @@ if [[ " $PARTS " == *" piecewise "* ]]; then
     --out "$OUT" 2>&1 | tee "$OUT/piecewise-bench.log" | grep -v " - INFO - " | tail -30
   status=$(( status || PIPESTATUS[0] ))
 fi
-if [[ " $PARTS " == *" mixed "* ]]; then  # a mixed step split (default) vs one FlashInfer prefill, same runners
-  timeout "${MIXED_BENCH_TIMEOUT:-480}" python3 -m compiled_attn bench --suite piecewise_bench --quick \
+if [[ " $PARTS " == *" mixed "* ]]; then  # a mixed step split (default) vs one FlashInfer prefill, same runner
+  timeout "${MIXED_BENCH_TIMEOUT:-540}" python3 -m compiled_attn bench --suite piecewise_bench --quick \
     --backend FLASHINFER --out "$OUT" 2>&1 | tee "$OUT/mixed-bench.log" | grep -v " - INFO - " | tail -30
   status=$(( status || PIPESTATUS[0] ))
-  timeout "${MIXED_HOST_TIMEOUT:-200}" python3 scripts/profile_runner_host.py --backend FLASHINFER --steps 100 \
+fi
+if [[ " $PARTS " == *" mixedhost "* ]]; then  # the same on the 16-layer model, host time and cProfile
+  timeout "${MIXED_HOST_TIMEOUT:-400}" python3 scripts/profile_runner_host.py --backend FLASHINFER --steps 100 \
     --out "$OUT" 2>&1 | tee "$OUT/mixed-host.log" | grep "per step"
   status=$(( status || PIPESTATUS[0] ))
 fi
