@@ -342,7 +342,8 @@ def _host_tables(block_tables: object, checked: np.ndarray) -> list[list[int]] |
     copy of its needed entries (`needed_table`; views slice it, no copy of the given width)."""
     if isinstance(block_tables, np.ndarray | torch.Tensor) and block_tables.ndim == 2:
         return checked
-    return [list(t) for t in block_tables]
+    # tolist() for array rows: list() of a tensor row holds 0-d views of the caller's memory
+    return [t.tolist() if isinstance(t, np.ndarray | torch.Tensor) else list(t) for t in block_tables]
 
 
 # Where each array of a packed byte buffer (an upload, a State's static buffers) starts: cuDNN's
@@ -527,6 +528,9 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
         int64_parts = {"slot_mapping": slot_mapping}
         tables = {"block_tables": table}  # ids checked: int32 holds them
         cross: dict[str, Any] = {}
+        if cross_block_tables is not None and encoder_seq_lens is None:
+            raise ValueError("cross_block_tables without encoder_seq_lens: pass each request's encoder length too "
+                             "(the cross tables cover that many tokens)")
         if encoder_seq_lens is not None:
             cross = self._cross_fields(
                 encoder_seq_lens, cross_block_tables, num_prefills, int32_parts, int64_parts, tables

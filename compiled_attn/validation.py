@@ -250,6 +250,12 @@ def check_kv_scales(k_scale: object, v_scale: object) -> tuple[float, float]:
 # The builder: lengths and block tables (host lists / arrays)
 
 
+def on_host(t: torch.Tensor) -> bool:
+    """A dense CPU tensor, which numpy reads: lengths and tables on another device (CUDA, meta,
+    MPS) or sparse are refused, naming the argument."""
+    return t.device.type == "cpu" and t.layout == torch.strided
+
+
 def int_list(values: object, what: str) -> list[int]:
     """A 1-D sequence of ints (list, tuple, numpy array or CPU tensor) as a list of python ints,
     each <= INT32_MAX (they become int32 on the device); ValueError otherwise. Lower bounds are
@@ -257,8 +263,11 @@ def int_list(values: object, what: str) -> list[int]:
     if isinstance(values, torch.Tensor | np.ndarray):
         kind = values.dtype.kind if isinstance(values, np.ndarray) else (
             "f" if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool else "i")
-        if values.ndim != 1 or kind not in INT_DTYPE_KINDS or (isinstance(values, torch.Tensor) and values.is_cuda):
-            raise ValueError(f"{what} must be a 1-D host array of ints, got {values.dtype} {tuple(values.shape)}")
+        elsewhere = isinstance(values, torch.Tensor) and not on_host(values)
+        if values.ndim != 1 or kind not in INT_DTYPE_KINDS or elsewhere:
+            where = f" on {values.device} ({values.layout})" if isinstance(values, torch.Tensor) else ""
+            raise ValueError(
+                f"{what} must be a 1-D host array of ints, got {values.dtype} {tuple(values.shape)}{where}")
         out = values.tolist()
     elif isinstance(values, list | tuple | range):
         out = values if type(values) is list and all(type(v) is int for v in values) else [
@@ -273,7 +282,7 @@ def int_list(values: object, what: str) -> list[int]:
 def int_array(values: object, what: str) -> np.ndarray:
     """`int_list`'s checks, returning int64 numpy (may be `values` itself): an int array or CPU
     tensor is checked as an array (no per-element Python), anything else through `int_list`."""
-    if isinstance(values, torch.Tensor) and not values.is_cuda and not (
+    if isinstance(values, torch.Tensor) and on_host(values) and not (
             values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool):
         values = values.numpy()
     if not (isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in INT_DTYPE_KINDS):
@@ -302,7 +311,7 @@ def holds_a_bool(row: list | tuple) -> bool:
 def _block_row(row: object, what: str) -> np.ndarray:
     """One request's needed block ids as int64 (ints only: not floats, bools, strings or None)."""
     if isinstance(row, torch.Tensor):
-        if row.is_cuda or row.dtype.is_floating_point or row.dtype == torch.bool:
+        if not on_host(row) or row.dtype.is_floating_point or row.dtype == torch.bool:
             raise ValueError(
                 f"{what} must hold integer block ids on the host, got a {row.dtype} tensor on {row.device}"
             )
@@ -466,7 +475,8 @@ def live_entries(table: np.ndarray, need: np.ndarray,
 def _table_array(tables: np.ndarray | torch.Tensor, need: np.ndarray, what: str) -> np.ndarray:
     """A 2-D host array of int block ids with a row per request, each as long as its need."""
     if isinstance(tables, torch.Tensor):
-        if tables.is_cuda or tables.dtype.is_floating_point or tables.dtype.is_complex or tables.dtype == torch.bool:
+        dtype = tables.dtype
+        if not on_host(tables) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             raise ValueError(f"{what} must hold integer block ids on the host, got a {tables.dtype} tensor on "
                              f"{tables.device}")
         tables = tables.numpy()

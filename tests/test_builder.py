@@ -104,16 +104,19 @@ def test_decode_view(mixed):
     assert mixed.decode_metadata is dec  # cached
 
 
-@pytest.mark.parametrize("as_array", [np.array, torch.tensor], ids=["numpy", "tensor"])
+@pytest.mark.parametrize("as_array", [np.array, torch.tensor, lambda rows: [torch.tensor(r) for r in rows]],
+                         ids=["numpy", "tensor", "tensor rows"])
 def test_views_ignore_edits_to_an_array_table_after_build(as_array):
     """The views are built when first read, from the builder's own copy of the tables: a server
-    that reuses its table array for the next step must not change this step's views."""
+    that reuses its table array (or its rows' tensors) for the next step must not change this
+    step's views."""
     tables = as_array([[10, 3, 8, 99], [0, 21, 98, 97], [5, 6, 96, 95], [31, 94, 93, 92]])
     cross = as_array([[11, 12], [13, 14], [15, 16], [17, 18]])
     md = builder(T.ENCODER_DECODER).build([9, 5, 7, 4], [3, 5, 1, 1], tables, encoder_seq_lens=[5, 3, 2, 8],
                                           cross_block_tables=cross)
-    tables[:] = 1
-    cross[:] = 2
+    for table, value in ((tables, 1), (cross, 2)):
+        for part in table if isinstance(table, list) else [table]:
+            part[...] = value
     pre, dec = md.prefill_metadata, md.decode_metadata
     assert pre.block_tables.tolist() == [[10, 3, 8], [0, 21, 0]]
     assert dec.block_tables.tolist() == [[5, 6], [31, 0]]

@@ -314,6 +314,15 @@ BUILD_TYPE_MISTAKES = {
     "float_tensor_row": ([9], [9], [torch.tensor([0.0, 1.0, 2.0])],
                          r"^block_tables\[0\] must hold integer block ids on the host, got a torch.float32 tensor"),
     "nested_row": ([9], [9], [[0, [1, 2], 3]], r"^block_tables\[0\] must hold int block ids, got \[0, \[1, 2\], 3\]$"),
+    # tensors off the host, on any device or sparse: named, never numpy's TypeError
+    "meta_tensor_lens": (torch.tensor([9], device="meta"), [9], [[0, 1, 2]],
+                         r"^seq_lens must be a 1-D host array of ints, got torch.int64 \(1,\) on meta"),
+    "sparse_tensor_lens": ([9], torch.tensor([9]).to_sparse(), [[0, 1, 2]],
+                           r"^query_lens must be a 1-D host array of ints, got .* \(torch.sparse_coo\)$"),
+    "meta_table": ([9], [9], torch.zeros(1, 3, dtype=torch.int32, device="meta"),
+                   r"^block_tables must hold integer block ids on the host, got a torch.int32 tensor on meta$"),
+    "meta_row": ([9], [9], [torch.tensor([0, 1, 2], device="meta")],
+                 r"^block_tables\[0\] must hold integer block ids on the host, got a torch.int64 tensor on meta$"),
     "tokens_past_int32": ([2**31 - 1, 2], [2**31 - 1, 2], [[0], [1]],
                           r"^sum\(query_lens\)=2147483649 > 2147483647: a step's tokens must fit int32$"),
 }
@@ -324,6 +333,13 @@ def test_build_type_mistakes_are_value_errors(case):
     seq_lens, query_lens, tables, match = BUILD_TYPE_MISTAKES[case]
     with pytest.raises(ValueError, match=match):
         build(seq_lens, query_lens, tables)
+
+
+def test_cross_tables_without_encoder_lengths_are_refused():
+    """They would be dropped (the cross fields are built from encoder_seq_lens), and a cross layer
+    would then say the metadata lacks the tables it was given."""
+    with pytest.raises(ValueError, match="^cross_block_tables without encoder_seq_lens: pass each request's encoder"):
+        build([9], [9], [[0, 1, 2]], cross_block_tables=[[3, 4]])
 
 
 def test_build_takes_numpy_and_tensor_lengths_and_tables(batch):
