@@ -9,8 +9,10 @@ import os
 import sys
 
 from compiled_attn import demo
+from compiled_attn.base import ENV_VAR
 from compiled_attn.bench import suite
 from compiled_attn.bench.report import print_table
+from compiled_attn.capabilities import smallest_block_size
 from compiled_attn.cli import backend_name, output_dir, positive_int
 from compiled_attn.integrations.generate import prompt_ids_problem, run_generate
 from compiled_attn.integrations.hf_random import FAMILIES, SIZES
@@ -58,11 +60,14 @@ def main(argv: list[str] | None = None) -> int:
                                                                                                    args.prompt)
         if problem:
             parser.error(problem)
-        if args.backend is not None:
-            try:  # before the model is built: the backend's package and device
-                get_attn_backend(args.backend)
-            except (RuntimeError, NotImplementedError) as e:
+        if args.backend is not None or os.environ.get(ENV_VAR):  # the engine would pick $COMPILED_ATTN_BACKEND's
+            try:  # before the model is built: the backend's package, device and block sizes
+                chosen = get_attn_backend(args.backend)
+            except (ValueError, RuntimeError, NotImplementedError) as e:
                 parser.error(str(e))
+            if not chosen.supports_block_size(args.block_size):
+                parser.error(f"{chosen.get_name()} cannot serve --block-size {args.block_size}: use "
+                             f"--block-size {smallest_block_size(chosen, args.block_size)}")
         return _generate(args)
     if args.command == "demo":
         try:  # everything the run would trip over later, before it starts

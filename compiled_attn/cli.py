@@ -33,8 +33,10 @@ def output_dir(text: str) -> str:
     """A folder the results can be written to: a writable one, or one that can be made in the
     nearest existing folder above it. A bad --out fails before the run; nothing is made here
     (the run makes it), so a command refused for another argument leaves no folder behind."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty name is no folder: give one, e.g. --out results")
     existing = text
-    while not os.path.exists(existing):
+    while not os.path.lexists(existing):  # a dangling link exists for makedirs: not a folder, refused below
         parent = os.path.dirname(existing.rstrip(os.sep)) or os.curdir
         if parent == existing:
             break

@@ -14,6 +14,7 @@ one (teacher-forced logits), and rank 0 reports.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import torch
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 import compiled_attn as ca
 from compiled_attn import distributed
+from compiled_attn.base import ENV_VAR
 from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.models import tp as tpm
 from compiled_attn.models.llama import LlamaConfig, allocate_kv_caches, build_model
@@ -123,7 +125,7 @@ def check_demo_args(*, steps: int, num_requests: int = 6, backend_name: str | No
         most = NUM_BLOCKS // num_requests * BLOCK_SIZE - MAX_PROMPT - 1
         raise ValueError(f"{steps} steps of {num_requests} requests need {blocks} cache blocks, the demo's cache "
                          f"has {NUM_BLOCKS}: use --steps <= {most}")
-    if backend_name is not None:
+    if backend_name is not None or os.environ.get(ENV_VAR):  # the run would pick $COMPILED_ATTN_BACKEND's
         ca.get_attn_backend(backend_name)
 
 

@@ -88,18 +88,20 @@ def get_attn_backend(name: str | None = None, spec: AttentionSpec | None = None)
     >>> backend.get_name()
     'TORCH_SDPA'
     """
+    source = ""
     if name is None:  # an empty or falsy name given is an unknown one, not "pick for me"
         name = os.environ.get(ENV_VAR) or None
+        source = f" (from ${ENV_VAR})" if name is not None else ""
     if spec is not None and not isinstance(spec, AttentionSpec):
         raise ValueError(f"spec must be an AttentionSpec or None, got {type(spec).__name__}")
     if name is not None:
         key = name.upper() if isinstance(name, str) else None
         if key not in _BACKENDS:
-            raise ValueError(f"unknown attention backend {name!r}; choose one of {list(_BACKENDS)}")
+            raise ValueError(f"unknown attention backend {name!r}{source}; choose one of {list(_BACKENDS)}")
         cls = _BACKENDS[key]
         reason = cls.unavailable_reason()
         if reason is not None:
-            raise BackendUnavailableError(f"{key} cannot run here: {reason}")
+            raise BackendUnavailableError(f"{key}{source} cannot run here: {reason}")
         if spec is not None:
             reason = cls.unsupported_reason(spec)  # a backend may add reasons of its own
             if reason is not None:

@@ -172,3 +172,34 @@ def test_generate_with_a_backend_that_cannot_run_here_exits_before_building(no_r
         cli.main(["generate", "--random", "llama", "--backend", "FLASHINFER"])
     assert exit_.value.code == 2
     assert "FLASHINFER cannot run here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["demo", "--steps", "1"], ["generate", "--random", "llama"]])
+def test_an_unknown_backend_from_the_environment_exits_before_running(command, no_runs, monkeypatch, capsys):
+    """$COMPILED_ATTN_BACKEND is the backend a command would pick: checked with --backend's rules."""
+    monkeypatch.setenv("COMPILED_ATTN_BACKEND", "flash")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(command)
+    assert exit_.value.code == 2
+    assert "unknown attention backend 'flash' (from $COMPILED_ATTN_BACKEND)" in capsys.readouterr().err
+
+
+def test_generate_with_a_block_size_its_backend_cannot_serve_exits_before_building(no_runs, monkeypatch, capsys):
+    xformers = BACKEND_CLASSES()["XFORMERS"]
+    monkeypatch.setattr(xformers, "unavailable_reason", classmethod(lambda cls: None))  # as if on a GPU with it
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "--random", "llama", "--backend", "XFORMERS", "--block-size", "16"])
+    assert exit_.value.code == 2
+    assert "XFORMERS cannot serve --block-size 16: use --block-size 64" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("out", "says"), [("", "an empty name is no folder"), ("dangling", "is not a folder")])
+def test_bench_out_that_names_no_folder_exits_before_running(out, says, no_runs, tmp_path, capsys):
+    """An empty name, or a link to nothing (os.makedirs would find it in the way)."""
+    if out:
+        out = str(tmp_path / out)
+        os.symlink(tmp_path / "nothing", out)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "--out", out])
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err

@@ -419,6 +419,16 @@ def test_runner_refuses_a_spec_that_is_not_an_attention_spec(tiny_model):
                         use_cuda_graphs=False, progress=False)
 
 
+def test_runner_refuses_a_backend_name_or_a_state_that_is_not_one(tiny_model):
+    spec = cpu_spec()
+    with pytest.raises(ValueError, match="^backend must be an AttentionBackend class, got 'TORCH_SDPA': pass "):
+        CUDAGraphRunner(tiny_model, "TORCH_SDPA", spec, random_caches(spec, 0), use_cuda_graphs=False, progress=False)
+    with pytest.raises(ValueError, match=r"^state must be an AttentionState \(backend.get_state_cls\(\)\(spec\)\) or "
+                                         "None, got object$"):
+        CUDAGraphRunner(tiny_model, ca.get_attn_backend(SDPA), spec, random_caches(spec, 0), object(),
+                        use_cuda_graphs=False, progress=False)
+
+
 @NOT_A_LIST
 def test_runner_refuses_capture_sizes_that_are_not_a_list(tiny_model, sizes):
     spec = cpu_spec()

@@ -508,7 +508,9 @@ def test_layer_options_are_fixed_at_construction(option):
     (dict(vocab_size=2.0), "^LlamaConfig.vocab_size must be an int, got 2.0$"),
     (dict(num_heads=6), "^LlamaConfig: hidden_size=256 must split into num_heads=6 heads"),
     (dict(num_kv_heads=3), "and those into num_kv_heads=3 groups of equal size$"),
-], ids=["zero-kv-heads", "float-vocab", "heads-split-hidden", "kv-heads-split-heads"])
+    (dict(hidden_size=60, num_heads=4, num_kv_heads=2),
+     r"^LlamaConfig: the head size hidden_size / num_heads = 15 must be even \(rotary embedding"),
+], ids=["zero-kv-heads", "float-vocab", "heads-split-hidden", "kv-heads-split-heads", "odd-head-size"])
 def test_a_llama_config_that_cannot_make_a_model_is_refused_naming_the_field(fields, error):
     from compiled_attn.models.llama import LlamaConfig
 

@@ -181,6 +181,12 @@ class CUDAGraphRunner:
     ) -> None:
         if not isinstance(spec, AttentionSpec):
             raise ValueError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
+        if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
+            raise ValueError(f"backend must be an AttentionBackend class, got {backend!r}: pass "
+                             "ca.get_attn_backend(name)")
+        if state is not None and not isinstance(state, AttentionState):
+            raise ValueError(f"state must be an AttentionState (backend.get_state_cls()(spec)) or None, got "
+                             f"{type(state).__name__}")
         if use_cuda_graphs and spec.device.type != "cuda":
             raise ValueError(
                 f"CUDA graphs need spec.device to be CUDA, got {spec.device} (use_cuda_graphs=False runs the "

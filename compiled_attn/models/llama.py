@@ -41,6 +41,9 @@ class LlamaConfig:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"LlamaConfig: hidden_size={self.hidden_size} must split into num_heads={self.num_heads}"
                              f" heads, and those into num_kv_heads={self.num_kv_heads} groups of equal size")
+        if self.head_size % 2:
+            raise ValueError(f"LlamaConfig: the head size hidden_size / num_heads = {self.head_size} must be even "
+                             "(rotary embedding turns pairs of features)")
 
     @property
     def head_size(self) -> int:
