@@ -51,6 +51,7 @@ def fake_mode_active() -> bool:
     """Whether a FakeTensorMode is active (a trace's): tensors made now would be fake."""
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
+
 class DeviceField:
     """A device tensor field of the metadata. A builder's step leaves these unset until the first
     read of any of them, which makes the step's one upload (`CommonMetadata.upload_pending`). A

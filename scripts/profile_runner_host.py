@@ -23,13 +23,11 @@ import io
 import os
 import pstats
 import time
-import unittest.mock
 from collections.abc import Callable
 
 import torch
 
 import compiled_attn as ca
-from compiled_attn.backends.flashinfer import MIXED_STEP_ENV
 from compiled_attn.bench import graphs_bench
 from compiled_attn.bench.piecewise_bench import step_builds, step_tokens
 from compiled_attn.bench.timing import card_name, eager_time_us
@@ -91,9 +89,8 @@ def backend_report(name: str, steps: int) -> list[str]:
     ids_m, pos_m = step_tokens(spec, seq_lens, query_lens, config.vocab_size)
     mixed = step_builds(backend, spec, seq_lens, query_lens)
     paths["mixed"] = lambda: runner.run(mixed(), ids_m, pos_m)
-    if name == "FLASHINFER":  # the same step planned and run as one prefill (its builder reads the choice)
-        with unittest.mock.patch.dict(os.environ, {MIXED_STEP_ENV: "prefill"}):
-            one_prefill = step_builds(backend, spec, seq_lens, query_lens)
+    if name == "FLASHINFER":  # the same step planned and run as one prefill
+        one_prefill = step_builds(backend, spec, seq_lens, query_lens, mixed="prefill")
         paths["mixed, one prefill"] = lambda: runner.run(one_prefill(), ids_m, pos_m)
     lines = []
     for path, fn in paths.items():

@@ -3,6 +3,7 @@ fidelity (the timed suites themselves need CUDA)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -12,6 +13,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import compiled_attn as ca
+from compiled_attn.backends import flashinfer as fib
 from compiled_attn.bench import decode_loop as dl
 from compiled_attn.bench.compiles import compile_counts, compiles_line, counts_since, reset_dynamo
 from compiled_attn.bench.decode_loop import PEER_INDUCTOR, GptFastDecoder, fresh_draws
@@ -241,6 +243,10 @@ def test_piecewise_bench_builds_plan_and_upload_at_every_call_as_a_served_step_d
         assert md.seq_lens_tensor.tolist() == [40, 17]
     assert sum(len(w.plans) for w in wrappers.values()) == 8  # plan() calls, over the builder's two slots
     assert torch.equal(build().slot_mapping, build().slot_mapping)  # the same blocks at every build
+    # the mixed-step choice of one builder, the environment left as it was
+    one_prefill = step_builds(backend, spec, [40, 17], [1, 1], mixed="prefill")
+    assert one_prefill().step_plan.mixed_as_prefill and not build().step_plan.mixed_as_prefill
+    assert os.environ[fib.MIXED_STEP_ENV] == "split"  # the fake_flashinfer fixture's
 
 
 def test_piecewise_bench_steps_are_the_issues_mixed_and_prefill_steps():

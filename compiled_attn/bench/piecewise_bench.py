@@ -92,16 +92,18 @@ def step_tokens(spec: ca.AttentionSpec, seq_lens: list[int], query_lens: list[in
 
 
 def step_builds(backend: type[ca.AttentionBackend], spec: ca.AttentionSpec, seq_lens: list[int],
-                query_lens: list[int], seed: int = 0) -> Callable[[], ca.AttentionMetadata]:
+                query_lens: list[int], seed: int = 0, mixed: str | None = None) -> Callable[[], ca.AttentionMetadata]:
     """A callable that builds the step (the same blocks every time) with one builder, a new
-    metadata object at each call: each plans and uploads as a served step does."""
+    metadata object at each call: each plans and uploads as a served step does. `mixed`: the
+    builder's MIXED_STEP_ENV choice (FLASHINFER; read when the builder is made), else the default."""
     rng = np.random.default_rng(seed)
     need = [-(-s // spec.block_size) for s in seq_lens]
     blocks = rng.permutation(spec.num_blocks)[: sum(need)].astype(np.int32)
     tables = np.zeros((len(seq_lens), max(need)), dtype=np.int32)
     for i, start in enumerate(np.cumsum([0] + need[:-1])):
         tables[i, : need[i]] = blocks[start: start + need[i]]
-    builder = backend.get_builder_cls()(spec)
+    with unittest.mock.patch.dict(os.environ, {} if mixed is None else {MIXED_STEP_ENV: mixed}):
+        builder = backend.get_builder_cls()(spec)
     seq_lens_np, query_lens_np = np.array(seq_lens), np.array(query_lens)
     return lambda: builder.build(seq_lens_np, query_lens_np, tables)
 
@@ -176,9 +178,8 @@ def rows_8b(name: str, iters: int, quick: bool) -> list[dict]:
              for what, seq_lens, query_lens in STEPS]
     if name == "FLASHINFER":  # the mixed step planned and run as one prefill (MIXED_STEP_ENV), same runner
         what, seq_lens, query_lens = STEPS[0]
-        with unittest.mock.patch.dict(os.environ, {MIXED_STEP_ENV: "prefill"}):
-            steps.insert(1, (f"{what}, {MIXED_STEP_ENV}=prefill", step_builds(backend, spec, seq_lens, query_lens),
-                             seq_lens, query_lens))
+        steps.insert(1, (f"{what}, {MIXED_STEP_ENV}=prefill",
+                         step_builds(backend, spec, seq_lens, query_lens, mixed="prefill"), seq_lens, query_lens))
     rows = [row for what, build, seq_lens, query_lens in steps
             for row in step_rows(first, name, what, build, *step_tokens(spec, seq_lens, query_lens,
                                                                          config.vocab_size), iters)]
