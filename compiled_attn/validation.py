@@ -250,10 +250,12 @@ def check_kv_scales(k_scale: object, v_scale: object) -> tuple[float, float]:
 # The builder: lengths and block tables (host lists / arrays)
 
 
-def on_host(t: torch.Tensor) -> bool:
-    """A dense CPU tensor, which numpy reads: lengths and tables on another device (CUDA, meta,
-    MPS) or sparse are refused, naming the argument."""
-    return t.device.type == "cpu" and t.layout == torch.strided
+def host_int_tensor(t: torch.Tensor) -> bool:
+    """A dense CPU tensor of ints, which numpy reads as one: lengths and tables on another device
+    (CUDA, meta, MPS), sparse, or of floats, complex numbers or bools are refused, naming the argument."""
+    dtype = t.dtype
+    return t.device.type == "cpu" and t.layout == torch.strided and not (
+        dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def int_list(values: object, what: str) -> list[int]:
@@ -261,10 +263,8 @@ def int_list(values: object, what: str) -> list[int]:
     each <= INT32_MAX (they become int32 on the device); ValueError otherwise. Lower bounds are
     the caller's (they come with their own messages)."""
     if isinstance(values, torch.Tensor | np.ndarray):
-        kind = values.dtype.kind if isinstance(values, np.ndarray) else (
-            "f" if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool else "i")
-        elsewhere = isinstance(values, torch.Tensor) and not on_host(values)
-        if values.ndim != 1 or kind not in INT_DTYPE_KINDS or elsewhere:
+        ints = host_int_tensor(values) if isinstance(values, torch.Tensor) else values.dtype.kind in INT_DTYPE_KINDS
+        if values.ndim != 1 or not ints:
             where = f" on {values.device} ({values.layout})" if isinstance(values, torch.Tensor) else ""
             raise ValueError(
                 f"{what} must be a 1-D host array of ints, got {values.dtype} {tuple(values.shape)}{where}")
@@ -282,8 +282,7 @@ def int_list(values: object, what: str) -> list[int]:
 def int_array(values: object, what: str) -> np.ndarray:
     """`int_list`'s checks, returning int64 numpy (may be `values` itself): an int array or CPU
     tensor is checked as an array (no per-element Python), anything else through `int_list`."""
-    if isinstance(values, torch.Tensor) and on_host(values) and not (
-            values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool):
+    if isinstance(values, torch.Tensor) and host_int_tensor(values):
         values = values.numpy()
     if not (isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in INT_DTYPE_KINDS):
         return np.array(int_list(values, what), dtype=np.int64)
@@ -311,7 +310,7 @@ def holds_a_bool(row: list | tuple) -> bool:
 def _block_row(row: object, what: str) -> np.ndarray:
     """One request's needed block ids as int64 (ints only: not floats, bools, strings or None)."""
     if isinstance(row, torch.Tensor):
-        if not on_host(row) or row.dtype.is_floating_point or row.dtype == torch.bool:
+        if not host_int_tensor(row):
             raise ValueError(
                 f"{what} must hold integer block ids on the host, got a {row.dtype} tensor on {row.device}"
             )
@@ -475,8 +474,7 @@ def live_entries(table: np.ndarray, need: np.ndarray,
 def _table_array(tables: np.ndarray | torch.Tensor, need: np.ndarray, what: str) -> np.ndarray:
     """A 2-D host array of int block ids with a row per request, each as long as its need."""
     if isinstance(tables, torch.Tensor):
-        dtype = tables.dtype
-        if not on_host(tables) or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        if not host_int_tensor(tables):
             raise ValueError(f"{what} must hold integer block ids on the host, got a {tables.dtype} tensor on "
                              f"{tables.device}")
         tables = tables.numpy()
