@@ -15,7 +15,7 @@
 # mismatches on HUNT_BACKEND); "piecewise": the piecewise-graph GPU tests (tests/test_piecewise.py,
 # every backend; PW_TESTS=0 skips them) and the piecewise bench suite (PW_BENCH_ARGS, default --quick:
 # the first available backend; "" for all), each under its own timeout; "mixed": FLASHINFER's mixed step
-# both ways (COMPILED_ATTN_FLASHINFER_MIXED split / prefill) in the piecewise bench's quick rows (8B, then the
+# both ways (COMPILED_ATTN_FLASHINFER_MIXED's default, one prefill on both models, and split) in the piecewise bench's quick rows (8B, then the
 # 16-layer forced decode; MIXED_BENCH_TIMEOUT); "mixedhost": the same through scripts/profile_runner_host.py (16
 # layers, host time and cProfile; MIXED_HOST_TIMEOUT; one device call each); "hf": the transformers
 # integration's GPU tests (HF_TEST_ARGS narrows them, e.g. "-k FLASHINFER"); "hfbench":

@@ -82,7 +82,7 @@ class RecordingWrapper:
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
     """A stand-in FlashInfer whose wrappers record their plan() calls (CPU tests of the planning),
-    mixed steps split (the default; a test of MIXED_STEP_ENV=prefill sets it after this)."""
+    mixed steps split (MIXED_STEP_ENV; a test of another choice sets it after this)."""
     monkeypatch.setenv(fib.MIXED_STEP_ENV, "split")
     fake = types.SimpleNamespace(
         BatchPrefillWithPagedKVCacheWrapper=lambda *a, **k: RecordingWrapper("prefill", *a, **k),

@@ -149,8 +149,27 @@ def test_a_mixed_step_as_prefill_plans_one_wrapper_over_every_row(fake_flashinfe
 def test_mixed_step_choice_is_checked(attn_type, monkeypatch):
     """Checked by every builder, those of specs that never mix (ENCODER_ONLY) too."""
     monkeypatch.setenv(fib.MIXED_STEP_ENV, "both")
-    with pytest.raises(ValueError, match="COMPILED_ATTN_FLASHINFER_MIXED='both': use split or prefill"):
+    with pytest.raises(ValueError, match="COMPILED_ATTN_FLASHINFER_MIXED='both': use auto, split or prefill"):
         FlashInferBackend.get_builder_cls()(spec_of(attn_type=attn_type))
+
+
+@pytest.mark.parametrize(("choice", "num_kv_heads", "one_prefill"), [
+    (None, 2, True), ("auto", 2, True), ("auto", 4, False), ("", 4, False), ("split", 2, False),
+    ("prefill", 8, True),
+])
+def test_mixed_step_choice_by_default_follows_tensor_core_decode(choice, num_kv_heads, one_prefill, monkeypatch):
+    """auto (unset or empty too): one prefill where decode runs on tensor cores (GQA group >= 4,
+    here 8 heads over 2 KV heads), split below; split and prefill hold for every group."""
+    if choice is None:
+        monkeypatch.delenv(fib.MIXED_STEP_ENV, raising=False)
+    else:
+        monkeypatch.setenv(fib.MIXED_STEP_ENV, choice)
+    spec = spec_of(num_kv_heads=num_kv_heads)
+    assert fib.decode_uses_tensor_cores(spec) == (num_kv_heads == 2)
+    builder = FlashInferBackend.get_builder_cls()(spec)
+    assert builder.build([9, 3], [4, 1], [[2], [4]]).step_plan.mixed_as_prefill == one_prefill
+    encoder = FlashInferBackend.get_builder_cls()(spec_of(num_kv_heads=num_kv_heads, attn_type=KINDS.ENCODER_ONLY))
+    assert not encoder.build([9, 3], [9, 3], [[2], [4]]).step_plan.mixed_as_prefill
 
 
 def test_step_replans_a_wrapper_another_step_took_over(fake_flashinfer):

@@ -111,13 +111,15 @@ PREFILL_BACKEND = "fa2"
 # FA2: eager and graphed steps would no longer use one kernel. (cuDNN graphed decode is ours to
 # pick: GRAPH_DECODE_ENV.)
 DECODE_BACKEND = "fa2"
-# How a step holding prefills and decodes runs: "split" (default: the prefill wrapper over the
-# prefill rows, the decode wrapper over the decode rows; two plans, two kernels and two run()
-# calls a layer) or "prefill" (the prefill wrapper plans and runs every row: one of each). Tensor-
-# core decode (GQA group >= 4: `decode_uses_tensor_cores`) is FlashInfer's prefill kernel already,
-# so "prefill" saves a plan per step and a run() per layer, about 25-40 us of host time each
-# (thirty-seventh session's cProfile), at the cost of the decode plan's split-kv choice and of one
-# tile size for both kinds of row. Not yet timed on a GPU: the default stays "split".
+# How a step holding prefills and decodes runs: "split" (the prefill wrapper over the prefill rows,
+# the decode wrapper over the decode rows: two plans, two kernels and two run() calls a layer),
+# "prefill" (the prefill wrapper plans and runs every row: one of each) or "auto" (the default:
+# "prefill" where decode runs on tensor cores, GQA group >= 4 (`decode_uses_tensor_cores`), whose
+# kernel is FlashInfer's prefill kernel already; "split" below, where decode is the CUDA-core kernel
+# and one prefill is untimed). H200, thirty-ninth session, "prefill" against "split": the 8B mixed
+# step (63 decodes + a 256-token chunk) 14343 vs 14842 us with its build through the piecewise
+# runner (kernels +0.7 %), 20985 vs 25199 us compiled without graphs; the 16-layer one's host time
+# 2402 vs 3449 us.
 MIXED_STEP_ENV = "COMPILED_ATTN_FLASHINFER_MIXED"
 
 
@@ -279,12 +281,12 @@ def _forbid_capture(what: str) -> None:
         )
 
 
-def mixed_as_prefill() -> bool:
-    """Whether a mixed step runs every row through the prefill wrapper (MIXED_STEP_ENV)."""
-    choice = os.environ.get(MIXED_STEP_ENV) or "split"
-    if choice not in ("split", "prefill"):
-        raise ValueError(f"{MIXED_STEP_ENV}={choice!r}: use split or prefill")
-    return choice == "prefill"
+def mixed_as_prefill(spec: AttentionSpec) -> bool:
+    """Whether a mixed step of `spec` runs every row through the prefill wrapper (MIXED_STEP_ENV)."""
+    choice = os.environ.get(MIXED_STEP_ENV) or "auto"
+    if choice not in ("auto", "split", "prefill"):
+        raise ValueError(f"{MIXED_STEP_ENV}={choice!r}: use auto, split or prefill")
+    return choice == "prefill" or (choice == "auto" and decode_uses_tensor_cores(spec))
 
 
 def decode_uses_tensor_cores(spec: AttentionSpec) -> bool:
@@ -433,7 +435,7 @@ class _WrapperPool:
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec
-        choice = mixed_as_prefill()  # checked for every spec: a wrong value raises wherever it is set
+        choice = mixed_as_prefill(spec)  # checked for every spec: a wrong value raises wherever it is set
         self.mixed_as_prefill = spec.attn_type == AttentionType.DECODER and choice
         self._workspace: torch.Tensor | None = None
         self._slots: dict[tuple[str, int], _Slot] = {}

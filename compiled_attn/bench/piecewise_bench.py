@@ -9,16 +9,16 @@ against the compiled model without graphs, each beside the step's summed GPU ker
   bucket; *prefill*: 8 prompts x 512 new tokens, 4096 tokens. Paths: "compiled" is the runner's
   compiled model called directly under the step's metadata (what the runner runs for these steps
   without piecewise graphs); "piecewise" is `runner.run`. `us`: wall time of the call per step,
-  synced, on a build made just before it (as a served step: FlashInfer plans, and so uploads, a
-  step holding prefills in build(); FLASHINFER's mixed step also planned and run as one prefill,
-  `MIXED_STEP_ENV=prefill`, a row of its own); `us_with_build`: the build and the call (what a synced loop
-  pays; a loop that builds while the GPU runs the step before hides the build); `kernel_us`: the
-  step's device kernels and copies, the build's upload and plan copies included, summed from a
-  `torch.profiler` trace of builds and calls; `x_kernel` = us / kernel_us (goal <= 1.10:
-  GPU >= 90 % busy). Capture rows: that runner's capture (the first, with the compiles) and (not
-  quick) a second runner captured after `torch._dynamo.reset()` (Inductor's caches warm, Dynamo
-  traces again): total seconds, the piecewise part, the pieces' compile, `graphs_only_s` (inside
-  the capture calls of both kinds of graphs: no warm-up, no compile) and the pool.
+  synced, on a build made just before it (as a served step: FlashInfer plans, and so uploads, a step
+  holding prefills in build(); FLASHINFER's mixed step also split between its prefill and decode
+  wrappers, `MIXED_STEP_ENV=split`, a row of its own); `us_with_build`: the build and the call (what
+  a synced loop pays; a loop that builds while the GPU runs the step before hides the build);
+  `kernel_us`: the step's device kernels and copies, the build's upload and plan copies included,
+  summed from a `torch.profiler` trace of builds and calls; `x_kernel` = us / kernel_us (goal <=
+  1.10: GPU >= 90 % busy). Capture rows: that runner's capture (the first, with the compiles) and
+  (not quick) a second runner captured after `torch._dynamo.reset()` (Inductor's caches warm, Dynamo
+  traces again): total seconds, the piecewise part, the pieces' compile, `graphs_only_s` (inside the
+  capture calls of both kinds of graphs: no warm-up, no compile) and the pool.
 - The 16-layer bench model (`graphs_bench.CONFIG`) at batch 1, ctx 512: a 1-token decode replayed
   as the full decode graph, forced through the piecewise graphs (bucket 1: every piece replayed,
   the ops eager between them), and compiled without graphs; `x_graph` = us / the full graph's
@@ -176,10 +176,10 @@ def rows_8b(name: str, iters: int, quick: bool) -> list[dict]:
     stats, traced = _capture_with_compiles(first)
     steps = [(what, step_builds(backend, spec, seq_lens, query_lens), seq_lens, query_lens)
              for what, seq_lens, query_lens in STEPS]
-    if name == "FLASHINFER":  # the mixed step planned and run as one prefill (MIXED_STEP_ENV), same runner
+    if name == "FLASHINFER":  # the mixed step split between two wrappers (MIXED_STEP_ENV), same runner
         what, seq_lens, query_lens = STEPS[0]
-        steps.insert(1, (f"{what}, {MIXED_STEP_ENV}=prefill",
-                         step_builds(backend, spec, seq_lens, query_lens, mixed="prefill"), seq_lens, query_lens))
+        steps.insert(1, (f"{what}, {MIXED_STEP_ENV}=split",
+                         step_builds(backend, spec, seq_lens, query_lens, mixed="split"), seq_lens, query_lens))
     rows = [row for what, build, seq_lens, query_lens in steps
             for row in step_rows(first, name, what, build, *step_tokens(spec, seq_lens, query_lens,
                                                                          config.vocab_size), iters)]
