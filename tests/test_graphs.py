@@ -1667,6 +1667,33 @@ def test_fed_back_tokens_replay_the_tokens_of_explicit_positions(name):
     assert all(torch.equal(a, b) for a, b in zip(plain.kv_caches, fed.kv_caches, strict=True))  # the same writes
 
 
+def test_a_capture_size_equal_to_a_cache_dimension_adds_no_trace(tiny_model):
+    """The runner compiles with dynamic=True, which would make the caches' sizes symbols too, and
+    Dynamo's duck sizing would tie a first trace at 4 rows to the block size (4): the 21-token
+    prefill after it traced the model again. The runner marks its caches static: one trace serves
+    both, and a 3-row decode (the 4-row graph step) after them."""
+    spec = cpu_spec()
+    assert spec.block_size == 4
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    caches = random_caches(spec, 0)
+    runner = static_runner(tiny_model, spec, caches, capture_sizes=[4], max_batch_size=4, compile=True)
+    eager_caches = [c.clone() for c in caches]
+    builder = sdpa_builder(spec)
+    tables = [list(range(1 + 11 * i, 12 + 11 * i)) for i in range(4)]
+    steps = [([9, 5, 7, 6], [1, 1, 1, 1]), ([5, 9, 7], [5, 9, 7]), ([6, 10, 8], [1, 1, 1])]
+    for seq_lens, query_lens in steps:
+        md = builder.build(seq_lens, query_lens, tables[: len(seq_lens)])
+        ids = torch.randint(TINY.vocab_size, (sum(query_lens),))
+        positions = runner_module.token_positions(md, torch.device("cpu"))
+        out = runner.run(md, ids, positions)
+        with ca.set_forward_context(md):
+            expected = tiny_model(ids, positions, eager_caches)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert runner.counts["graph"] == 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+
+
 def test_fed_back_tokens_compile_no_more_than_the_plain_runner(tiny_model):
     """With compile=True, a feed_back_tokens runner traces what a plain compiled runner does
     (batch 1 apart, one shared graph): fed-back rows, views of its input buffer, add no trace, on

@@ -236,6 +236,11 @@ class CUDAGraphRunner:
         # a list, as run() hands its eager paths: a tuple here would trace once more (Dynamo guards
         # the container's type); a list stays the caller's, whose replaced caches run() then finds
         self.kv_caches = kv_caches if isinstance(kv_caches, list) else list(kv_caches)
+        if compile:
+            # dynamic=True would make the caches' sizes symbols too, and duck sizing ties a capture
+            # size equal to one of them (block size, heads, head size) to it: one more trace of the model
+            for cache in self.kv_caches:
+                torch._dynamo.mark_static(cache)
         self.state = backend.get_state_cls()(spec) if state is None else state
         max_batch_size = as_int("max_batch_size", max_batch_size)
         self.sizes = capture_sizes_for(max_batch_size, capture_sizes) if decode_graphs else []  # largest first
