@@ -337,6 +337,11 @@ def slots_for(tables: np.ndarray, starts: np.ndarray, ends: np.ndarray, block_si
     return tables[request, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
 
+def first_keys(rolled_blocks: np.ndarray | None, num_seqs: int, block_size: int) -> np.ndarray:
+    """Per request, the position of the first key its gathers read: past its rolled blocks."""
+    return np.zeros(num_seqs, dtype=np.int64) if rolled_blocks is None else rolled_blocks * block_size
+
+
 def _host_tables(block_tables: object, checked: np.ndarray) -> list[list[int]] | np.ndarray:
     """The tables for the metadata's views, never the caller's objects (who may edit them after
     `build()`): a list of tables copied per request; for a 2-D array, the builder's own checked
@@ -429,6 +434,7 @@ class HostStep(NamedTuple):
     block_table: np.ndarray  # the checked host table [num_seqs, width]
     block_ids: np.ndarray  # the ids its requests read, flat in request order (`needed_block_ids`)
     cross_block_table: np.ndarray | None  # the checked table of the encoder's blocks, or None
+    rolled_blocks: np.ndarray | None  # per request, the leading blocks a rolling table freed (None: no rolling)
 
 
 class CommonMetadataBuilder(AttentionMetadataBuilder):
@@ -542,7 +548,7 @@ class CommonMetadataBuilder(AttentionMetadataBuilder):
                 "attention, cross_block_tables) in build()"
             )
         step = HostStep(seq_lens, query_lens, num_prefills, cross.get("encoder_seq_lens"), table, ids,
-                        tables.get("cross_block_tables"))
+                        tables.get("cross_block_tables"), rolled)
         backend_fields = self.add_backend_fields(step)
         uploads = {name: a for name, a in backend_fields.items() if isinstance(a, np.ndarray)}
         if not uploads.keys() <= _device_field_names(self.metadata_cls):

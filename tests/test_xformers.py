@@ -248,16 +248,45 @@ def dense_bias(bias, mq: int, mk: int) -> torch.Tensor:
 
 def dense_float64_kernel(query, key, value, bias, scale, ops):
     """A stand-in for `run_xformers`: softmax(q k^T * scale + bias) v in float64, for the
-    [1, M, G, Hpg, D] inputs the op passes. Scores the bias masks are -inf whatever the key, and
-    values no query row may read are zeroed, as the kernels never load them; a NaN (never
-    written) slot that the bias lets through still reaches the output."""
+    [1, M, G, Hpg, D] inputs the op passes. Gathered or fresh keys (a block-diagonal or tensor
+    bias) all enter the math, as flash and cutlass load them (a NaN key or value there reaches the
+    output through its -inf or zero weight). Over the paged cache (split-K's paged biases) the
+    kernel's masked loads never read a slot its bias masks: those scores are -inf whatever the
+    key and those values zero, while a NaN slot the bias lets through still reaches the output."""
     assert query.dim() == 5, "the op calls run_xformers with grouped 5-D inputs"
     q, k, v = (x.double().movedim(1, -2) for x in (query, key, value))  # [1, G, Hpg, M, D]
     mask = dense_bias(bias, q.shape[-2], k.shape[-2])  # [.., Mq, Mk]
-    allowed = mask > float("-inf")
-    scores = torch.where(allowed, q @ k.transpose(-1, -2) * scale + mask, float("-inf"))
-    v = torch.where(allowed.any(-2, keepdim=True).transpose(-1, -2), v, 0.0)  # keys some row reads: [.., Mk, 1]
+    scores = q @ k.transpose(-1, -2) * scale + mask
+    if type(bias).__name__.startswith("Paged"):
+        allowed = mask > float("-inf")
+        scores = torch.where(allowed, scores, float("-inf"))
+        v = torch.where(allowed.any(-2, keepdim=True).transpose(-1, -2), v, 0.0)  # keys some row reads: [.., Mk, 1]
     return (torch.softmax(scores, dim=-1) @ v).movedim(-2, 1).to(query.dtype)
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["window", "window+alibi"])
+@pytest.mark.parametrize(("seq_lens", "query_lens"), [([200], [8]), ([200, 130], [8, 1]), ([130, 200], [1, 1])],
+                         ids=["chunk", "mixed", "decodes"])
+def test_rolled_blocks_are_never_gathered(seq_lens, query_lens, alibi):
+    """A rolling table's freed entries read block 0 (NaN here, as a cache from torch.empty may
+    hold), and no query's window reaches them: the prefill and ALiBi gathers start past them. They
+    started at position 0, and a NaN key in block 0 reached the output through its -inf bias."""
+    pytest.importorskip("xformers.ops.fmha")
+    spec = make_spec(num_heads=4, num_kv_heads=2, head_size=64, block_size=64, num_blocks=16, dtype=torch.float32,
+                     sliding_window=64, alibi_slopes=[2.0 ** -(i + 1) for i in range(4)] if alibi else None)
+    batch = make_batch(spec, seq_lens, query_lens, seed=3, top_blocks=True)
+    assert 0 not in [b for t in batch.block_tables for b in t]  # block 0: only rolled entries read it
+    rolled = [(s - q - 64 + 1) // 64 for s, q in zip(seq_lens, query_lens, strict=True)]
+    assert min(rolled) >= 1
+    tables = [[-1] * r + t[r:] for r, t in zip(rolled, batch.block_tables, strict=True)]  # the server freed them
+    md = XFormersBackend.get_builder_cls()(spec, rolling_tables=True).build(seq_lens, query_lens, tables)
+    assert md.rolled_blocks.tolist() == rolled and torch.isnan(batch.kv_cache[:, 0]).all()
+    impl = XFormersBackend.get_impl_cls()(4, 64, spec.softmax_scale, num_kv_heads=2, sliding_window=64,
+                                         alibi_slopes=spec.alibi_slopes)
+    with unittest.mock.patch.object(xformers_ops, "run_xformers", dense_float64_kernel):
+        out = impl.forward(batch.query, batch.key, batch.value, batch.kv_cache, md)
+    ref = reference_forward(batch, sliding_window=64, alibi=torch.tensor(spec.alibi_slopes) if alibi else None)
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= 1e-5
 
 
 @given(case=cases(XFormersBackend, "cuda", CI_LIMITS))

@@ -36,6 +36,7 @@ from compiled_attn.metadata import (
     CommonMetadataBuilder,
     DeviceField,
     HostStep,
+    first_keys,
     prefix_sums,
     slots_for,
 )
@@ -105,15 +106,15 @@ class XFormersMetadata(CommonMetadata):
 
     prefill_fresh:        True when no prefill has cached context: prefill attends over this
                           step's key/value directly, else over K/V gathered from the cache
-    prefill_kv_slots:     int64 [sum of prefill seq_lens], cache slots of every prefill token
-                          (only when not prefill_fresh)
+    prefill_kv_slots:     int64, cache slots of every prefill's keys (only when not prefill_fresh;
+                          a rolling table's: from the first key past its rolled blocks, `first_keys`)
     prefill_k_start:      int32 [num_prefills + 1], where each prefill's gathered keys start
                           (only when not prefill_fresh)
     decode_q_start:       int32 [num_decodes + 1], where each decode's query row starts among the
                           decodes (query_start_loc itself when the step has no prefills)
     decode_window_starts: int32 [num_decodes + 1], first key each decode sees (sliding window)
-    alibi_kv_slots:       int64 cache slots of every request's keys, in request order (ALiBi only;
-                          cross layers take no ALiBi, so encoder keys need none)
+    alibi_kv_slots:       int64 cache slots of every request's keys, in request order, past rolled
+                          blocks (ALiBi only; cross layers take no ALiBi, so encoder keys need none)
     biases:               role -> xFormers AttentionBias ("prefill", "decode", "cross_prefill",
                           "cross_decode", "encoder", "encoder_only")
     """
@@ -237,17 +238,20 @@ class XFormersMetadataBuilder(CommonMetadataBuilder):
         pre_seq, pre_q = seq_lens[:p], step.query_lens[:p]
         fresh = all(s == q for s, q in zip(pre_seq, pre_q, strict=True))
         fields: dict[str, Any] = {"prefill_fresh": fresh}
+        # gathers start past a rolling table's freed blocks: no query sees them, and their entries
+        # read block 0, whose contents the window mask would meet (NaN there reached the output)
+        first = first_keys(step.rolled_blocks, len(seq_lens), bs)
         if p:  # without prefills every query is a decode's one token: query_start_loc is 0..n already
             fields["decode_q_start"] = np.arange(len(seq_lens) - p + 1, dtype=np.int32)
         if not fresh:
-            fields["prefill_k_start"] = prefix_sums(pre_seq)
+            fields["prefill_k_start"] = prefix_sums(np.asarray(pre_seq) - first[:p])
             if uses_cache:
-                fields["prefill_kv_slots"] = slots_for(block_table[:p], [0] * p, pre_seq, bs)
+                fields["prefill_kv_slots"] = slots_for(block_table[:p], first[:p], pre_seq, bs)
         if spec.sliding_window and len(seq_lens) > p:
             starts = window_starts(np.asarray(seq_lens[p:], dtype=np.int64), spec.sliding_window)
             fields["decode_window_starts"] = np.append(starts, 0).astype(np.int32)
         if spec.alibi_slopes is not None and uses_cache:
-            fields["alibi_kv_slots"] = slots_for(block_table, [0] * len(seq_lens), seq_lens, bs)
+            fields["alibi_kv_slots"] = slots_for(block_table, first, seq_lens, bs)
         return fields
 
 
@@ -263,7 +267,8 @@ def build_biases(md: XFormersMetadata) -> dict[str, Any]:
             bias = ab.BlockDiagonalCausalMask(q_seqinfo=q_info, k_seqinfo=q_info)
             out["prefill"] = bias.make_local_attention(window) if window else bias
         else:
-            k_info = seqinfo(md.prefill_k_start, md.seq_lens[:p])
+            first = first_keys(md.rolled_blocks, md.num_seqs, md.block_size)[:p]
+            k_info = seqinfo(md.prefill_k_start, (np.asarray(md.seq_lens[:p]) - first).tolist())
             if window:
                 bias = ab.BlockDiagonalMask(q_seqinfo=q_info, k_seqinfo=k_info)
                 out["prefill"] = bias.make_local_attention_from_bottomright(window)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from compiled_attn.abstract import AttentionType
+from compiled_attn.metadata import first_keys
 from compiled_attn.ops.common import alibi_bias, checked_step
 from compiled_attn.ops.library import define_attention_op, register_fake
 
@@ -199,10 +200,10 @@ def alibi_attention(
     g = md.spec.num_kv_heads
     hpg = query.shape[1] // g
     slopes = alibi_slopes.to(torch.float32).view(g, hpg)[None, :, :, None, None]
-    for q_lo, q_hi, first_pos, causal, k, v in _alibi_requests(md, key, value, kv_cache, kind):
+    for q_lo, q_hi, first_pos, first_key, causal, k, v in _alibi_requests(md, key, value, kv_cache, kind):
         lq, lk = q_hi - q_lo, k.shape[0]
         qpos = first_pos + torch.arange(lq, device=query.device, dtype=torch.float32)
-        kpos = torch.arange(lk, device=query.device, dtype=torch.float32)
+        kpos = first_key + torch.arange(lk, device=query.device, dtype=torch.float32)
         rel = kpos[None, :] - qpos[:, None]  # [Lq, Lk] key pos - query pos
         allowed = torch.ones_like(rel, dtype=torch.bool)
         if causal:
@@ -218,19 +219,23 @@ def alibi_attention(
 
 
 def _alibi_requests(md: Any, key, value, kv_cache, kind: AttentionType):
-    """Per request: query rows, first query position, causality, K/V [Lk, Hkv, D]. No
+    """Per request: query rows, first query position, first key position, causality, K/V
+    [Lk, Hkv, D] (a rolling table's requests: keys past their rolled blocks, `first_keys`). No
     ENCODER_DECODER: a cross layer with ALiBi is refused when it is made (`check_attn_type`)."""
+    first = first_keys(md.rolled_blocks, md.num_seqs, md.block_size).tolist()
     q_lo = k_lo = 0
     for i, (seq_len, query_len) in enumerate(zip(md.seq_lens, md.query_lens, strict=True)):
         if kind == AttentionType.ENCODER:
             enc_len = md.encoder_seq_lens[i]
-            yield k_lo, k_lo + enc_len, 0, False, key[k_lo : k_lo + enc_len], value[k_lo : k_lo + enc_len]
+            yield k_lo, k_lo + enc_len, 0, 0, False, key[k_lo : k_lo + enc_len], value[k_lo : k_lo + enc_len]
             k_lo += enc_len
             continue
         q_hi = q_lo + query_len
         if kind == AttentionType.ENCODER_ONLY:
-            yield q_lo, q_hi, 0, False, key[q_lo:q_hi], value[q_lo:q_hi]
+            yield q_lo, q_hi, 0, 0, False, key[q_lo:q_hi], value[q_lo:q_hi]
         else:
-            k, v = gather_cache(kv_cache, md.alibi_kv_slots[k_lo : k_lo + seq_len])
-            yield q_lo, q_hi, seq_len - query_len, True, k, v
-        q_lo, k_lo = q_hi, k_lo + seq_len
+            n_keys = seq_len - first[i]
+            k, v = gather_cache(kv_cache, md.alibi_kv_slots[k_lo : k_lo + n_keys])
+            yield q_lo, q_hi, seq_len - query_len, first[i], True, k, v
+            k_lo += n_keys
+        q_lo = q_hi
