@@ -159,7 +159,9 @@ _MAX_TOKEN_ID = np.iinfo(np.int64).max  # the steps' input_ids are int64
 
 def _is_token_id(token: object) -> bool:
     """Whether a sampled token is an id: an int >= 0 that fits int64 (a float, a negative id or a
-    tensor of several would be fed as is)."""
+    tensor of several would be fed as is; a bool, which operator.index takes, as token 0 or 1)."""
+    if holds_a_bool((token,)):
+        return False
     try:
         return 0 <= operator.index(token) <= _MAX_TOKEN_ID
     except TypeError:
@@ -430,7 +432,8 @@ class Scheduler:
             tokens = list(map(operator.index, next_tokens))
         except TypeError:
             tokens = None
-        if tokens is None or (tokens and (min(tokens) < 0 or max(tokens) > _MAX_TOKEN_ID)):
+        if (tokens is None or (tokens and (min(tokens) < 0 or max(tokens) > _MAX_TOKEN_ID))
+                or holds_a_bool(next_tokens if isinstance(next_tokens, list | tuple) else list(next_tokens))):
             bad = next(t for t in next_tokens if not _is_token_id(t))
             raise ValueError(f"update() takes token ids (ints >= 0 that fit int64), got {reprlib.repr(bad)}")
         query_lens = step.query_lens.tolist()

@@ -230,7 +230,7 @@ def test_update_with_a_token_per_row_too_few_or_many_raises_and_records_nothing(
     assert [(r.num_computed, r.tokens[-1]) for r in step.requests] == [(3, 7), (2, 8)]
 
 
-@pytest.mark.parametrize("bad", [None, -5, 7.5, 2**63, torch.tensor([3, 4])])
+@pytest.mark.parametrize("bad", [None, -5, 7.5, 2**63, torch.tensor([3, 4]), True, torch.tensor(False)])
 def test_update_with_a_token_that_is_no_id_raises_and_records_nothing(bad):
     """Every token is checked before anything is recorded, as the count is: a bad second token
     leaves the first request's tokens and both requests' computed counts as they were."""
