@@ -191,7 +191,7 @@ if [[ " $PARTS " == *" piecewise "* ]]; then
     --out "$OUT" 2>&1 | tee "$OUT/piecewise-bench.log" | grep -v " - INFO - " | tail -30
   status=$(( status || PIPESTATUS[0] ))
 fi
-if [[ " $PARTS " == *" mixed "* ]]; then  # a mixed step split (default) vs one FlashInfer prefill, same runner
+if [[ " $PARTS " == *" mixed "* ]]; then  # a mixed step as one FlashInfer prefill (the default on these models) vs split, same runner
   timeout "${MIXED_BENCH_TIMEOUT:-540}" python3 -m compiled_attn bench --suite piecewise_bench --quick \
     --backend FLASHINFER --out "$OUT" 2>&1 | tee "$OUT/mixed-bench.log" | grep -v " - INFO - " | tail -30
   status=$(( status || PIPESTATUS[0] ))

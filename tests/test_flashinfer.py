@@ -839,12 +839,12 @@ DENSE_FLASHINFER = types.SimpleNamespace(
 )
 
 
-@pytest.mark.parametrize("mixed", ["split", "prefill"])
+@pytest.mark.parametrize("mixed", ["auto", "split", "prefill"])
 @given(case=cases(FlashInferBackend, "cuda", CI_LIMITS))
 @differential_settings(CI_LIMITS)
 def test_host_path_matches_reference_with_dense_flashinfer(mixed, case):
     """Everything of the backend but FlashInfer's kernels, on CPU, for drawn cases: page layout,
-    per-step planning (prefill, rebased decode, ragged; mixed steps either way: MIXED_STEP_ENV),
+    per-step planning (prefill, rebased decode, ragged; mixed steps every way: MIXED_STEP_ENV),
     options, fp8 scales, output rows."""
     with unittest.mock.patch.object(fib, "_flashinfer", lambda: DENSE_FLASHINFER), \
             unittest.mock.patch.object(fib, "WORKSPACE_BYTES", 1024), \

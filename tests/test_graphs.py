@@ -1692,6 +1692,17 @@ def test_a_capture_size_equal_to_a_cache_dimension_adds_no_trace(tiny_model):
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     assert runner.counts["graph"] == 2
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+    # caches other than the runner's, handed to run() before any trace: marked there too
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    runner = static_runner(tiny_model, spec, random_caches(spec, 1), capture_sizes=[4], max_batch_size=4, compile=True)
+    other = random_caches(spec, 2)
+    for seq_lens in ([4], [5, 9, 7]):
+        md = builder.build(seq_lens, seq_lens, tables[: len(seq_lens)])
+        ids = torch.randint(TINY.vocab_size, (sum(seq_lens),))
+        positions = runner_module.token_positions(md, torch.device("cpu"))
+        runner.run(md, ids, positions, kv_caches=other)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
 
 
 def test_fed_back_tokens_compile_no_more_than_the_plain_runner(tiny_model):

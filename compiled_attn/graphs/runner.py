@@ -119,7 +119,11 @@ class CUDAGraphRunner:
             matrix-vector products into tuned reductions (COMPILE_OPTIONS) and every other size
             shares one graph. With CUDA graphs batch 1's trace is also compiled without the
             tuning (cuBLAS's GEMVs, `graphs/compiler.py`) and the compile whose graph replays
-            faster at capture serves every one-token step (`capture_stats["one_token"]`).
+            faster at capture serves every one-token step (`capture_stats["one_token"]`). The
+            caches it traces with are marked static (`torch._dynamo.mark_static`, an attribute on
+            those tensors): symbolic, their sizes would meet Dynamo's duck sizing, which ties a
+            first trace's token count to an equal cache size (8 KV heads, pages of 16) and makes
+            the next other size trace the model again.
             False: run `model` as given (eager, or compiled by the caller, the token count
             marked unbacked so that no size recompiles); with `piecewise=True` the
             steps the decode graphs do not take run the runner's own pieces either way
@@ -237,10 +241,7 @@ class CUDAGraphRunner:
         # the container's type); a list stays the caller's, whose replaced caches run() then finds
         self.kv_caches = kv_caches if isinstance(kv_caches, list) else list(kv_caches)
         if compile:
-            # dynamic=True would make the caches' sizes symbols too, and duck sizing ties a capture
-            # size equal to one of them (block size, heads, head size) to it: one more trace of the model
-            for cache in self.kv_caches:
-                torch._dynamo.mark_static(cache)
+            _mark_static(self.kv_caches)
         self.state = backend.get_state_cls()(spec) if state is None else state
         max_batch_size = as_int("max_batch_size", max_batch_size)
         self.sizes = capture_sizes_for(max_batch_size, capture_sizes) if decode_graphs else []  # largest first
@@ -292,6 +293,8 @@ class CUDAGraphRunner:
         if self.capture_stats:
             raise RuntimeError("this runner is captured already; make a new runner to capture again")
         self._check_caches_at_capture()
+        if self._compiler is not None:  # the caller's list may hold other caches by now
+            _mark_static(self.kv_caches)
         cuda = self.use_cuda_graphs
         device = self._input_ids.device
         if cuda:
@@ -516,6 +519,8 @@ class CUDAGraphRunner:
             if self.piecewise is not None:  # the compiled pieces at the step's own size, no graphs
                 return self.piecewise.run_unpadded(md, input_ids, positions, caches)
             self._mark_tokens(input_ids, positions)
+            if self._compiler is not None:  # caches other than the runner's may come here
+                _mark_static(caches)
             with floats_as_constants(), set_forward_context(md), self._one_token_calls(md.num_tokens):
                 return self.model(input_ids, positions, caches)
         self._check_caches(caches)
@@ -609,6 +614,15 @@ def _first_rows(buffer: torch.Tensor, n: int) -> torch.Tensor:
     view. Dynamo guards a view input's base, so batch 1's static graph, traced on a view, was
     traced and compiled again for the first one-token eager step (its ids no view)."""
     return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(buffer.untyped_storage(), 0, (n,), (1,))
+
+
+def _mark_static(caches: list[torch.Tensor]) -> None:
+    """Mark the caches a runner-compiled model traces with static, where not yet: under
+    dynamic=True their sizes would be symbols, and Dynamo's duck sizing ties a token count equal
+    to one of them (block size, heads, head size) to it, so the next other size traced again."""
+    for cache in caches:
+        if not getattr(cache, "_dynamo_static_indices", None):
+            torch._dynamo.mark_static(cache)
 
 
 def _check_token_ids(step_output: torch.Tensor) -> None:
