@@ -62,7 +62,8 @@ class TorchSDPAMetadata(CommonMetadata):
     prefill_token_index: int64 [num_prefills, max_prefill_query_len], row of each padded query
         (pads repeat the request's first token, so every gathered row is a real one)
     prefill_q_pos:       int64 [num_prefills, max_prefill_query_len], position in the sequence
-        (pads get 0: they see one valid key, which keeps their discarded outputs finite)
+        (pads get 0; their outputs are discarded: finite where key 0 is valid, NaN where a
+        rolling table left it behind the window)
     prefill_flat_index:  int64 [num_prefill_tokens], where each token sits in the padded batch
     encoder_*:           the same for the encoder tokens (ENCODER attention)
     """
