@@ -14,6 +14,7 @@ from test_differential import CI_LIMITS, cases, check_against_reference, differe
 import compiled_attn as ca
 from compiled_attn.backends.xformers import XFormersBackend, XFormersMetadata
 from compiled_attn.forward_context import set_forward_context
+from compiled_attn.graphs import CUDAGraphRunner
 from compiled_attn.metadata import CommonMetadataBuilder
 from compiled_attn.ops import xformers as xformers_ops
 
@@ -250,18 +251,23 @@ def dense_float64_kernel(query, key, value, bias, scale, ops):
     """A stand-in for `run_xformers`: softmax(q k^T * scale + bias) v in float64, for the
     [1, M, G, Hpg, D] inputs the op passes. Gathered or fresh keys (a block-diagonal or tensor
     bias) all enter the math, as flash and cutlass load them (a NaN key or value there reaches the
-    output through its -inf or zero weight). Over the paged cache (split-K's paged biases) the
-    kernel's masked loads never read a slot its bias masks: those scores are -inf whatever the
-    key and those values zero, while a NaN slot the bias lets through still reaches the output."""
+    output through its -inf or zero weight). Over the paged cache (split-K's paged biases) each
+    query row loads only the slots its bias lets through (masked loads): the others' scores are
+    -inf whatever the key and their values 0 for that row, while a NaN slot the bias lets through
+    still reaches the row's output (a pad row reading garbage leaves the real rows alone)."""
     assert query.dim() == 5, "the op calls run_xformers with grouped 5-D inputs"
     q, k, v = (x.double().movedim(1, -2) for x in (query, key, value))  # [1, G, Hpg, M, D]
     mask = dense_bias(bias, q.shape[-2], k.shape[-2])  # [.., Mq, Mk]
     scores = q @ k.transpose(-1, -2) * scale + mask
-    if type(bias).__name__.startswith("Paged"):
-        allowed = mask > float("-inf")
-        scores = torch.where(allowed, scores, float("-inf"))
-        v = torch.where(allowed.any(-2, keepdim=True).transpose(-1, -2), v, 0.0)  # keys some row reads: [.., Mk, 1]
-    return (torch.softmax(scores, dim=-1) @ v).movedim(-2, 1).to(query.dtype)
+    if not type(bias).__name__.startswith("Paged"):
+        return (torch.softmax(scores, dim=-1) @ v).movedim(-2, 1).to(query.dtype)
+    allowed = mask > float("-inf")
+    weights = torch.softmax(torch.where(allowed, scores, float("-inf")), dim=-1)
+    finite = torch.isfinite(v)
+    # per row: the finite values it reads, and NaN where it reads a non-finite one
+    out = weights @ torch.where(finite, v, 0.0)
+    poisoned = (allowed.double() @ (~finite).double()) > 0  # [.., Mq, D]
+    return torch.where(poisoned, float("nan"), out).movedim(-2, 1).to(query.dtype)
 
 
 @pytest.mark.parametrize("alibi", [False, True], ids=["window", "window+alibi"])
@@ -298,6 +304,55 @@ def test_host_path_matches_reference_with_a_float64_kernel(case):
     pytest.importorskip("xformers.ops.fmha")
     with unittest.mock.patch.object(xformers_ops, "run_xformers", dense_float64_kernel):
         check_against_reference(dataclasses.replace(case, dtype="float32"), XFormersBackend, "cpu")
+
+
+def test_graph_steps_keep_nan_in_block_0_out_of_every_row(monkeypatch):
+    """Decode steps through a runner's padded static step (no CUDA graphs) on the XFORMERS State:
+    pad rows and a rolling table's freed entries read block 0, here NaN; batches of 1 to 3
+    requests padded to 2 or 4 rows, requests leaving and joining. Every real row equals eager's
+    (on metadata of the step's own size), and the cache outside the step's slots is untouched."""
+    pytest.importorskip("xformers.ops.fmha")
+    monkeypatch.setattr(xformers_ops, "run_xformers", dense_float64_kernel)
+    monkeypatch.setattr(XFormersBackend, "unavailable_reason", classmethod(lambda cls: None))
+    monkeypatch.setattr(XFormersBackend, "supported_dtypes", (*XFormersBackend.supported_dtypes, torch.float32))
+    monkeypatch.setattr(XFormersBackend, "requires_cuda", False)
+    spec = make_spec(num_heads=4, num_kv_heads=2, head_size=64, block_size=64, num_blocks=32, dtype=torch.float32,
+                     sliding_window=40, max_seq_len_to_capture=256)
+    layer = ca.Attention(4, 64, spec.softmax_scale, num_kv_heads=2, sliding_window=40, backend="XFORMERS")
+    g = torch.Generator().manual_seed(0)
+    wq, wkv = torch.randn(64, 256, generator=g), torch.randn(64, 128, generator=g)
+    embed = torch.randn(16, 64, generator=g)
+
+    def model(ids, pos, caches):
+        x = torch.nn.functional.embedding(ids, embed) * (1 + pos[:, None] / 32) * 0.1
+        return layer(x @ wq, x @ wkv, x @ wkv, caches[0])
+
+    caches = [torch.randn(XFormersBackend.get_kv_cache_shape(32, 64, 2, 64), generator=g)]
+    caches[0][:, 0] = float("nan")
+    eager_caches = [caches[0].clone()]
+    runner = CUDAGraphRunner(model, XFormersBackend, spec, caches, capture_sizes=[2, 4], use_cuda_graphs=False,
+                             progress=False)
+    runner.capture()
+    builder = XFormersBackend.get_builder_cls()(spec, rolling_tables=True)
+    for seq_lens in ([100, 30, 5], [101, 31, 6], [102, 32], [103], [104, 2, 3], [105, 3, 4]):
+        tables = [[1 + 5 * i + j for j in range(-(-s // 64))] for i, s in enumerate(seq_lens)]
+        rolled = [max(s - 1 - 40 + 1, 0) // 64 for s in seq_lens]
+        tables = [[-1] * r + t[r:] for r, t in zip(rolled, tables, strict=True)]
+        md = builder.build(seq_lens, [1] * len(seq_lens), tables)
+        ids = torch.randint(16, (len(seq_lens),), generator=g)
+        pos = torch.tensor(seq_lens) - 1
+        before = caches[0].clone()
+        out = runner.run(md, ids, pos)
+        with set_forward_context(md):
+            want = model(ids, pos, eager_caches)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(caches[0], eager_caches[0], equal_nan=True, rtol=1e-4, atol=1e-5)
+        unchanged = torch.ones(32 * 64, dtype=torch.bool)
+        unchanged[md.slot_mapping] = False  # pad rows (slot -1) write nothing
+        flat, flat_before = caches[0].view(2, 32 * 64, -1), before.view(2, 32 * 64, -1)
+        torch.testing.assert_close(flat[:, unchanged], flat_before[:, unchanged], equal_nan=True, rtol=0, atol=0)
+    assert runner.counts["graph"] == 6
 
 
 def test_cross_decode_on_the_graph_state_matches_reference_with_a_float64_kernel():
