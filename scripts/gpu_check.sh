@@ -15,9 +15,11 @@
 # mismatches on HUNT_BACKEND); "piecewise": the piecewise-graph GPU tests (tests/test_piecewise.py,
 # every backend; PW_TESTS=0 skips them) and the piecewise bench suite (PW_BENCH_ARGS, default --quick:
 # the first available backend; "" for all), each under its own timeout; "mixed": FLASHINFER's mixed step
-# both ways (COMPILED_ATTN_FLASHINFER_MIXED's default, one prefill on both models, and split) in the piecewise bench's quick rows (8B, then the
-# 16-layer forced decode; MIXED_BENCH_TIMEOUT); "mixedhost": the same through scripts/profile_runner_host.py (16
-# layers, host time and cProfile; MIXED_HOST_TIMEOUT; one device call each); "hf": the transformers
+# both ways (COMPILED_ATTN_FLASHINFER_MIXED's default, one prefill on both models, and split) in the
+# piecewise bench's quick rows (8B, then the 16-layer forced decode; MIXED_BENCH_TIMEOUT); "mixedhost":
+# the same through scripts/profile_runner_host.py (16 layers, host time and cProfile; MIXED_HOST_TIMEOUT;
+# one device call each); "capture": the 8B runner's first and warm captures, every bucket and decode size
+# (issue 14's <= 10 s warm; CAPTURE_BACKEND, default FLASHINFER; CAPTURE_TIMEOUT); "hf": the transformers
 # integration's GPU tests (HF_TEST_ARGS narrows them, e.g. "-k FLASHINFER"); "hfbench":
 # `bench.hf_engine`, the parts in HF_BENCH_PARTS (default b1; b64, adapter: one per device command,
 # each compiles the 8B shape several times): engine vs transformers' static cache + compile at B=1,
@@ -194,6 +196,11 @@ fi
 if [[ " $PARTS " == *" mixed "* ]]; then  # a mixed step as one FlashInfer prefill (the default on these models) vs split, same runner
   timeout "${MIXED_BENCH_TIMEOUT:-540}" python3 -m compiled_attn bench --suite piecewise_bench --quick \
     --backend FLASHINFER --out "$OUT" 2>&1 | tee "$OUT/mixed-bench.log" | grep -v " - INFO - " | tail -30
+  status=$(( status || PIPESTATUS[0] ))
+fi
+if [[ " $PARTS " == *" capture "* ]]; then  # issue 14's warm capture
+  timeout "${CAPTURE_TIMEOUT:-560}" python3 -m compiled_attn.bench.piecewise_bench --capture-only \
+    --backend "${CAPTURE_BACKEND:-FLASHINFER}" 2>&1 | tee "$OUT/capture.log" | grep -v " - INFO - " | tail -12
   status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ " $PARTS " == *" mixedhost "* ]]; then  # the same on the 16-layer model, host time and cProfile

@@ -640,3 +640,16 @@ def test_piecewise_bench_capture_compiles_are_the_captures_share(monkeypatch):
     runner = types.SimpleNamespace(capture=lambda: {"seconds": 5.0})
     assert piecewise_bench._capture_with_compiles(runner) == ({"seconds": 5.0},
                                                               {"traces": 2, "compile_s": 4.5, "dynamo_s": 3.5})
+
+
+def test_piecewise_bench_capture_only_times_the_captures_alone(monkeypatch, capsys):
+    """`--capture-only` (gpu_check's "capture" part): the named backend's first and warm captures,
+    printed, and no step timed."""
+    from compiled_attn.bench import piecewise_bench as pb
+
+    called = []
+    monkeypatch.setattr(pb, "capture_rows", lambda name: called.append(name) or [{"backend": name, "capture_s": 1.5}])
+    monkeypatch.setattr(pb, "run", lambda *a: pytest.fail("the capture-only mode timed steps"))
+    monkeypatch.setattr(sys, "argv", ["piecewise_bench", "--capture-only", "--backend", "FLASHINFER"])
+    pb.main()
+    assert called == ["FLASHINFER"] and "capture_s" in capsys.readouterr().out
