@@ -240,8 +240,6 @@ class CUDAGraphRunner:
         # a list, as run() hands its eager paths: a tuple here would trace once more (Dynamo guards
         # the container's type); a list stays the caller's, whose replaced caches run() then finds
         self.kv_caches = kv_caches if isinstance(kv_caches, list) else list(kv_caches)
-        if compile:
-            _mark_static(self.kv_caches)
         self.state = backend.get_state_cls()(spec) if state is None else state
         max_batch_size = as_int("max_batch_size", max_batch_size)
         self.sizes = capture_sizes_for(max_batch_size, capture_sizes) if decode_graphs else []  # largest first
@@ -293,7 +291,7 @@ class CUDAGraphRunner:
         if self.capture_stats:
             raise RuntimeError("this runner is captured already; make a new runner to capture again")
         self._check_caches_at_capture()
-        if self._compiler is not None:  # the caller's list may hold other caches by now
+        if self._compiler is not None:  # before the first trace (run() refuses a step before capture)
             _mark_static(self.kv_caches)
         cuda = self.use_cuda_graphs
         device = self._input_ids.device

@@ -6,9 +6,9 @@ backends/flashinfer.py): in the builder for a CUDA step holding prefills where F
 else at the step's first call of this op; every other call only runs. Prefill tokens go through the paged
 prefill wrapper, decode tokens through the decode wrapper (a mixed step's decode tokens too, unless
 `MIXED_STEP_ENV` sends its every row through the prefill wrapper: by default where decode runs on
-tensor cores), ENCODER_ONLY batches
-through the ragged wrapper over this step's fresh K/V. FlashInfer's own op registration is a no-op, so
-Dynamo must never trace into it: every FlashInfer call happens inside this op.
+tensor cores), ENCODER_ONLY batches through the ragged wrapper over this step's fresh K/V.
+FlashInfer's own op registration is a no-op, so Dynamo must never trace into it: every FlashInfer
+call happens inside this op.
 """
 
 from __future__ import annotations
